@@ -1,0 +1,40 @@
+# The two commands a newcomer needs: `make serve` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+ARTIFACT ?= artifacts/all-MiniLM-L6-v2
+PROTO_OUT := server/_proto
+PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
+
+.PHONY: serve test proto export lint
+
+# The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
+# downloads a multi-GB CUDA build), every extra the tests and export need.
+$(BIN)/attnserve: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[export,plot,dev]'
+	touch $@
+
+# Generated gRPC stubs (never edited by hand), importable as server._proto.<package>.
+$(PROTO_OUT)/.stamp: $(PROTOS) $(BIN)/attnserve
+	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
+	$(BIN)/python -m grpc_tools.protoc -Iserver/_proto=proto --python_out=. --pyi_out=. \
+		--grpc_python_out=. $(PROTOS)
+	touch $@
+
+proto: $(PROTO_OUT)/.stamp
+
+$(ARTIFACT)/manifest.json: | $(PROTO_OUT)/.stamp
+	$(BIN)/attnserve export --out $(ARTIFACT)
+
+export: $(ARTIFACT)/manifest.json
+
+serve: $(ARTIFACT)/manifest.json
+	$(BIN)/attnserve serve --artifact $(ARTIFACT)
+
+test: $(PROTO_OUT)/.stamp
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/attnserve
+	$(BIN)/ruff check .

@@ -1,0 +1,42 @@
+"""onnxruntime's transformer optimiser: fused Attention, SkipLayerNorm and BiasGelu kernels,
+and float16 variants for the CUDA provider."""
+
+import logging
+from pathlib import Path
+
+from onnxruntime.transformers.fusion_options import FusionOptions
+from onnxruntime.transformers.optimizer import optimize_model
+
+from model import EncoderConfig
+
+log = logging.getLogger("attnserve.export")
+
+# Kept in float32 inside fp16 graphs: their reductions lose too much in half precision.
+FP32_OPS = ["LayerNormalization", "SkipLayerNormalization", "Softmax"]
+
+
+def optimize(source: Path, target: Path, config: EncoderConfig, fuse_attention: bool,
+             fp16: bool) -> dict[str, int]:
+    """Write the optimised graph; returns onnxruntime's count of fused operators.
+
+    The graph that outputs attention probabilities keeps its explicit softmax: the
+    fused Attention kernel does not expose them, and fusing it writes a graph
+    onnxruntime refuses ("Graph output (attentions.0) does not exist").
+    """
+    options = FusionOptions("bert")
+    options.enable_attention = fuse_attention
+    model = optimize_model(
+        str(source),
+        model_type="bert",
+        num_heads=config.num_heads,
+        hidden_size=config.hidden_size,
+        optimization_options=options,
+        opt_level=0,
+        use_gpu=fp16,
+    )
+    if fp16:
+        model.convert_float_to_float16(keep_io_types=True, op_block_list=FP32_OPS)
+    model.save_model_to_file(str(target))
+    fused = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
+    log.info("event=optimized graph=%s fused=%s", target.name, fused)
+    return fused

@@ -1,0 +1,107 @@
+"""`attnserve export`: checkpoint -> verified artifact directory."""
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from export.onnx_graphs import OPSET, export_graph
+from export.optimize import optimize
+from export.verify import check_onnx, max_abs_error
+from model import load_checkpoint
+from model.checkpoint import default_checkpoint_dir
+from server.artifact import TOKENIZER, Graph, Manifest, write_manifest
+
+log = logging.getLogger("attnserve.export")
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+FP32_TOLERANCE = 1e-4
+# fp16 keeps about three significant digits; hidden states reach magnitudes of ~10.
+FP16_TOLERANCE = 5e-2
+
+
+def default_pooling(checkpoint: Path) -> str:
+    """sentence-transformers records its pooling in 1_Pooling/config.json."""
+    pooling = checkpoint / "1_Pooling" / "config.json"
+    if pooling.is_file() and json.loads(pooling.read_text()).get("pooling_mode_cls_token"):
+        return "cls"
+    return "mean"
+
+
+class _Steps:
+    """One log line per step, numbered, so a long export shows where it is."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.started = total, 0, time.monotonic()
+
+    def __call__(self, message: str, **fields) -> None:
+        self.done += 1
+        extra = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.info("step=%d/%d elapsed_s=%.1f %s %s", self.done, self.total,
+                 time.monotonic() - self.started, message, extra)
+
+
+def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
+               name: str | None = None) -> Manifest:
+    checkpoint = Path(checkpoint) if checkpoint else default_checkpoint_dir()
+    name = name or (DEFAULT_MODEL_NAME if checkpoint == default_checkpoint_dir() else checkpoint.name)
+    out.mkdir(parents=True, exist_ok=True)
+    # A half-written directory must not look finished.
+    (out / "manifest.json").unlink(missing_ok=True)
+    step = _Steps(total=8 if fp16 else 6)
+
+    encoder = load_checkpoint(checkpoint)
+    config = encoder.config
+    step("event=loaded", checkpoint=checkpoint, layers=config.num_layers, heads=config.num_heads,
+         hidden=config.hidden_size)
+
+    graphs: list[Graph] = []
+
+    def add(file: str, outputs: list[str], precision: str, attention: bool, optimized: bool,
+            tolerance: float) -> None:
+        path = out / file
+        check_onnx(path)
+        error = max_abs_error(path, encoder, outputs)
+        if error > tolerance:
+            if optimized:
+                log.warning("event=dropped graph=%s max_abs_error=%.2e tolerance=%.0e",
+                            file, error, tolerance)
+                path.unlink()
+                return
+            raise RuntimeError(f"{file}: max abs error {error:.2e} exceeds {tolerance:.0e}")
+        graphs.append(Graph(file, precision, attention, optimized, outputs, error))
+        step("event=verified", graph=file, max_abs_error=f"{error:.2e}")
+
+    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False)
+    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True)
+    step("event=traced", graphs="encoder.onnx,encoder_attn.onnx", opset=OPSET)
+    add("encoder.onnx", embed_outputs, "fp32", False, False, FP32_TOLERANCE)
+    add("encoder_attn.onnx", attn_outputs, "fp32", True, False, FP32_TOLERANCE)
+
+    optimize(out / "encoder.onnx", out / "encoder_opt.onnx", config, fuse_attention=True, fp16=False)
+    add("encoder_opt.onnx", embed_outputs, "fp32", False, True, FP32_TOLERANCE)
+    if fp16:
+        optimize(out / "encoder.onnx", out / "encoder_fp16.onnx", config, fuse_attention=True,
+                 fp16=True)
+        add("encoder_fp16.onnx", embed_outputs, "fp16", False, True, FP16_TOLERANCE)
+        optimize(out / "encoder_attn.onnx", out / "encoder_attn_fp16.onnx", config,
+                 fuse_attention=False, fp16=True)
+        add("encoder_attn_fp16.onnx", attn_outputs, "fp16", True, True, FP16_TOLERANCE)
+
+    shutil.copyfile(checkpoint / "tokenizer.json", out / TOKENIZER)
+    manifest = Manifest(
+        model_name=name,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        vocab_size=config.vocab_size,
+        max_positions=config.max_positions,
+        pad_token_id=config.pad_token_id,
+        default_pooling=default_pooling(checkpoint),
+        opset=OPSET,
+        graphs=graphs,
+    )
+    write_manifest(out, manifest)
+    step("event=written", artifact=out, graphs=",".join(g.file for g in graphs))
+    return manifest

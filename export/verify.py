@@ -1,0 +1,62 @@
+"""Check an exported graph before it is allowed into an artifact: the ONNX checker, then
+onnxruntime against PyTorch at shapes the tracer never saw."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from model import Encoder
+
+# Lengths other than the tracing length (7), including 1 and the model's maximum, so a
+# graph that baked a shape in fails here.
+PARITY_SEQ_LENS = (1, 2, 17, 128, 512)
+PARITY_BATCHES = (1, 4)
+
+
+class ParityError(RuntimeError):
+    pass
+
+
+def check_onnx(path: Path) -> None:
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def parity_inputs(vocab_size: int, max_positions: int, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Random token ids; in batches of 4 the rows have different real lengths, so
+    padding is exercised."""
+    rng = np.random.default_rng(seed)
+    for seq in (s for s in PARITY_SEQ_LENS if s <= max_positions):
+        for batch in PARITY_BATCHES:
+            ids = rng.integers(0, vocab_size, size=(batch, seq), dtype=np.int64)
+            mask = np.ones((batch, seq), dtype=np.int64)
+            for row in range(1, batch):
+                mask[row, max(1, seq - row * seq // batch):] = 0
+            yield {"input_ids": ids, "attention_mask": mask}
+
+
+def session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def max_abs_error(path: Path, encoder: Encoder, outputs: list[str]) -> float:
+    """Worst absolute difference between onnxruntime and PyTorch over the parity shapes."""
+    sess = session(path)
+    worst = 0.0
+    for feed in parity_inputs(encoder.config.vocab_size, encoder.config.max_positions):
+        got = sess.run(outputs, feed)
+        with torch.no_grad():
+            ref = encoder(
+                torch.from_numpy(feed["input_ids"]),
+                torch.from_numpy(feed["attention_mask"]),
+                output_attentions=len(outputs) > 1,
+            )
+        expected = [ref.last_hidden_state, *(ref.attentions or ())]
+        for name, g, e in zip(outputs, got, expected):
+            if g.shape != tuple(e.shape):
+                raise ParityError(f"{path.name}: {name} has shape {g.shape}, PyTorch {tuple(e.shape)}")
+            worst = max(worst, float(np.abs(g.astype(np.float32) - e.numpy()).max()))
+    return worst

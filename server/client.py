@@ -1,0 +1,77 @@
+"""A Python client for EncoderService that returns numpy arrays."""
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from server._proto.attnserve.v1 import encoder_pb2 as pb
+from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+
+_NUMPY = {pb.DTYPE_UNSPECIFIED: "<f4", pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT16: "<f2"}
+POOLING = {"default": pb.POOLING_UNSPECIFIED, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS,
+           "none": pb.POOLING_NONE}
+
+
+def to_numpy(tensor: pb.Tensor) -> np.ndarray | None:
+    if not tensor.shape and not tensor.data:
+        return None
+    return np.frombuffer(tensor.data, dtype=_NUMPY[tensor.dtype]).reshape(tuple(tensor.shape))
+
+
+@dataclass
+class EmbeddingResult:
+    pooled: np.ndarray | None
+    token_embeddings: np.ndarray | None
+    attentions: np.ndarray | None
+    token_ids: list[int]
+
+
+class EncoderClient:
+    def __init__(self, address: str = "localhost:50051", *, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
+                 max_message_bytes: int = 256 * 1024 * 1024):
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.EncoderServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def embed(self, texts: list[str] | None = None, *, token_ids: list[list[int]] | None = None,
+              pooling: str = "default", normalize: bool = False, token_embeddings: bool = False,
+              attention_layers: list[int] | None = None, attention_heads: list[int] | None = None,
+              average_heads: bool = False, float16: bool = False, truncate: bool = False,
+              timeout: float | None = None) -> list[EmbeddingResult]:
+        """`attention_layers=[]` asks for every layer; None asks for no attention maps."""
+        request = pb.EmbedRequest(
+            texts=texts or [], token_ids=[pb.TokenIds(ids=ids) for ids in token_ids or []],
+            truncate=truncate, pooling=POOLING[pooling], normalize=normalize,
+            return_token_embeddings=token_embeddings,
+            dtype=pb.DTYPE_FLOAT16 if float16 else pb.DTYPE_FLOAT32,
+        )
+        if attention_layers is not None:
+            request.attention.CopyFrom(pb.AttentionOptions(
+                layers=attention_layers, heads=attention_heads or [], average_heads=average_heads))
+        response = self.stub.Embed(request, timeout=timeout)
+        return [EmbeddingResult(to_numpy(e.pooled), to_numpy(e.token_embeddings),
+                                to_numpy(e.attentions), list(e.token_ids))
+                for e in response.embeddings]
+
+    def tokenize(self, texts: list[str], truncate: bool = False) -> list[pb.Tokenization]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(texts=texts, truncate=truncate))
+                    .tokenizations)
+
+    def model_info(self) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest())

@@ -1,0 +1,78 @@
+"""`attnserve embed`: call a running server from the command line."""
+
+import argparse
+import sys
+
+import numpy as np
+
+from server.client import EncoderClient
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def heatmap(path, attention: np.ndarray, tokens: list[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = max(4.0, 0.35 * len(tokens))
+    fig, ax = plt.subplots(figsize=(size + 1.5, size))
+    image = ax.imshow(attention, cmap="viridis", vmin=0.0)
+    ax.set_xticks(range(len(tokens)), tokens, rotation=90)
+    ax.set_yticks(range(len(tokens)), tokens)
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query (attending)")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    texts = list(args.texts)
+    if args.file:
+        texts += [line.rstrip("\n") for line in args.file.read_text().splitlines() if line.strip()]
+    if not texts:
+        print("attnserve embed: give texts as arguments or --file", file=sys.stderr)
+        return 2
+    wants_maps = args.attention or args.heatmap is not None
+    layers = _ints(args.layers) if wants_maps else None
+    root = args.tls_ca.read_bytes() if args.tls_ca else None
+    pooled = []
+    with EncoderClient(args.address, root_certificates=root) as client:
+        results = []
+        for start in range(0, len(texts), args.batch_size):
+            chunk = texts[start:start + args.batch_size]
+            results += client.embed(chunk, pooling=args.pooling, normalize=args.normalize,
+                                    truncate=args.truncate, attention_layers=layers,
+                                    attention_heads=_ints(args.heads),
+                                    average_heads=args.average_heads)
+            if args.file:
+                done = min(start + args.batch_size, len(texts))
+                bar = "#" * (30 * done // len(texts))
+                print(f"\r[{bar:<30}] {done}/{len(texts)} texts", end="", file=sys.stderr)
+        if args.file:
+            print(file=sys.stderr)
+        tokens = client.tokenize(texts[:1], truncate=args.truncate)[0].tokens
+    for text, result in zip(texts, results):
+        if result.pooled is not None:
+            pooled.append(result.pooled)
+        if not args.out:
+            vector = result.pooled
+            shown = "" if vector is None else " ".join(f"{x:+.4f}" for x in vector[:8])
+            print(f"{text[:40]!r}: dim={0 if vector is None else vector.size} [{shown} …]"
+                  + ("" if result.attentions is None else f" attentions={list(result.attentions.shape)}"))
+    if args.out and pooled:
+        np.save(args.out, np.stack(pooled))
+        print(f"wrote {len(pooled)} embeddings to {args.out}")
+    if args.heatmap:
+        maps = results[0].attentions
+        heatmap(args.heatmap, maps[0, 0], list(tokens),
+                f"layer {(_ints(args.layers) or [0])[0]}, "
+                + ("heads averaged" if args.average_heads else f"head {(_ints(args.heads) or [0])[0]}"))
+        print(f"wrote attention heatmap to {args.heatmap}")
+    return 0

@@ -1,0 +1,87 @@
+"""Prometheus metrics. Names follow the conventions: prefix attnserve_, base units in the
+name, counters end in _total, and label sets stay small (lengths go into buckets)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+MEMORY_BUCKETS = tuple(float(1 << shift) for shift in range(20, 37, 2))  # 1 MiB .. 64 GiB
+
+
+def length_edges(max_positions: int) -> list[int]:
+    """16, 32, ... up to the model's maximum."""
+    edges, edge = [], 16
+    while edge < max_positions:
+        edges.append(edge)
+        edge *= 2
+    return edges + [max_positions]
+
+
+def seq_len_bucket(length: int, edges: list[int]) -> str:
+    """"1-16", "17-32", ... "257-512": a bounded label for a raw length."""
+    low = 1
+    for edge in edges:
+        if length <= edge:
+            return f"{low}-{edge}"
+        low = edge + 1
+    return f"{low}-"
+
+
+class Metrics:
+    def __init__(self, max_positions: int):
+        self.registry = registry = CollectorRegistry()
+        self.edges = length_edges(max_positions)
+        self.request_duration = Histogram(
+            "attnserve_request_duration_seconds", "Time from receiving a request to answering it.",
+            ["rpc", "code"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "attnserve_requests", "Requests answered, by RPC and status code.", ["rpc", "code"],
+            registry=registry)
+        self.stage_duration = Histogram(
+            "attnserve_stage_duration_seconds",
+            "Time per stage: queue (waiting for a batch), tokenize, inference, respond.",
+            ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.batch_size = Histogram(
+            "attnserve_batch_size", "Sequences per batch run.",
+            buckets=tuple(float(1 << i) for i in range(0, 9)), registry=registry)
+        self.batch_tokens = Histogram(
+            "attnserve_batch_tokens",
+            "Tokens per batch run: real ones, and padded (batch × longest sequence).", ["kind"],
+            buckets=tuple(float(1 << i) for i in range(4, 18)), registry=registry)
+        self.sequence_length = Histogram(
+            "attnserve_sequence_length_tokens", "Tokens per sequence requested.",
+            buckets=tuple(float(e) for e in self.edges), registry=registry)
+        self.inference_duration = Histogram(
+            "attnserve_inference_duration_seconds",
+            "onnxruntime time per batch, by padded length bucket and attention maps returned.",
+            ["seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.batch_peak_memory = Histogram(
+            "attnserve_batch_peak_memory_bytes",
+            "Peak memory a batch added over what was in use before it (see README: Memory).",
+            ["seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
+        self.batch_predicted_memory = Histogram(
+            "attnserve_batch_predicted_memory_bytes",
+            "The memory model's prediction for the same batches, to show drift.",
+            ["seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
+        self.device_memory_used = Gauge(
+            "attnserve_device_memory_used_bytes",
+            "Device memory in use (NVML on a GPU; the process's resident set on the CPU).",
+            ["device"], registry=registry)
+        self.device_memory_total = Gauge(
+            "attnserve_device_memory_total_bytes",
+            "Device memory in all (NVML on a GPU; the machine's memory on the CPU).",
+            ["device"], registry=registry)
+        self.queue_depth = Gauge(
+            "attnserve_queue_depth", "Requests accepted and waiting for a batch.", registry=registry)
+        self.inflight = Gauge(
+            "attnserve_inflight_requests", "Requests being handled now.", registry=registry)
+        self.dropped = Counter(
+            "attnserve_dropped_sequences",
+            "Sequences dropped before inference because their caller's deadline passed or "
+            "the caller went away.", ["reason"], registry=registry)
+        self.health_serving = Gauge(
+            "attnserve_health_serving", "1 while grpc.health.v1 answers SERVING.", registry=registry)
+        self.info = Info("attnserve", "The model being served.", registry=registry)
+
+    def bucket(self, length: int) -> str:
+        return seq_len_bucket(length, self.edges)

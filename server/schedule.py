@@ -1,0 +1,296 @@
+"""Dynamic batching with memory admission.
+
+Requests queue as sequences of token ids. One worker forms a batch from whatever is
+queued, runs it on the inference thread, and hands each sequence its own slice of the
+output. Batches group sequences of similar length (sorted neighbours of the oldest
+waiting sequence) so little padding is computed, and stay under caps on sequences,
+padded tokens and predicted peak memory. The queue is bounded by requests and by
+tokens: past either, a request is refused at once instead of waiting without end.
+"""
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
+from server.memory import MemoryProbe
+from server.memory_model import MemoryModel
+from server.metrics import Metrics
+from server.runtime import Runtime
+
+log = logging.getLogger("attnserve.schedule")
+
+# Padded tokens a batch may compute per real token: beyond it, a sequence waits for a
+# batch of its own length instead.
+MAX_PADDING_RATIO = 1.2
+
+
+@dataclass
+class SequenceResult:
+    hidden: np.ndarray
+    """(num_tokens, hidden): a view of the batch output, padding trimmed"""
+    attentions: dict[int, np.ndarray]
+    """layer -> (heads, num_tokens, num_tokens)"""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's sequences, answered together."""
+
+    sequences: list[np.ndarray]
+    layers: tuple[int, ...]
+    deadline: float | None
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+    results: list[SequenceResult | None] = field(default_factory=list)
+    waiting: int = 0
+
+    def finished(self) -> bool:
+        return self.future.done()
+
+
+@dataclass(eq=False)
+class Waiting:
+    job: Job
+    index: int
+
+    @property
+    def length(self) -> int:
+        return len(self.job.sequences[self.index])
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int
+    max_batch_tokens: int
+    max_queue_requests: int
+    max_queue_tokens: int
+    memory_budget_bytes: int
+    max_wait_s: float
+
+
+class Scheduler:
+    def __init__(self, runtime: Runtime, metrics: Metrics, probe: MemoryProbe,
+                 memory_model: MemoryModel, limits: Limits):
+        self.runtime = runtime
+        self.metrics = metrics
+        self.probe = probe
+        self.memory_model = memory_model
+        self.limits = limits
+        manifest = runtime.artifact.manifest
+        self.heads = manifest.num_heads
+        self.num_layers = manifest.num_layers
+        self.pad_id = manifest.pad_token_id
+        self.queue: list[Waiting] = []
+        self.queued_jobs = 0
+        self.queued_tokens = 0
+        self.draining = False
+        self.running = False
+        self.wakeup = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        # One inference thread: onnxruntime already spreads a batch over the cores.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="inference")
+        self.task: asyncio.Task | None = None
+        metrics.queue_depth.set_function(lambda: self.queued_jobs)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler")
+
+    # --- admission -------------------------------------------------------------------
+
+    def predicted_bytes(self, batch: int, seq: int, layers: int) -> float:
+        return self.memory_model.predict(batch, seq, self.heads, layers)
+
+    def _admit(self, sequences: list[np.ndarray], layers: tuple[int, ...]) -> None:
+        if self.draining:
+            raise Unavailable("server is draining: send new work to another replica")
+        if self.queued_jobs + 1 > self.limits.max_queue_requests:
+            raise ResourceExhausted(
+                f"queue full: {self.queued_jobs} requests waiting (limit "
+                f"{self.limits.max_queue_requests}); retry with backoff")
+        tokens = sum(len(s) for s in sequences)
+        if self.queued_tokens + tokens > self.limits.max_queue_tokens:
+            raise ResourceExhausted(
+                f"queue full: {self.queued_tokens} tokens waiting, this request adds {tokens} "
+                f"(limit {self.limits.max_queue_tokens}); retry with backoff or send fewer texts")
+        budget = self.limits.memory_budget_bytes
+        for index, seq in enumerate(sequences):
+            need = self.predicted_bytes(1, len(seq), len(layers))
+            if need > budget:
+                raise ResourceExhausted(self._too_big(index, len(seq), len(layers), need, budget))
+
+    def _too_big(self, index: int, length: int, layers: int, need: float, budget: int) -> str:
+        fits_len = max((n for n in range(1, length) if self.predicted_bytes(1, n, layers) <= budget),
+                       default=0)
+        fits_layers = max((k for k in range(0, layers) if self.predicted_bytes(1, length, k) <= budget),
+                          default=0)
+        mib = 1 << 20
+        return (
+            f"sequence {index}: {length} tokens with {layers} attention layer(s) returned needs "
+            f"about {need / mib:.0f} MiB at peak, over the memory budget of {budget / mib:.0f} MiB; "
+            f"what fits: up to {fits_len} tokens with {layers} layer(s), or {fits_layers} "
+            f"layer(s) at {length} tokens"
+        )
+
+    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
+                     deadline: float | None = None) -> list[SequenceResult]:
+        """Queue a request's sequences and wait for their results (in order)."""
+        self._admit(sequences, layers)
+        job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future())
+        job.results = [None] * len(sequences)
+        job.waiting = len(sequences)
+        self.queue.extend(Waiting(job, i) for i in range(len(sequences)))
+        self.queued_jobs += 1
+        self.queued_tokens += sum(len(s) for s in sequences)
+        for seq in sequences:
+            self.metrics.sequence_length.observe(len(seq))
+        self.idle.clear()
+        self.wakeup.set()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            # The caller went away (or its deadline passed): free its place at once.
+            expired = deadline is not None and time.monotonic() >= deadline
+            self._drop(job, "deadline" if expired else "cancelled", None)
+            raise
+
+    # --- the worker ------------------------------------------------------------------
+
+    def _leave_queue(self, items: list[Waiting]) -> None:
+        taken = set(map(id, items))
+        self.queue = [w for w in self.queue if id(w) not in taken]
+        now = time.monotonic()
+        for w in items:
+            self.queued_tokens -= w.length
+            w.job.waiting -= 1
+            if w.job.waiting == 0:
+                self.queued_jobs -= 1
+                self.metrics.stage_duration.labels("queue").observe(now - w.job.enqueued)
+
+    def _drop(self, job: Job, reason: str, error: RequestError | None) -> None:
+        mine = [w for w in self.queue if w.job is job]
+        if mine:
+            self.metrics.dropped.labels(reason).inc(len(mine))
+            self._leave_queue(mine)
+        if error is not None and not job.future.done():
+            job.future.set_exception(error)
+        self._update_idle()
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        for job in {w.job for w in self.queue}:
+            if job.future.done():
+                self._drop(job, "cancelled", None)
+            elif job.deadline is not None and now >= job.deadline:
+                self._drop(job, "deadline", DeadlineExceeded(
+                    "deadline passed while queued; the request was not run"))
+
+    def _fits(self, batch: list[Waiting], layers: int) -> bool:
+        count, longest = len(batch), batch[-1].length
+        real = sum(w.length for w in batch)
+        return (count <= self.limits.max_batch_size
+                and count * longest <= self.limits.max_batch_tokens
+                and count * longest <= MAX_PADDING_RATIO * real
+                and self.predicted_bytes(count, longest, layers) <= self.limits.memory_budget_bytes)
+
+    def next_batch(self) -> list[Waiting]:
+        """The oldest waiting sequence and its nearest neighbours in length."""
+        oldest = self.queue[0]
+        layers = oldest.job.layers
+        same = sorted((w for w in self.queue if w.job.layers == layers), key=lambda w: w.length)
+        lo = hi = next(i for i, w in enumerate(same) if w is oldest)
+        while True:
+            grow_down = lo > 0 and self._fits(same[lo - 1:hi + 1], len(layers))
+            grow_up = hi + 1 < len(same) and self._fits(same[lo:hi + 2], len(layers))
+            if grow_down and (not grow_up or
+                              oldest.length - same[lo - 1].length <= same[hi + 1].length - oldest.length):
+                lo -= 1
+            elif grow_up:
+                hi += 1
+            else:
+                return same[lo:hi + 1]
+
+    def _infer(self, ids: np.ndarray, mask: np.ndarray, layers: tuple[int, ...]):
+        """On the inference thread: the batch, its time and its peak memory."""
+        baseline = self.probe.start_batch()
+        started = time.perf_counter()
+        out = self.runtime.run(ids, mask, layers)
+        return out, time.perf_counter() - started, self.probe.batch_peak(baseline)
+
+    async def _run(self, batch: list[Waiting]) -> None:
+        self._leave_queue(batch)
+        layers = batch[0].job.layers
+        count, longest = len(batch), batch[-1].length
+        ids = np.full((count, longest), self.pad_id, dtype=np.int64)
+        mask = np.zeros((count, longest), dtype=np.int64)
+        for row, w in enumerate(batch):
+            ids[row, :w.length] = w.job.sequences[w.index]
+            mask[row, :w.length] = 1
+        loop = asyncio.get_running_loop()
+        try:
+            out, seconds, peak = await loop.run_in_executor(self.executor, self._infer, ids, mask, layers)
+        except Exception as err:  # one failed batch fails its own requests, not the server
+            log.exception("event=batch_failed batch=%d seq=%d", count, longest)
+            for job in {w.job for w in batch}:
+                self._drop(job, "failed", RequestError(f"inference failed: {err}"))
+            return
+        self._record(count, longest, sum(w.length for w in batch), layers, seconds, peak)
+        for row, w in enumerate(batch):
+            job = w.job
+            if job.future.done():
+                continue
+            job.results[w.index] = SequenceResult(
+                out.hidden[row, :w.length],
+                {layer: maps[row, :, :w.length, :w.length] for layer, maps in out.attentions.items()},
+            )
+            if all(r is not None for r in job.results):
+                job.future.set_result(job.results)
+
+    def _record(self, count: int, longest: int, real: int, layers: tuple[int, ...],
+                seconds: float, peak: int) -> None:
+        m = self.metrics
+        bucket, attention = m.bucket(longest), str(bool(layers)).lower()
+        m.batch_size.observe(count)
+        m.batch_tokens.labels("real").observe(real)
+        m.batch_tokens.labels("padded").observe(count * longest)
+        m.stage_duration.labels("inference").observe(seconds)
+        m.inference_duration.labels(bucket, attention).observe(seconds)
+        m.batch_peak_memory.labels(bucket, attention).observe(peak)
+        m.batch_predicted_memory.labels(bucket, attention).observe(
+            self.predicted_bytes(count, longest, len(layers)))
+
+    def _update_idle(self) -> None:
+        if not self.queue and not self.running:
+            self.idle.set()
+
+    async def _loop(self) -> None:
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            # Let requests that arrive within the gathering window (at least those of the
+            # same event-loop tick) join the first batch; later ones queue while it runs.
+            await asyncio.sleep(self.limits.max_wait_s)
+            while self.queue:
+                self._drop_expired()
+                if not self.queue:
+                    break
+                self.running = True
+                try:
+                    await self._run(self.next_batch())
+                finally:
+                    self.running = False
+            self._update_idle()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new work and wait for what was accepted; True when all of it finished."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False

@@ -1,0 +1,134 @@
+"""Paths, contracts and small helpers shared by the deployment tests."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+DATA = Path(__file__).resolve().parent / "data"
+KUSTOMIZATIONS = {
+    "base": DEPLOY / "k8s" / "base",
+    "cpu": DEPLOY / "k8s" / "overlays" / "cpu",
+    "gpu": DEPLOY / "k8s" / "overlays" / "gpu",
+}
+OVERLAYS = ["cpu", "gpu"]
+RULES_FILE = DEPLOY / "prometheus" / "attnserve-rules.yml"
+DASHBOARD = DEPLOY / "grafana" / "attnserve.json"
+ADAPTER_VALUES = KUSTOMIZATIONS["gpu"] / "prometheus-adapter-values.yaml"
+KSERVE = DEPLOY / "kserve" / "inferenceservice.yaml"
+DOCKER = DEPLOY / "docker"
+
+# The flags of `attnserve serve` (the server's contract); test_consistency.py
+# checks the manifests against the real CLI as well.
+SERVE_FLAGS = {
+    "--artifact", "--host", "--port", "--metrics-host", "--metrics-port", "--device",
+    "--max-batch-tokens", "--max-batch-size", "--max-wait-ms", "--max-queue-requests",
+    "--max-queue-tokens", "--memory-budget-bytes", "--drain-seconds", "--max-message-bytes",
+    "--intra-op-threads", "--tls-cert", "--tls-key", "--tls-client-ca", "--log-level",
+    "--check-config",
+}
+
+# The metric names the server exports (the observability contract);
+# test_consistency.py reads the real ones from a live scrape.
+EXPORTED_METRICS = {
+    "attnserve_request_duration_seconds", "attnserve_requests_total",
+    "attnserve_stage_duration_seconds", "attnserve_batch_size", "attnserve_batch_tokens",
+    "attnserve_sequence_length_tokens", "attnserve_inference_duration_seconds",
+    "attnserve_batch_peak_memory_bytes", "attnserve_batch_predicted_memory_bytes",
+    "attnserve_device_memory_used_bytes", "attnserve_device_memory_total_bytes",
+    "attnserve_queue_depth", "attnserve_inflight_requests", "attnserve_info",
+    "attnserve_health_serving",
+}
+
+_METRIC_RE = re.compile(r"\battnserve_[A-Za-z0-9_]+")
+_SUFFIX_RE = re.compile(r"_(bucket|sum|count)$")
+
+
+def metric_names(expr: str) -> set[str]:
+    """attnserve_* metric names in a PromQL expression, histogram suffixes stripped.
+
+    Recording rules (attnserve:...) and label values such as ".*attnserve.*"
+    do not match: a metric name here is `attnserve_` followed by a word.
+    """
+    return {_SUFFIX_RE.sub("", m) for m in _METRIC_RE.findall(expr)}
+
+
+def tool(name: str, install_hint: str) -> str:
+    """Path of a command-line tool; fails (never skips) the test when it is missing."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` is not on PATH; the deployment tests need it: {install_hint}")
+    return path
+
+
+def kustomize(kubectl: str, name: str) -> list[dict]:
+    out = subprocess.run(
+        [kubectl, "kustomize", str(KUSTOMIZATIONS[name])],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, f"kubectl kustomize {name} failed:\n{out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def find(objs: list[dict], kind: str, name: str | None = None) -> dict:
+    hits = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+def only_container(pod_spec: dict) -> dict:
+    assert len(pod_spec["containers"]) == 1, "one container per attnserve pod"
+    return pod_spec["containers"][0]
+
+
+def flag_values(args: list[str]) -> dict[str, list[str]]:
+    """{"--device": ["cuda"], ...} from `--flag=value` / `--flag value` args."""
+    values: dict[str, list[str]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        assert arg.startswith("--"), f"stray argument {arg!r} in {args}"
+        if "=" in arg:
+            flag, value = arg.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            flag, value = arg, args[i + 1]
+            i += 1
+        else:
+            flag, value = arg, ""
+        values.setdefault(flag, []).append(value)
+        i += 1
+    return values
+
+
+def dashboard_exprs(dash: dict) -> list[tuple[str, str]]:
+    """(panel title, expr) for every query in the dashboard."""
+    return [
+        (panel["title"], target["expr"])
+        for panel in dash["panels"]
+        for target in panel.get("targets", [])
+    ]
+
+
+# KServe fields of a predictor that are not PodSpec fields (the ones used here).
+KSERVE_PREDICTOR_FIELDS = {"minReplicas", "maxReplicas", "scaleMetric", "scaleTarget"}
+
+
+def kserve_predictor_pod(isvc: dict) -> dict:
+    """The predictor of an InferenceService as the Pod KServe would run."""
+    spec = dict(isvc["spec"]["predictor"])
+    for field in KSERVE_PREDICTOR_FIELDS:
+        spec.pop(field, None)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": isvc["metadata"]["name"] + "-predictor",
+                     "namespace": "attnserve"},
+        "spec": spec,
+    }
