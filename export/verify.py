@@ -55,7 +55,7 @@ def max_abs_error(path: Path, encoder: Encoder, outputs: list[str]) -> float:
                 output_attentions=len(outputs) > 1,
             )
         expected = [ref.last_hidden_state, *(ref.attentions or ())]
-        for name, g, e in zip(outputs, got, expected):
+        for name, g, e in zip(outputs, got, expected, strict=True):
             if g.shape != tuple(e.shape):
                 raise ParityError(f"{path.name}: {name} has shape {g.shape}, PyTorch {tuple(e.shape)}")
             worst = max(worst, float(np.abs(g.astype(np.float32) - e.numpy()).max()))

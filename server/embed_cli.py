@@ -58,7 +58,7 @@ def run_embed(args: argparse.Namespace) -> int:
         if args.file:
             print(file=sys.stderr)
         tokens = client.tokenize(texts[:1], truncate=args.truncate)[0].tokens
-    for text, result in zip(texts, results):
+    for text, result in zip(texts, results, strict=True):
         if result.pooled is not None:
             pooled.append(result.pooled)
         if not args.out:

@@ -16,6 +16,11 @@ from server.runtime import Runtime
 from server.schedule import Scheduler
 from server.tokenize import TextTokenizer, TooLong
 
+# Responses with more sequences than this, or with attention maps, are built on a thread:
+# packing thousands of embeddings on the event loop stalled every other call (health
+# checks included) for seconds.
+INLINE_RESPONSE_SEQUENCES = 64
+
 
 class EncoderService(pb_grpc.EncoderServiceServicer):
     def __init__(self, artifact: Artifact, runtime: Runtime, tokenizer: TextTokenizer,
@@ -29,6 +34,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         self.max_message_bytes = max_message_bytes
         # Tokenizing off the event loop, so it never waits on a long text.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.respond_pool = ThreadPoolExecutor(1, thread_name_prefix="respond")
 
     async def _tokenize(self, texts: list[str], truncate: bool):
         started = time.perf_counter()
@@ -51,11 +57,18 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         layers = plan.attention.graph_layers if plan.attention else ()
         results = await self.scheduler.submit(sequences, layers, deadline_of(context))
         started = time.perf_counter()
-        response = pb.EmbedResponse(
-            model=self.manifest.model_name,
-            total_tokens=sum(len(s) for s in sequences),
-            embeddings=[embedding(r, s, plan) for r, s in zip(results, sequences)],
-        )
+
+        def respond() -> pb.EmbedResponse:
+            return pb.EmbedResponse(
+                model=self.manifest.model_name,
+                total_tokens=sum(len(s) for s in sequences),
+                embeddings=[embedding(r, s, plan) for r, s in zip(results, sequences, strict=True)],
+            )
+
+        if len(sequences) <= INLINE_RESPONSE_SEQUENCES and plan.attention is None:
+            response = respond()
+        else:
+            response = await asyncio.get_running_loop().run_in_executor(self.respond_pool, respond)
         self.metrics.stage_duration.labels("respond").observe(time.perf_counter() - started)
         return response
 
@@ -65,7 +78,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
     async def EmbedStream(self, request_iterator, context):
         async for request in request_iterator:
             yield await answer(self.metrics, "EmbedStream", context,
-                               lambda: self._embed(request, context))
+                               lambda request=request: self._embed(request, context))
 
     async def Tokenize(self, request, context):
         async def handle():

@@ -113,7 +113,7 @@ class Runtime:
             return BatchOutput(hidden, {})
         names = [HIDDEN_OUTPUT] + [attention_output(layer) for layer in layers]
         hidden, *maps = self.attend.run(names, feed)
-        return BatchOutput(hidden, dict(zip(layers, maps)))
+        return BatchOutput(hidden, dict(zip(layers, maps, strict=True)))
 
     def warm_up(self, max_tokens: int) -> None:
         """Run both graphs once; on CUDA also the largest batch the scheduler may form, so
