@@ -6,7 +6,7 @@ ARTIFACT ?= artifacts/all-MiniLM-L6-v2
 PROTO_OUT := server/_proto
 PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
 
-.PHONY: serve test proto export lint
+.PHONY: serve test proto export lint tools
 
 # The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
 # downloads a multi-GB CUDA build), every extra the tests and export need.
@@ -33,7 +33,13 @@ export: $(ARTIFACT)/manifest.json
 serve: $(ARTIFACT)/manifest.json
 	$(BIN)/attnserve serve --artifact $(ARTIFACT)
 
-test: $(PROTO_OUT)/.stamp
+# promtool and prometheus (Debian's `prometheus` package) for the metrics and rules tests;
+# kubectl (with kustomize) comes with the machine image.
+tools:
+	command -v promtool >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: $(PROTO_OUT)/.stamp tools
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/attnserve

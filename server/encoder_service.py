@@ -22,6 +22,11 @@ from server.tokenize import TextTokenizer, TooLong
 INLINE_RESPONSE_SEQUENCES = 64
 
 
+# Requests of one stream in flight at once: enough to fill batches, bounded so a fast
+# writer cannot queue without end.
+STREAM_WINDOW = 64
+
+
 class EncoderService(pb_grpc.EncoderServiceServicer):
     def __init__(self, artifact: Artifact, runtime: Runtime, tokenizer: TextTokenizer,
                  scheduler: Scheduler, metrics: Metrics, max_message_bytes: int):
