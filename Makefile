@@ -6,7 +6,7 @@ ARTIFACT ?= artifacts/all-MiniLM-L6-v2
 PROTO_OUT := server/_proto
 PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
 
-.PHONY: serve test proto export lint tools
+.PHONY: serve test proto export lint tools lint-deps
 
 # The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
 # downloads a multi-GB CUDA build), every extra the tests and export need.
@@ -39,7 +39,14 @@ tools:
 	command -v promtool >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: $(PROTO_OUT)/.stamp tools
+# checkov, the security linter the deploy tests run on the rendered manifests, in its own
+# environment: its pins clash with the project's (protobuf among them).
+lint-deps: .venv-lint/bin/checkov
+.venv-lint/bin/checkov:
+	$(PYTHON) -m venv .venv-lint
+	.venv-lint/bin/pip install --quiet 'checkov==3.3.30'
+
+test: $(PROTO_OUT)/.stamp tools lint-deps
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/attnserve

@@ -13,15 +13,24 @@ import pytest
 import yaml
 
 from .helpers import (
-    ADAPTER_VALUES, DASHBOARD, KSERVE, KUSTOMIZATIONS, RULES_FILE,
-    dashboard_exprs, kustomize, metric_names, tool,
+    ADAPTER_VALUES,
+    DASHBOARD,
+    KSERVE,
+    KUSTOMIZATIONS,
+    RULES_FILE,
+    dashboard_exprs,
+    kustomize,
+    metric_names,
+    tool,
 )
 
 
 @pytest.fixture(scope="session")
 def kubectl() -> str:
-    return tool("kubectl", "install kubectl >= 1.27 (it carries kustomize); "
-                "Debian's kubernetes-client package is too old")
+    return tool(
+        "kubectl",
+        "install kubectl >= 1.27 (it carries kustomize); Debian's kubernetes-client package is too old",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import copy
 
 import kubernetes_validate
 import pytest
+
 from .helpers import KUSTOMIZATIONS, find
 
 # The oldest release the manifests support (native preStop `sleep` is 1.30) and
@@ -21,8 +22,16 @@ K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 
 EXPECTED_KINDS = {
-    "base": {"Namespace", "ServiceAccount", "Deployment", "Service", "PodDisruptionBudget",
-             "NetworkPolicy", "ServiceMonitor", "PrometheusRule"},
+    "base": {
+        "Namespace",
+        "ServiceAccount",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "ServiceMonitor",
+        "PrometheusRule",
+    },
 }
 EXPECTED_KINDS["cpu"] = EXPECTED_KINDS["base"] | {"HorizontalPodAutoscaler"}
 EXPECTED_KINDS["gpu"] = EXPECTED_KINDS["cpu"]

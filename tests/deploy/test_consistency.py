@@ -1,0 +1,179 @@
+"""The deployment against the real program.
+
+- The container args of each overlay (and of the KServe predictor) parse with
+  `attnserve serve --check-config` against a real artifact.
+- A real server, started with the cpu overlay's args on free loopback ports,
+  answers grpc.health.v1 SERVING on the port it was told (the one the probes
+  and Services use), exports every metric that the alert rules, the dashboard
+  and the autoscaler's adapter rule read, and on SIGTERM exits within the pod's
+  grace period.
+
+Needs the `tiny_artifact` fixture (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import closing
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .helpers import OVERLAYS, REPO, find, kserve_predictor_pod, only_container
+
+ATTNSERVE = [sys.executable, "-m", "server.cli"]
+START_TIMEOUT_S = 90
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without ATTNSERVE_* twins: the container sets none."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+
+
+def container_args(rendered, kserve_isvc, where: str) -> list[str]:
+    if where == "kserve":
+        return only_container(kserve_predictor_pod(kserve_isvc)["spec"])["args"]
+    return only_container(find(rendered[where], "Deployment")["spec"]["template"]["spec"])["args"]
+
+
+def check_config(artifact, args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*ATTNSERVE, "serve", "--check-config", "--artifact", str(artifact), *args],
+        cwd=REPO,
+        env=clean_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("where", [*OVERLAYS, "kserve"])
+def test_container_args_pass_check_config(tiny_artifact, rendered, kserve_isvc, where):
+    out = check_config(tiny_artifact, container_args(rendered, kserve_isvc, where))
+    assert out.returncode == 0, f"{where}: {out.stdout}{out.stderr}"
+
+
+@pytest.mark.parametrize("bad", ["--drain-secondz=20", "--device=gpu", "--port=grpc"])
+def test_check_config_rejects_a_bad_flag(tiny_artifact, rendered, kserve_isvc, bad):
+    args = [*container_args(rendered, kserve_isvc, "cpu"), bad]
+    assert check_config(tiny_artifact, args).returncode != 0
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        # service "" is what the kubelet's grpc probe asks when none is named.
+        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def exported_names(exposition: str) -> set[str]:
+    """Metric names in a scrape, histogram suffixes stripped: every family
+    (a labelled histogram with no observations yet has only its # TYPE line)."""
+    names = set()
+    for line in exposition.splitlines():
+        m = re.match(r"# TYPE (\S+) (\S+)", line)
+        if m:
+            name, kind = m.groups()
+            names.add(name + "_total" if kind == "counter" and not name.endswith("_total") else name)
+        elif line and not line.startswith("#"):
+            names.add(re.sub(r"_(bucket|sum|count)$", "", re.split(r"[{\s]", line, maxsplit=1)[0]))
+    return names
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_artifact, rendered, tmp_path_factory):
+    """`attnserve serve` with the cpu overlay's args; host and ports overridden
+    (the last flag wins) so that it runs on free loopback ports."""
+    args = container_args(rendered, None, "cpu")
+    port, metrics_port = free_port(), free_port()
+    command = [
+        *ATTNSERVE,
+        "serve",
+        "--artifact",
+        str(tiny_artifact),
+        *args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        str(metrics_port),
+        "--device",
+        "cpu",
+    ]
+    log_path = tmp_path_factory.mktemp("attnserve") / "serve.log"
+    log = log_path.open("w")  # a file, not a pipe nobody drains
+    proc = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"attnserve serve exited {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if health(port) == health_pb2.HealthCheckResponse.SERVING:
+                    scrape(metrics_port)
+                    break
+            except (grpc.RpcError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"attnserve serve not SERVING on {port} after {START_TIMEOUT_S}s")
+            time.sleep(0.25)
+        yield SimpleNamespace(proc=proc, port=port, metrics_port=metrics_port, log_path=log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def test_server_serves_health_on_the_grpc_port(live_server):
+    assert health(live_server.port) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_every_metric_read_by_rules_dashboard_and_adapter_is_exported(live_server, used_metrics):
+    exposition = scrape(live_server.metrics_port)
+    exported = exported_names(exposition)
+    missing = {name: sorted(where) for name, where in used_metrics.items() if name not in exported}
+    assert not missing, f"read by the deployment but not in the scrape: {missing}"
+    # The health alert and the absent() alert read these two directly.
+    assert re.search(r"^attnserve_health_serving 1(\.0)?$", exposition, re.MULTILINE)
+    assert re.search(r"^attnserve_info\{", exposition, re.MULTILINE)
+
+
+def test_sigterm_exits_within_the_grace_period(live_server, rendered):
+    """Runs last in this module: it stops the server."""
+    proc = live_server.proc
+    pod = find(rendered["cpu"], "Deployment")["spec"]["template"]["spec"]
+    pre_stop = only_container(pod)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    budget = pod["terminationGracePeriodSeconds"] - pre_stop
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(budget)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {budget}s after SIGTERM: the kubelet would SIGKILL it")
+    assert proc.returncode == 0, live_server.log_path.read_text()
+    assert time.monotonic() - started < budget

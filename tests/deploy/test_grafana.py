@@ -1,0 +1,110 @@
+"""The Grafana dashboard: importable (datasource variable, unique ids, no
+overlapping panels), every query is valid PromQL, reads only exported metrics,
+and the panels the issue asks for are there."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from .helpers import EXPORTED_METRICS, dashboard_exprs, metric_names
+
+# Grafana's variables, replaced by values of the same PromQL type for promtool.
+GRAFANA_VARS = {
+    "$__rate_interval": "1m",
+    "$__range": "1h",
+    "$namespace": ".*",
+    "$pod": ".*",
+}
+
+
+def panels(dash):
+    return [p for p in dash["panels"] if p["type"] != "row"]
+
+
+def test_datasource_is_a_variable(dashboard):
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for panel in panels(dashboard):
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+    for name in ("namespace", "pod"):
+        assert variables[name]["datasource"]["uid"] == "${datasource}"
+    # No hard-wired data source anywhere: the dashboard imports into any Grafana.
+    assert "__inputs" not in dashboard
+
+
+def test_ids_unique_and_panels_do_not_overlap(dashboard):
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    cells = {}
+    for p in dashboard["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = p["title"]
+
+
+def test_queries_read_only_exported_metrics(dashboard):
+    for title, expr in dashboard_exprs(dashboard):
+        unknown = metric_names(expr) - EXPORTED_METRICS
+        assert not unknown, f"{title}: {unknown} are not exported by the server"
+
+
+def test_queries_are_valid_promql(dashboard, promtool, tmp_path):
+    rules = []
+    for i, (title, expr) in enumerate(dashboard_exprs(dashboard)):
+        for var, value in GRAFANA_VARS.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, f"{title}: unknown Grafana variable in {expr}"
+        rules.append({"record": f"dashboard:query{i}", "expr": expr})
+    path = tmp_path / "dashboard-queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    out = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "metric, selector",
+    [
+        ("attnserve_requests_total", "by (rpc)"),
+        ("attnserve_request_duration_seconds", "histogram_quantile(0.99"),
+        ("attnserve_request_duration_seconds", "histogram_quantile(0.5"),
+        ("attnserve_request_duration_seconds", "histogram_quantile(0.9,"),
+        ("attnserve_requests_total", 'code!="OK"'),
+        ("attnserve_batch_tokens", 'kind="real"'),
+        ("attnserve_batch_tokens", 'kind="padded"'),
+        ("attnserve_queue_depth", ""),
+        ("attnserve_inflight_requests", ""),
+        ("attnserve_batch_size", ""),
+        ("attnserve_batch_peak_memory_bytes", "by (seq_len_bucket, attention)"),
+        ("attnserve_batch_predicted_memory_bytes", "by (seq_len_bucket, attention)"),
+        ("attnserve_device_memory_used_bytes", ""),
+        ("attnserve_device_memory_total_bytes", ""),
+    ],
+)
+def test_asked_for_panels_are_there(dashboard, metric, selector):
+    assert any(metric in metric_names(expr) and selector in expr for _, expr in dashboard_exprs(dashboard)), (
+        f"no query reads {metric} {selector}"
+    )
+
+
+def test_padding_ratio_is_padded_over_real(dashboard):
+    (panel,) = [p for p in panels(dashboard) if p["title"] == "Padding ratio"]
+    numerator, denominator = panel["targets"][0]["expr"].split(" / ")
+    assert 'kind="padded"' in numerator and 'kind="real"' in denominator
+
+
+def test_measured_and_predicted_memory_side_by_side(dashboard):
+    by_title = {p["title"]: p for p in panels(dashboard)}
+    measured = by_title["Peak memory per batch by seq_len bucket (measured)"]
+    predicted = by_title["Peak memory per batch by seq_len bucket (predicted)"]
+    assert measured["gridPos"]["y"] == predicted["gridPos"]["y"]
+    assert measured["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert predicted["fieldConfig"]["defaults"]["unit"] == "bytes"
