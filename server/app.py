@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 from server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
 from server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from server.artifact import Artifact, load_artifact
+from server.calls import RejectUndecodable
 from server.config import ServeConfig
 from server.encoder_service import EncoderService
 from server.kserve_service import KServeService
@@ -89,7 +90,12 @@ class Server:
                                    self.limits)
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", config.max_message_bytes)]
-        self.grpc = grpc.aio.server(options=options)
+        if config.max_connection_age_seconds:
+            # A connection past its age gets GOAWAY; calls on it may still finish.
+            options += [("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
+                        ("grpc.max_connection_age_grace_ms", int(config.drain_seconds * 1000))]
+        self.grpc = grpc.aio.server(interceptors=[RejectUndecodable(self.metrics)],
+                                    options=options)
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
             EncoderService(self.artifact, self.runtime, self.tokenizer, self.scheduler,
                            self.metrics, config.max_message_bytes), self.grpc)

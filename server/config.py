@@ -24,6 +24,7 @@ class ServeConfig:
     memory_budget_bytes: int = 0
     drain_seconds: float = 20.0
     max_message_bytes: int = 64 * 1024 * 1024
+    max_connection_age_seconds: float = 300.0
     intra_op_threads: int = 0
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -50,6 +51,9 @@ _HELP = {
                            "(CUDA) or machine (CPU) memory",
     "drain_seconds": "on SIGTERM, how long accepted work may take to finish",
     "max_message_bytes": "largest gRPC message received or sent",
+    "max_connection_age_seconds": "close client connections after this long (they reconnect at "
+                                  "once), so clients balancing over a headless Service find new "
+                                  "replicas; 0 keeps connections forever",
     "intra_op_threads": "onnxruntime intra-op threads; 0: one per core",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
