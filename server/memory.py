@@ -3,14 +3,22 @@
 On CUDA, NVML (nvidia-ml-py) reads the device; on the CPU the process's resident set
 and the machine's total come from /proc. A batch's peak on the CPU is the rise of the
 resident high-water mark (VmHWM, reset through /proc/self/clear_refs) over the resident
-set before it; on CUDA it is the rise of the device memory NVML reports after the batch
-over what was in use before (onnxruntime's arena keeps the peak, so "after" sees it).
+set before it, after glibc has handed the heap's free pages back (malloc_trim), so memory
+an earlier batch freed but the allocator kept cannot hide this one's. On CUDA it is the
+rise of the device memory NVML reports after the batch over what was in use before
+(onnxruntime's arena keeps the peak, so "after" sees it): the arena's growth, which is 0
+for a batch that fits in what the arena already holds.
 """
 
+import ctypes
+import ctypes.util
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("attnserve.memory")
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -25,13 +33,51 @@ def resident_bytes() -> int:
     return _status_kib("VmRSS")
 
 
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cgroup_bytes(name: str) -> int | None:
+    """A cgroup v2 memory figure of this process's container, None where there is none."""
+    try:
+        text = (_CGROUP / name).read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" else int(text)
+
+
 def machine_total_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The memory this process may use: the machine's, or a container's limit when lower
+    (a pod's limit, not the node's memory, is what the OOM killer enforces)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_bytes("memory.max")
+    return min(physical, limit) if limit else physical
 
 
 def machine_available_bytes() -> int:
     match = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else machine_total_bytes()
+    available = int(match.group(1)) * 1024 if match else machine_total_bytes()
+    limit, used = _cgroup_bytes("memory.max"), _cgroup_bytes("memory.current")
+    if limit and used is not None:
+        available = min(available, max(0, limit - used))
+    return available
+
+
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim with
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Return the heap's free pages to the OS (glibc malloc_trim(0), all arenas)."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 def _reset_high_water_mark() -> bool:
@@ -61,6 +107,13 @@ class MemoryProbe:
             self.nvml = pynvml
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         self.device = "cuda:0" if cuda else "cpu"
+        # Without a resettable VmHWM (no /proc/self/clear_refs, as in some sandboxes), the
+        # high-water mark is the process's lifetime peak: fall back to what the batch still
+        # holds when it ends (its outputs), a lower bound, rather than that.
+        self.hwm_resettable = cuda or _reset_high_water_mark()
+        if not self.hwm_resettable:
+            log.warning("event=memory_probe_degraded reason='cannot reset VmHWM through "
+                        "/proc/self/clear_refs' batch_peak='rise of VmRSS after the batch'")
 
     def device_memory(self) -> DeviceMemory:
         if self.nvml is not None:
@@ -77,13 +130,17 @@ class MemoryProbe:
         """Call before a batch; returns the baseline `batch_peak` measures from."""
         if self.nvml is not None:
             return self.device_memory().used
-        _reset_high_water_mark()
+        trim_heap()
+        if self.hwm_resettable:
+            _reset_high_water_mark()
         return resident_bytes()
 
     def batch_peak(self, baseline: int) -> int:
         """Bytes the batch added at its peak over `baseline` (0 when it reused memory)."""
         if self.nvml is not None:
             return max(0, self.device_memory().used - baseline)
+        if not self.hwm_resettable:
+            return max(0, resident_bytes() - baseline)
         return max(0, max(_status_kib("VmHWM"), resident_bytes()) - baseline)
 
 
@@ -92,10 +149,12 @@ def gpu_present() -> tuple[bool, str]:
     machine without one gets a clear reason instead of a provider's error spew."""
     try:
         import pynvml
-
+    except ImportError as err:
+        return False, f"NVML unavailable (nvidia-ml-py not installed: {err})"
+    try:
         pynvml.nvmlInit()
         count = pynvml.nvmlDeviceGetCount()
-    except Exception as err:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+    except pynvml.NVMLError as err:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return False, f"NVML unavailable ({err.__class__.__name__}: {err})"
     if count == 0:
         return False, "NVML sees no GPU"

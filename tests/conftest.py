@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,12 +64,19 @@ def minilm_artifact(tmp_path_factory) -> Path:
     return export(tmp_path_factory.mktemp("minilm-artifact"))
 
 
+def free_port() -> int:
+    """A loopback port free now (for the metrics port, where 0 means "disabled")."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class ServerProcess:
     """`attnserve serve` on 127.0.0.1 with ports the OS picks, read back from its log."""
 
     def __init__(self, artifact: Path, *args: str, env: dict | None = None):
         command = [*ATTNSERVE, "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
-                   "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+                   "--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", str(free_port()),
                    "--device", "cpu", *args]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"attnserve-{os.getpid()}-{id(self)}.log"
         self.log = self.log_path.open("w+")

@@ -48,7 +48,7 @@ def test_last_hidden_state_matches_hugging_face(reference, ours):
 def test_attentions_match_hugging_face(reference, ours):
     _, expected = reference
     assert len(ours.attentions) == 6
-    for got, want in zip(ours.attentions, expected.attentions):
+    for got, want in zip(ours.attentions, expected.attentions, strict=True):
         assert got.shape == want.shape == (4, 12, got.shape[-1], got.shape[-1])
         assert (got - want).abs().max() <= 1e-6
 

@@ -1,0 +1,208 @@
+"""/metrics after a known set of requests shows exactly the counts, buckets and token
+totals those requests imply; and `promtool check metrics` accepts the exposition.
+
+The server runs on a copy of the tiny artifact with a hand-written memory_model.json
+(a = 1000 bytes, b = 1 byte per padded token, c = d = 0), so the predicted-memory
+histogram's sums are known exactly too and prove the server loaded the file."""
+
+import hashlib
+import shutil
+import subprocess
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.artifact import MANIFEST
+from server.client import EncoderClient
+from server.memory_model import MemoryModel
+from tests.conftest import ServerProcess
+from tests.server.observability import scrape_text
+
+# One request each, sent one after another (so each request is a batch of its own):
+# the lengths of its sequences (token ids, so lengths are exact) and the attention
+# layers asked for (None: no maps; []: every layer).
+REQUESTS = [
+    ([5], None),
+    ([16], None),
+    ([17], None),
+    ([20, 22, 24], None),  # one batch of 3, padded to 24
+    ([128], None),
+    ([100], []),
+    ([40], [1]),
+]
+LENGTHS = [n for lengths, _ in REQUESTS for n in lengths]
+PADDED = [len(lengths) * max(lengths) for lengths, _ in REQUESTS]
+# (seq_len_bucket, attention) -> the padded tokens of each batch that falls there
+BATCHES = {
+    ("1-16", "false"): [5, 16],
+    ("17-32", "false"): [17, 72],
+    ("65-128", "false"): [128],
+    ("65-128", "true"): [100],
+    ("33-64", "true"): [40],
+}
+MODEL_A, MODEL_B = 1000.0, 1.0
+
+
+def ids(n: int) -> list[int]:
+    return [1000 + i for i in range(n)]
+
+
+class Scrape:
+    def __init__(self, text: str):
+        self.text = text
+        self.samples: dict[tuple[str, frozenset], float] = {}
+        self.types: dict[str, str] = {}
+        for family in text_string_to_metric_families(text):
+            self.types[family.name] = family.type
+            for sample in family.samples:
+                self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+
+    def value(self, name: str, **labels) -> float:
+        key = (name, frozenset(labels.items()))
+        assert key in self.samples, f"no sample {name}{labels} in /metrics"
+        return self.samples[key]
+
+    def label_sets(self, name: str) -> set[frozenset]:
+        return {labels for sample, labels in self.samples if sample == name}
+
+    def buckets(self, name: str, **labels) -> dict[str, float]:
+        """le -> cumulative count"""
+        out = {}
+        for (sample, sample_labels), value in self.samples.items():
+            if sample == name + "_bucket":
+                rest = dict(sample_labels)
+                le = rest.pop("le")
+                if rest == labels:
+                    out[le] = value
+        return out
+
+
+@pytest.fixture(scope="module")
+def scrape(tiny_artifact, tmp_path_factory):
+    artifact = tmp_path_factory.mktemp("metrics-artifact")
+    shutil.copytree(tiny_artifact, artifact, dirs_exist_ok=True)
+    MemoryModel(a=MODEL_A, b=MODEL_B, c=0.0, d=0.0, source="written by test_metrics").save(artifact)
+    server = ServerProcess(artifact)
+    try:
+        with EncoderClient(server.address) as client:
+            for lengths, layers in REQUESTS:
+                results = client.embed(token_ids=[ids(n) for n in lengths],
+                                       attention_layers=layers)
+                assert len(results) == len(lengths)
+            with pytest.raises(grpc.RpcError) as bad:
+                client.embed(token_ids=[ids(3) + [10**6]])
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            client.tokenize(["hello world"])
+            client.model_info()
+        text = scrape_text(server)
+        log = server.output()
+    finally:
+        server.terminate()
+    sha = hashlib.sha256((artifact / MANIFEST).read_bytes()).hexdigest()
+    return Scrape(text), log, sha
+
+
+def test_requests_counted_by_rpc_and_code(scrape):
+    s, _, _ = scrape
+    expected = {("Embed", "OK"): len(REQUESTS), ("Embed", "INVALID_ARGUMENT"): 1,
+                ("Tokenize", "OK"): 1, ("GetModelInfo", "OK"): 1}
+    assert s.types["attnserve_requests"] == "counter"
+    counted = {(dict(labels)["rpc"], dict(labels)["code"]): s.samples[("attnserve_requests_total",
+                                                                       labels)]
+               for labels in s.label_sets("attnserve_requests_total")}
+    assert counted == expected
+    for (rpc, code), count in expected.items():
+        assert s.value("attnserve_request_duration_seconds_count", rpc=rpc, code=code) == count
+
+
+def test_sequence_lengths_bucketed_exactly(scrape):
+    s, _, _ = scrape
+    assert s.value("attnserve_sequence_length_tokens_count") == len(LENGTHS)
+    assert s.value("attnserve_sequence_length_tokens_sum") == sum(LENGTHS)
+    edges = {"16.0": 16, "32.0": 32, "64.0": 64, "128.0": 128}
+    expected = {le: sum(n <= edge for n in LENGTHS) for le, edge in edges.items()}
+    expected["+Inf"] = len(LENGTHS)
+    assert s.buckets("attnserve_sequence_length_tokens") == expected
+
+
+def test_batch_tokens_real_and_padded(scrape):
+    s, _, _ = scrape
+    assert s.value("attnserve_batch_tokens_sum", kind="real") == sum(LENGTHS) == 372
+    assert s.value("attnserve_batch_tokens_sum", kind="padded") == sum(PADDED) == 378
+    assert s.value("attnserve_batch_tokens_count", kind="real") == len(REQUESTS)
+    assert s.value("attnserve_batch_tokens_count", kind="padded") == len(REQUESTS)
+    assert s.value("attnserve_batch_size_count") == len(REQUESTS)
+    assert s.value("attnserve_batch_size_sum") == len(LENGTHS)
+
+
+def test_stage_counts(scrape):
+    s, _, _ = scrape
+    for stage, count in {"queue": len(REQUESTS), "inference": len(REQUESTS),
+                         "respond": len(REQUESTS), "tokenize": 1}.items():
+        assert s.value("attnserve_stage_duration_seconds_count", stage=stage) == count, stage
+
+
+def test_inference_and_memory_by_bucket_and_attention(scrape):
+    s, _, _ = scrape
+    expected = {frozenset({"seq_len_bucket": b, "attention": a}.items()): len(padded)
+                for (b, a), padded in BATCHES.items()}
+    for name in ("attnserve_inference_duration_seconds", "attnserve_batch_peak_memory_bytes",
+                 "attnserve_batch_predicted_memory_bytes"):
+        counts = {labels: s.samples[(name + "_count", labels)]
+                  for labels in s.label_sets(name + "_count")}
+        assert counts == expected, name
+    for (bucket, attention), padded in BATCHES.items():
+        # The test's memory model: a + b·batch·seq, with batch·seq the padded tokens.
+        predicted = sum(MODEL_A + MODEL_B * p for p in padded)
+        assert s.value("attnserve_batch_predicted_memory_bytes_sum", seq_len_bucket=bucket,
+                       attention=attention) == predicted
+        assert s.value("attnserve_batch_peak_memory_bytes_sum", seq_len_bucket=bucket,
+                       attention=attention) >= 0
+
+
+def test_memory_model_loaded_from_artifact(scrape):
+    _, log, _ = scrape
+    assert "memory_model='written by test_metrics'" in log
+
+
+def test_gauges_and_info(scrape):
+    s, _, sha = scrape
+    used = s.value("attnserve_device_memory_used_bytes", device="cpu")
+    total = s.value("attnserve_device_memory_total_bytes", device="cpu")
+    assert 0 < used < total
+    assert s.value("attnserve_queue_depth") == 0
+    assert s.value("attnserve_inflight_requests") == 0
+    assert s.value("attnserve_health_serving") == 1
+    infos = s.label_sets("attnserve_info")
+    assert len(infos) == 1
+    info = dict(next(iter(infos)))
+    assert info == {"model": info["model"], "provider": "CPUExecutionProvider",
+                    "precision": "fp32", "artifact_sha256": sha}
+    assert info["model"]
+    dropped = {labels: v for (name, labels), v in s.samples.items()
+               if name == "attnserve_dropped_sequences_total"}
+    assert all(v == 0 for v in dropped.values())
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: install Debian's `prometheus` package "
+                    "(apt-get install -y prometheus) to lint the /metrics exposition")
+    return path
+
+
+def test_promtool_accepts_exposition(scrape):
+    s, _, _ = scrape
+    done = subprocess.run([promtool(), "check", "metrics"], input=s.text, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert done.returncode == 0, f"promtool check metrics:\n{done.stdout}{done.stderr}"
+
+
+def test_promtool_catches_a_bad_exposition():
+    """The lint above can fail: a counter without _total is flagged."""
+    bad = "# HELP attnserve_bad A counter.\n# TYPE attnserve_bad counter\nattnserve_bad 1\n"
+    done = subprocess.run([promtool(), "check", "metrics"], input=bad, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert done.returncode != 0
