@@ -12,7 +12,7 @@ from prometheus_client import start_http_server
 
 from server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
 from server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from server.artifact import Artifact, load_artifact
+from server.artifact import MEMORY_MODEL, TOKENIZER, Artifact, ArtifactError, load_artifact
 from server.calls import RejectUndecodable
 from server.config import ServeConfig
 from server.encoder_service import EncoderService
@@ -57,12 +57,20 @@ class Server:
                                config.intra_op_threads)
         self.metrics = Metrics(manifest.max_positions)
         self.probe = MemoryProbe(cuda=self.runtime.provider == CUDA)
-        self.memory_model = load_memory_model(self.artifact.directory, manifest)
+        try:
+            self.memory_model = load_memory_model(self.artifact.directory, manifest)
+        except (ValueError, TypeError) as err:
+            raise ArtifactError(f"{self.artifact.path(MEMORY_MODEL)}: not a valid memory model "
+                                f"({err})") from err
         budget = config.memory_budget_bytes or int(self.probe.available_bytes() * DEFAULT_BUDGET_SHARE)
         self.limits = Limits(config.max_batch_size, config.max_batch_tokens,
                              config.max_queue_requests, config.max_queue_tokens, budget,
                              config.max_wait_ms / 1000)
-        self.tokenizer = TextTokenizer(self.artifact.path("tokenizer.json"), manifest.max_positions)
+        try:
+            self.tokenizer = TextTokenizer(self.artifact.path(TOKENIZER), manifest.max_positions)
+        except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+            raise ArtifactError(f"{self.artifact.path(TOKENIZER)}: not a valid tokenizer "
+                                f"({err})") from err
         self.health = health.aio.HealthServicer()
         self.serving = False
         self.bound_port = 0
@@ -131,9 +139,22 @@ class Server:
         log.info("event=draining seconds=%.0f", self.config.drain_seconds)
         await self._set_health(False)
         finished = await self.scheduler.drain(self.config.drain_seconds)
-        # Give answered requests a moment to reach their callers, then close.
+        # Give answered requests a moment to reach their callers, then close. Calls still
+        # waiting inside gRPC for a handler at this instant were never accepted; gRPC
+        # cancels them (CANCELLED).
         await self.grpc.stop(grace=1.0)
-        log.info("event=stopped all_finished=%s", finished)
+        log.info("event=stopped all_finished=%s answered=%s", finished, self._answered())
+
+    def _answered(self) -> str:
+        """Calls answered over the server's life by status, e.g. OK:12,UNAVAILABLE:3: what
+        callers must have received, to compare against their count."""
+        counts: dict[str, int] = {}
+        for metric in self.metrics.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    code = sample.labels["code"]
+                    counts[code] = counts.get(code, 0) + int(sample.value)
+        return ",".join(f"{code}:{n}" for code, n in sorted(counts.items())) or "none"
 
 
 async def run(config: ServeConfig) -> None:

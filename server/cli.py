@@ -54,6 +54,20 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return run_embed(args)
 
 
+def cmd_memory_profile(args: argparse.Namespace) -> int:
+    # Imported here: a benchmark, with matplotlib, that serving never loads.
+    from bench.memory_profile import run_memory_profile
+
+    return run_memory_profile(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    # Imported here: the benchmark drives torch and onnxruntime in subprocesses of its own.
+    from bench.run import main as run_bench
+
+    return run_bench(args.bench_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from server.config import add_serve_arguments
 
@@ -91,6 +105,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="texts per request with --file")
     p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("memory-profile",
+                       help="peak memory of one batch against its shape (each in a fresh "
+                            "process); fit the memory model and save it beside the artifact")
+    p.add_argument("--artifact", type=Path, required=True, help="artifact directory")
+    p.add_argument("--seq-lens", default="16,32,64,128,256,512",
+                   help="comma-separated sequence lengths (those over the model's positions "
+                        "are skipped)")
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--attention", action="store_true",
+                   help="also measure each shape with every layer's attention maps returned")
+    p.add_argument("--out", type=Path, default=Path("bench/results/memory-profile"),
+                   help="folder for memory_profile.{csv,json,png}")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="as for serve")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16"))
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads; 0: all")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each shape in its process; the largest rise counts")
+    p.add_argument("--holdout-every", type=int, default=3,
+                   help="hold out every Nth shape to score the fit")
+    p.add_argument("--no-save-model", action="store_true",
+                   help="do not write memory_model.json beside the artifact")
+    p.set_defaults(func=cmd_memory_profile)
+
+    # Its flags belong to bench/run.py (`attnserve bench --help`): "+" as the prefix lets
+    # every "--flag" through to it untouched.
+    p = sub.add_parser("bench", add_help=False, prefix_chars="+",
+                       help="raw onnxruntime vs attnserve over gRPC vs PyTorch, one table "
+                            "(--quick: a 2-minute smoke run; --help for its flags)")
+    p.add_argument("bench_args", nargs="*", help="flags for bench/run.py")
+    p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_level", None) or "info")

@@ -57,10 +57,10 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             sequences = [e.ids for e in await self._tokenize(request.texts, request.truncate)]
         else:
             sequences = token_id_sequences(request, self.manifest)
-        check_response_size(plan, [len(s) for s in sequences], self.manifest,
-                            self.max_message_bytes)
+        size = check_response_size(plan, [len(s) for s in sequences], self.manifest,
+                                   self.max_message_bytes)
         layers = plan.attention.graph_layers if plan.attention else ()
-        results = await self.scheduler.submit(sequences, layers, deadline_of(context))
+        results = await self.scheduler.submit(sequences, layers, deadline_of(context), size)
         started = time.perf_counter()
 
         def respond() -> pb.EmbedResponse:

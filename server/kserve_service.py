@@ -134,7 +134,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             layers.update(known[name])
         return names, tuple(sorted(layers))
 
-    def _check_size(self, names: list[str], batch: int, seq: int) -> None:
+    def _check_size(self, names: list[str], batch: int, seq: int) -> int:
         m = self.manifest
         per_layer = batch * m.num_heads * seq * seq * 4
         total = sum(batch * seq * m.hidden_size * 4 if n == HIDDEN_OUTPUT
@@ -144,6 +144,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                 f"response would be about {total / (1 << 20):.1f} MiB, over the "
                 f"{self.max_message_bytes / (1 << 20):.1f} MiB message limit: request fewer "
                 "attentions.K outputs or a smaller batch")
+        return total
 
     async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         self._check_model(request.model_name)
@@ -152,8 +153,8 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         sequences = self._sequences(ids, mask)
         names, layers = self._outputs(request)
         batch, seq = ids.shape
-        self._check_size(names, batch, seq)
-        results = await self.scheduler.submit(sequences, layers, deadline_of(context))
+        size = self._check_size(names, batch, seq)
+        results = await self.scheduler.submit(sequences, layers, deadline_of(context), size)
 
         m = self.manifest
         response = pb.ModelInferResponse(model_name=m.model_name, model_version="1", id=request.id)

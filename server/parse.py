@@ -98,8 +98,9 @@ def token_id_sequences(request: pb.EmbedRequest, manifest: Manifest) -> list[np.
 
 
 def check_response_size(plan: EmbedPlan, lengths: list[int], manifest: Manifest,
-                        limit: int) -> None:
-    """Refuse, before any work, a response the transport would refuse after all of it."""
+                        limit: int) -> int:
+    """Refuse, before any work, a response the transport would refuse after all of it;
+    returns the response's size in bytes."""
     item = np.dtype(plan.dtype).itemsize
     total = 0
     for n in lengths:
@@ -112,3 +113,4 @@ def check_response_size(plan: EmbedPlan, lengths: list[int], manifest: Manifest,
             f"response would be about {total / (1 << 20):.1f} MiB, over the "
             f"{limit / (1 << 20):.1f} MiB message limit: ask for fewer attention layers or "
             "heads, set average_heads, use dtype=DTYPE_FLOAT16, or send fewer texts")
+    return total

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from server.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, ArtifactError, attention_output
 from server.memory import gpu_present
@@ -14,6 +15,9 @@ log = logging.getLogger("attnserve.runtime")
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+# What onnxruntime raises for a file it cannot load as a graph: the artifact's fault.
+GRAPH_ERRORS = (ort_errors.InvalidProtobuf, ort_errors.InvalidGraph, ort_errors.NoSuchFile,
+                ort_errors.NoModel, ort_errors.NotImplemented, ort_errors.Fail)
 
 
 class DeviceError(RuntimeError):
@@ -92,15 +96,27 @@ class Runtime:
             # device holds close to the real peak.
             providers = [(CUDA, {"arena_extend_strategy": "kSameAsRequested"}), CPU]
         path = self.artifact.path(file)
-        session = ort.InferenceSession(str(path), options, providers=providers)
+        try:
+            session = ort.InferenceSession(str(path), options, providers=providers)
+        except GRAPH_ERRORS as err:
+            raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({err})") from err
         if provider == CUDA and CUDA not in session.get_providers():
             raise DeviceError(f"{file}: onnxruntime did not place the graph on CUDA")
         inputs = [i.name for i in session.get_inputs()]
         if inputs != list(INPUT_NAMES):
             raise ArtifactError(f"{path}: graph inputs {inputs}, expected {list(INPUT_NAMES)}")
+        for i in session.get_inputs():
+            if i.type != "tensor(int64)" or len(i.shape) != 2:
+                raise ArtifactError(f"{path}: graph input {i.name} is {i.type} {i.shape}, "
+                                    "expected tensor(int64) [batch, seq]")
         outputs = {o.name for o in session.get_outputs()}
         if HIDDEN_OUTPUT not in outputs:
             raise ArtifactError(f"{path}: graph has no {HIDDEN_OUTPUT} output")
+        if file == self.attn_graph.file:
+            missing = [attention_output(k) for k in range(self.artifact.manifest.num_layers)
+                       if attention_output(k) not in outputs]
+            if missing:
+                raise ArtifactError(f"{path}: attention graph lacks outputs {missing}")
         return session
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,

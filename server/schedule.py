@@ -9,24 +9,36 @@ tokens: past either, a request is refused at once instead of waiting without end
 """
 
 import asyncio
+import bisect
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
+from server.calls import DEADLINE_SLACK_S
 from server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
-from server.memory import MemoryProbe
+from server.memory import MemoryProbe, trim_heap
 from server.memory_model import MemoryModel
 from server.metrics import Metrics
-from server.runtime import Runtime
+from server.runtime import CPU, Runtime
 
 log = logging.getLogger("attnserve.schedule")
 
 # Padded tokens a batch may compute per real token: beyond it, a sequence waits for a
 # batch of its own length instead.
 MAX_PADDING_RATIO = 1.2
+# On the CPU a response is built and sent from the same memory the batches run in, and
+# it is held several times over at its peak: the results, the message, protobuf's
+# growing encode buffer and the bytes handed to gRPC. Measured on MiniLM (a 37 MiB
+# response of attention maps), the process rose 4-5 responses over the batch's own
+# peak, beyond the budget; admission counts this many copies of the response.
+RESPONSE_COPIES = 4
+# A batch that raised the resident set by this much gives its freed memory back to the
+# OS as soon as it ends.
+TRIM_AFTER_BYTES = 16 << 20
 
 
 @dataclass
@@ -46,8 +58,13 @@ class Job:
     deadline: float | None
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
+    response_bytes: int = 0
     results: list[SequenceResult | None] = field(default_factory=list)
     waiting: int = 0
+    """sequences still queued"""
+    unanswered: int = 0
+    """sequences without a result yet"""
+    items: list["Waiting"] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.future.done()
@@ -83,9 +100,19 @@ class Scheduler:
         self.limits = limits
         manifest = runtime.artifact.manifest
         self.heads = manifest.num_heads
+        self.hidden = manifest.hidden_size
         self.num_layers = manifest.num_layers
         self.pad_id = manifest.pad_token_id
-        self.queue: list[Waiting] = []
+        # On CUDA the budget is the device's; responses live in host memory.
+        self.response_copies = RESPONSE_COPIES if runtime.provider == CPU else 0
+        # The queue, oldest first, as insertion-ordered dicts used as sets, and the same
+        # sequences indexed by (layers, length) -> oldest first: forming a batch, taking
+        # it out and dropping a request cost the same however long the queue is (a list
+        # scanned and sorted per batch made one request of 50k tiny texts take a minute
+        # and stall the event loop).
+        self.queue: dict[Waiting, None] = {}
+        self.by_length: dict[tuple[int, ...], dict[int, dict[Waiting, None]]] = {}
+        self.jobs: dict[Job, None] = {}
         self.queued_jobs = 0
         self.queued_tokens = 0
         self.draining = False
@@ -106,7 +133,8 @@ class Scheduler:
     def predicted_bytes(self, batch: int, seq: int, layers: int) -> float:
         return self.memory_model.predict(batch, seq, self.heads, layers)
 
-    def _admit(self, sequences: list[np.ndarray], layers: tuple[int, ...]) -> None:
+    def _admit(self, sequences: list[np.ndarray], layers: tuple[int, ...],
+               response_bytes: int = 0) -> None:
         if self.draining:
             raise Unavailable("server is draining: send new work to another replica")
         if self.queued_jobs + 1 > self.limits.max_queue_requests:
@@ -123,11 +151,30 @@ class Scheduler:
             need = self.predicted_bytes(1, len(seq), len(layers))
             if need > budget:
                 raise ResourceExhausted(self._too_big(index, len(seq), len(layers), need, budget))
+        extra = self.response_copies * response_bytes
+        if extra:
+            peak = max(self.predicted_bytes(1, len(s), len(layers)) for s in sequences)
+            if peak + extra > budget:
+                mib = 1 << 20
+                raise ResourceExhausted(
+                    f"the response, about {response_bytes / mib:.1f} MiB, takes about "
+                    f"{extra / mib:.0f} MiB to build and send on top of the batch's "
+                    f"{peak / mib:.0f} MiB at peak, over the memory budget of {budget / mib:.0f} "
+                    f"MiB; what fits: a response of up to "
+                    f"{max(0.0, budget - peak) / self.response_copies / mib:.1f} MiB (send fewer "
+                    "texts per request, ask for fewer attention layers or heads, set "
+                    "average_heads, or use dtype=DTYPE_FLOAT16)")
+
+    def _alone_bytes(self, seq: int, layers: int) -> float:
+        """One sequence alone with its response at the largest (every head, float32 maps,
+        token embeddings): what the alternatives a refusal offers must fit in."""
+        response = 4 * (layers * self.heads * seq * seq + (seq + 1) * self.hidden)
+        return self.predicted_bytes(1, seq, layers) + self.response_copies * response
 
     def _too_big(self, index: int, length: int, layers: int, need: float, budget: int) -> str:
-        fits_len = max((n for n in range(1, length) if self.predicted_bytes(1, n, layers) <= budget),
+        fits_len = max((n for n in range(1, length) if self._alone_bytes(n, layers) <= budget),
                        default=0)
-        fits_layers = max((k for k in range(0, layers) if self.predicted_bytes(1, length, k) <= budget),
+        fits_layers = max((k for k in range(layers) if self._alone_bytes(length, k) <= budget),
                           default=0)
         mib = 1 << 20
         return (
@@ -138,13 +185,22 @@ class Scheduler:
         )
 
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
-                     deadline: float | None = None) -> list[SequenceResult]:
-        """Queue a request's sequences and wait for their results (in order)."""
-        self._admit(sequences, layers)
-        job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future())
+                     deadline: float | None = None,
+                     response_bytes: int = 0) -> list[SequenceResult]:
+        """Queue a request's sequences and wait for their results (in order).
+        `response_bytes`: the size of the response the results become, counted against
+        the memory budget with the batch they run in."""
+        self._admit(sequences, layers, response_bytes)
+        job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
+                  response_bytes=response_bytes)
         job.results = [None] * len(sequences)
-        job.waiting = len(sequences)
-        self.queue.extend(Waiting(job, i) for i in range(len(sequences)))
+        job.waiting = job.unanswered = len(sequences)
+        job.items = [Waiting(job, i) for i in range(len(sequences))]
+        lengths = self.by_length.setdefault(layers, {})
+        for w in job.items:
+            self.queue[w] = None
+            lengths.setdefault(w.length, {})[w] = None
+        self.jobs[job] = None
         self.queued_jobs += 1
         self.queued_tokens += sum(len(s) for s in sequences)
         for seq in sequences:
@@ -155,25 +211,37 @@ class Scheduler:
             return await job.future
         except asyncio.CancelledError:
             # The caller went away (or its deadline passed): free its place at once.
-            expired = deadline is not None and time.monotonic() >= deadline
+            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
             self._drop(job, "deadline" if expired else "cancelled", None)
             raise
 
     # --- the worker ------------------------------------------------------------------
 
     def _leave_queue(self, items: list[Waiting]) -> None:
-        taken = set(map(id, items))
-        self.queue = [w for w in self.queue if id(w) not in taken]
         now = time.monotonic()
         for w in items:
+            del self.queue[w]
+            layers = w.job.layers
+            lengths = self.by_length[layers]
+            same = lengths[w.length]
+            del same[w]
+            if not same:
+                del lengths[w.length]
+                if not lengths:
+                    del self.by_length[layers]
             self.queued_tokens -= w.length
             w.job.waiting -= 1
             if w.job.waiting == 0:
+                del self.jobs[w.job]
+                # Break the cycle job -> items -> job, so the batch outputs its results
+                # are views of are freed once the caller is answered, not at the next
+                # garbage collection.
+                w.job.items = []
                 self.queued_jobs -= 1
                 self.metrics.stage_duration.labels("queue").observe(now - w.job.enqueued)
 
     def _drop(self, job: Job, reason: str, error: RequestError | None) -> None:
-        mine = [w for w in self.queue if w.job is job]
+        mine = [w for w in job.items if w in self.queue]
         if mine:
             self.metrics.dropped.labels(reason).inc(len(mine))
             self._leave_queue(mine)
@@ -183,7 +251,7 @@ class Scheduler:
 
     def _drop_expired(self) -> None:
         now = time.monotonic()
-        for job in {w.job for w in self.queue}:
+        for job in list(self.jobs):
             if job.future.done():
                 self._drop(job, "cancelled", None)
             elif job.deadline is not None and now >= job.deadline:
@@ -193,16 +261,19 @@ class Scheduler:
     def _fits(self, batch: list[Waiting], layers: int) -> bool:
         count, longest = len(batch), batch[-1].length
         real = sum(w.length for w in batch)
-        return (count <= self.limits.max_batch_size
-                and count * longest <= self.limits.max_batch_tokens
-                and count * longest <= MAX_PADDING_RATIO * real
-                and self.predicted_bytes(count, longest, layers) <= self.limits.memory_budget_bytes)
+        if (count > self.limits.max_batch_size
+                or count * longest > self.limits.max_batch_tokens
+                or count * longest > MAX_PADDING_RATIO * real):
+            return False
+        responses = sum(job.response_bytes for job in {w.job for w in batch})
+        need = self.predicted_bytes(count, longest, layers) + self.response_copies * responses
+        return need <= self.limits.memory_budget_bytes
 
     def next_batch(self) -> list[Waiting]:
         """The oldest waiting sequence and its nearest neighbours in length."""
-        oldest = self.queue[0]
+        oldest = next(iter(self.queue))
         layers = oldest.job.layers
-        same = sorted((w for w in self.queue if w.job.layers == layers), key=lambda w: w.length)
+        same = self._neighbours(oldest)
         lo = hi = next(i for i, w in enumerate(same) if w is oldest)
         while True:
             grow_down = lo > 0 and self._fits(same[lo - 1:hi + 1], len(layers))
@@ -215,12 +286,29 @@ class Scheduler:
             else:
                 return same[lo:hi + 1]
 
+    def _neighbours(self, oldest: Waiting) -> list[Waiting]:
+        """The sequences with oldest's layers sorted by length (queue order within a
+        length), cut to the max_batch_size - 1 either side of oldest: no batch reaches
+        further. Oldest comes first among its length, being the oldest of all."""
+        reach = self.limits.max_batch_size - 1
+        lengths = self.by_length[oldest.job.layers]
+        keys = sorted(lengths)
+        at = bisect.bisect_left(keys, oldest.length)
+        below = islice((w for n in reversed(keys[:at]) for w in reversed(lengths[n])), reach)
+        upward = islice((w for n in keys[at:] for w in lengths[n]), reach + 1)
+        return list(below)[::-1] + list(upward)
+
     def _infer(self, ids: np.ndarray, mask: np.ndarray, layers: tuple[int, ...]):
         """On the inference thread: the batch, its time and its peak memory."""
         baseline = self.probe.start_batch()
         started = time.perf_counter()
         out = self.runtime.run(ids, mask, layers)
-        return out, time.perf_counter() - started, self.probe.batch_peak(baseline)
+        seconds, peak = time.perf_counter() - started, self.probe.batch_peak(baseline)
+        if peak >= TRIM_AFTER_BYTES:
+            # Hand what the batch freed back now, not at the next batch: the response is
+            # built beside it, and together they overshot the memory budget.
+            trim_heap()
+        return out, seconds, peak
 
     async def _run(self, batch: list[Waiting]) -> None:
         self._leave_queue(batch)
@@ -248,7 +336,8 @@ class Scheduler:
                 out.hidden[row, :w.length],
                 {layer: maps[row, :, :w.length, :w.length] for layer, maps in out.attentions.items()},
             )
-            if all(r is not None for r in job.results):
+            job.unanswered -= 1
+            if job.unanswered == 0:
                 job.future.set_result(job.results)
 
     def _record(self, count: int, longest: int, real: int, layers: tuple[int, ...],

@@ -1,0 +1,133 @@
+"""Promise: graceful drain. On SIGTERM health turns NOT_SERVING, new work gets UNAVAILABLE,
+accepted work finishes (correctly) within --drain-seconds, and the process exits 0: no
+accepted request is lost.
+
+"Accepted" is counted by the server itself: it logs the calls it answered by status when it
+stops, and every one it answered OK must have reached its caller, correct. A call that
+reaches gRPC at the instant the port closes, before any handler saw it, is cancelled by
+gRPC (CANCELLED): it was never accepted, and it can only be one sent after SIGTERM."""
+
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from server._proto.inference import grpc_service_pb2 as kpb
+from server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
+from tests.server.reliability import (
+    BIG,
+    Reference,
+    embed_ids,
+    health,
+    ids_of,
+    sample,
+    scrape,
+    sequences_for,
+    serve,
+    stub,
+    wait_for,
+)
+
+CALLERS = 8
+LOAD_BEFORE_S = 1.5
+AFTER_SIGTERM_S = 3.0
+
+
+def test_sigterm_under_load_answers_everything_accepted_and_exits_0(tiny_artifact):
+    reference = Reference(tiny_artifact)
+    server = serve(tiny_artifact, "--max-wait-ms", "2")
+    outcomes: list[tuple[list[list[int]], grpc.StatusCode, object, float]] = []
+    lock = threading.Lock()
+    sigterm_at = time.monotonic() + LOAD_BEFORE_S
+    stop_at = sigterm_at + AFTER_SIGTERM_S
+
+    def caller(seed: int) -> int:
+        rng = np.random.default_rng(seed)
+        sent = 0
+        with grpc.insecure_channel(server.address, options=BIG) as channel:
+            encoder = stub(channel)
+            while time.monotonic() < stop_at and sent < 2000:
+                sequences = [ids_of(rng, int(rng.integers(1, 129)))
+                             for _ in range(int(rng.integers(1, 4)))]
+                sent += 1
+                started = time.monotonic()
+                try:
+                    response = encoder.Embed(embed_ids(sequences), timeout=30)
+                    outcome = (sequences, grpc.StatusCode.OK, response, started)
+                except grpc.RpcError as err:
+                    outcome = (sequences, err.code(), err.details(), started)
+                with lock:
+                    outcomes.append(outcome)
+                if outcome[1] != grpc.StatusCode.OK and time.monotonic() > sigterm_at:
+                    time.sleep(0.05)  # the server is going: keep knocking, gently
+        return sent
+
+    with ThreadPoolExecutor(CALLERS) as pool:
+        counts = [pool.submit(caller, seed) for seed in range(CALLERS)]
+        time.sleep(LOAD_BEFORE_S)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(60)
+        sent = sum(c.result() for c in counts)
+    log = server.output()
+    server.terminate()
+
+    assert code == 0, log[-2000:]
+    stopped = re.search(r"event=stopped all_finished=True answered=(\S+)", log)
+    assert stopped, log[-2000:]
+    answered = {k: int(v) for k, v in (kv.split(":") for kv in stopped.group(1).split(","))}
+    by_code: dict[str, int] = {}
+    for sequences, status, response, started in outcomes:
+        by_code[status.name] = by_code.get(status.name, 0) + 1
+        if status == grpc.StatusCode.OK:
+            for ids, embedding in zip(sequences, response.embeddings, strict=True):
+                reference.check_embedding(ids, embedding)
+        elif status == grpc.StatusCode.CANCELLED:
+            assert started > sigterm_at, "a call sent before SIGTERM was cancelled"
+        else:
+            assert status == grpc.StatusCode.UNAVAILABLE, (status, response)
+    assert len(outcomes) == sent, "a call went unanswered"
+    assert by_code.get("OK", 0) > 0 and by_code.get("UNAVAILABLE", 0) > 0, by_code
+    # Every call the server accepted and answered reached its caller.
+    assert answered.get("OK", 0) == by_code["OK"], (answered, by_code)
+    assert set(answered) <= {"OK", "UNAVAILABLE"}, answered
+    print(f"\ndrain under load: sent={sent} client_ok={by_code.get('OK', 0)} "
+          f"server_ok={answered.get('OK', 0)} unavailable={by_code.get('UNAVAILABLE', 0)} "
+          f"cancelled_at_close={by_code.get('CANCELLED', 0)} lost=0 exit={code}")
+
+
+def test_sigterm_during_a_long_request_finishes_it_and_refuses_new_work(minilm_artifact):
+    reference = Reference(minilm_artifact)
+    server = serve(minilm_artifact, "--drain-seconds", "120")
+    rng = np.random.default_rng(7)
+    ids = ids_of(rng, 512)
+    try:
+        with grpc.insecure_channel(server.address, options=BIG) as channel:
+            encoder = stub(channel)
+            kserve = kpb_grpc.GRPCInferenceServiceStub(channel)
+            assert health(server.address) == "SERVING"
+            count = sequences_for(encoder, rng, 3.0)
+            long_call = encoder.Embed.future(embed_ids([ids] * count), timeout=300)
+            assert wait_for(lambda: sample(scrape(server), "attnserve_inflight_requests") >= 1, 30)
+            server.proc.send_signal(signal.SIGTERM)
+            assert wait_for(lambda: health(server.address) == "NOT_SERVING", 10)
+            assert health(server.address, "attnserve.v1.EncoderService") == "NOT_SERVING"
+            assert not kserve.ServerReady(kpb.ServerReadyRequest(), timeout=10).ready
+            try:
+                encoder.Embed(embed_ids([ids_of(rng, 10)]), timeout=10)
+                raise AssertionError("new work was accepted while draining")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert "draining" in err.details()
+            assert not long_call.done(), "the long request finished before the checks"
+            response = long_call.result()
+        reference.check_embedding(ids, response.embeddings[0], atol=1e-4)
+        assert len(response.embeddings) == count
+        assert server.proc.wait(60) == 0
+    finally:
+        server.terminate()
+    print(f"\ndrain with a long request: NOT_SERVING, new work UNAVAILABLE, the {count}x512 "
+          "request answered correctly, exit 0")

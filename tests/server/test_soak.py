@@ -1,0 +1,92 @@
+"""Promise: thousands of small requests leave no trace. A soak of a few thousand tiny
+requests (texts, token ids, KServe, Tokenize, and a share of invalid ones so the error
+paths run too) from a few callers: every one answered as expected, and the server's
+resident memory (VmRSS) and open file descriptors do not grow beyond a stated bound."""
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from server._proto.attnserve.v1 import encoder_pb2 as pb
+from server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
+from server.artifact import load_artifact
+from tests.server.reliability import MIB, embed_ids, ids_of, infer_request, rss, serve, stub
+
+CALLERS = 4
+WARM_UP = 400
+SOAK = 4000
+# What a few thousand requests may add to the resident set once warm: allocator and
+# interpreter noise, not a per-request leak (at 4000 requests, 8 MiB is 2 KiB each).
+RSS_GROWTH_BOUND = 8 * MIB
+FD_GROWTH_BOUND = 8
+WORDS = ["alpha", "beta", "gamma", "δέλτα", "服务", "🙂", "token", "attention", "x" * 40]
+
+
+def run_requests(server, model: str, count: int, seed: int) -> dict[str, int]:
+    codes: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def caller(index: int) -> None:
+        rng = np.random.default_rng(seed * 100 + index)
+        with grpc.insecure_channel(server.address) as channel:
+            encoder, kserve = stub(channel), kpb_grpc.GRPCInferenceServiceStub(channel)
+            for i in range(count // CALLERS):
+                kind = i % 10
+                try:
+                    if kind < 4:
+                        text = " ".join(rng.choice(WORDS, size=int(rng.integers(1, 12))))
+                        response = encoder.Embed(pb.EmbedRequest(texts=[text]), timeout=30)
+                        assert len(response.embeddings) == 1
+                    elif kind < 7:
+                        ids = ids_of(rng, int(rng.integers(1, 24)))
+                        response = encoder.Embed(embed_ids([ids], [0] if kind == 6 else None),
+                                                 timeout=30)
+                        assert list(response.embeddings[0].token_ids) == ids
+                    elif kind == 7:
+                        kserve.ModelInfer(infer_request(model, [ids_of(rng, 8)]), timeout=30)
+                    elif kind == 8:
+                        encoder.Tokenize(pb.TokenizeRequest(texts=["soak"]), timeout=30)
+                    else:  # invalid: an id outside the vocabulary
+                        encoder.Embed(embed_ids([[101, 10 ** 6, 102]]), timeout=30)
+                    code = "OK"
+                except grpc.RpcError as err:
+                    code = err.code().name
+                with lock:
+                    codes[code] = codes.get(code, 0) + 1
+
+    with ThreadPoolExecutor(CALLERS) as pool:
+        list(pool.map(caller, range(CALLERS)))
+    return codes
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_soak_of_small_requests_does_not_grow_the_server(tiny_artifact):
+    model = load_artifact(tiny_artifact).manifest.model_name
+    server = serve(tiny_artifact)
+    pid = server.proc.pid
+    try:
+        run_requests(server, model, WARM_UP, seed=1)
+        time.sleep(0.5)
+        rss_warm, fds_warm = rss(pid), open_fds(pid)
+        started = time.monotonic()
+        codes = run_requests(server, model, SOAK, seed=2)
+        took = time.monotonic() - started
+        time.sleep(0.5)
+        rss_after, fds_after = rss(pid), open_fds(pid)
+    finally:
+        assert server.terminate() == 0
+    assert sum(codes.values()) == SOAK
+    assert codes == {"OK": SOAK * 9 // 10, "INVALID_ARGUMENT": SOAK // 10}, codes
+    growth = rss_after - rss_warm
+    print(f"\nsoak: {SOAK} requests in {took:.1f}s ({SOAK / took:.0f}/s) {codes}; RSS "
+          f"{rss_warm / MIB:.1f} -> {rss_after / MIB:.1f} MiB ({growth / MIB:+.2f}, bound "
+          f"{RSS_GROWTH_BOUND / MIB:.0f}); fds {fds_warm} -> {fds_after}")
+    assert growth <= RSS_GROWTH_BOUND
+    assert fds_after - fds_warm <= FD_GROWTH_BOUND
