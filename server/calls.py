@@ -50,8 +50,7 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
         await context.abort(code, f"internal error: {err.__class__.__name__}")
     finally:
         metrics.inflight.dec()
-        metrics.requests.labels(rpc, code.name).inc()
-        metrics.request_duration.labels(rpc, code.name).observe(time.perf_counter() - started)
+        metrics.answered(rpc, code.name, time.perf_counter() - started)
 
 
 class Undecodable:
@@ -83,7 +82,7 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
 
         async def refuse(request, context) -> None:
             if isinstance(request, Undecodable):
-                self.metrics.requests.labels(rpc, grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+                self.metrics.answered(rpc, grpc.StatusCode.INVALID_ARGUMENT.name, 0.0)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request: not a valid {rpc} message ({request.reason})")
 

@@ -83,5 +83,10 @@ class Metrics:
             "attnserve_health_serving", "1 while grpc.health.v1 answers SERVING.", registry=registry)
         self.info = Info("attnserve", "The model being served.", registry=registry)
 
+    def answered(self, rpc: str, code: str, seconds: float) -> None:
+        """One call finished with status `code`: both request metrics move together."""
+        self.requests.labels(rpc, code).inc()
+        self.request_duration.labels(rpc, code).observe(seconds)
+
     def bucket(self, length: int) -> str:
         return seq_len_bucket(length, self.edges)

@@ -66,9 +66,6 @@ class Job:
     """sequences without a result yet"""
     items: list["Waiting"] = field(default_factory=list)
 
-    def finished(self) -> bool:
-        return self.future.done()
-
 
 @dataclass(eq=False)
 class Waiting:
@@ -101,7 +98,6 @@ class Scheduler:
         manifest = runtime.artifact.manifest
         self.heads = manifest.num_heads
         self.hidden = manifest.hidden_size
-        self.num_layers = manifest.num_layers
         self.pad_id = manifest.pad_token_id
         # On CUDA the budget is the device's; responses live in host memory.
         self.response_copies = RESPONSE_COPIES if runtime.provider == CPU else 0
