@@ -69,7 +69,7 @@ class Measurement:
 
 def measure_shape(artifact_dir: Path, batch: int, seq: int, attention: bool, device: str,
                   precision: str, threads: int, repeats: int) -> Measurement:
-    from server.memory import MemoryProbe
+    from server.memory import MemoryProbe, trim_heap
     from server.runtime import CUDA, Runtime
 
     artifact = load_artifact(artifact_dir)
@@ -87,6 +87,7 @@ def measure_shape(artifact_dir: Path, batch: int, seq: int, attention: bool, dev
     layers = tuple(range(manifest.num_layers)) if attention else ()
     peaks, times, first_baseline = [], [], None
     for _ in range(repeats):
+        trim_heap()  # what set-up and earlier runs freed must not hide this run's need
         baseline = probe.start_batch()
         if first_baseline is None:
             first_baseline = baseline

@@ -1,0 +1,331 @@
+"""The phases that run in their own process, one engine each:
+
+    python -m bench.phases {peak,memory,torch} SPEC.json OUT.json
+    python -m bench.phases worker SPEC.json      (the raw session, driven over stdin)
+
+`peak` imports numpy and torch; `worker` and `memory` onnxruntime (through the server's
+own Runtime); `torch` our PyTorch model and sentence-transformers. None imports another's
+engine, and the torch phase never runs while the server or the raw worker is up.
+"""
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.measure import FULL, QUICK, latency_summary, repeat, shape_row, workload_row
+from bench.workloads import Workload, padded_batch
+
+log = logging.getLogger("bench.phases")
+
+
+
+# --- FLOP peak --------------------------------------------------------------------------
+
+def phase_peak(spec: dict) -> dict:
+    """float32 matmul 2048 × 2048 at `threads` threads with numpy and with torch."""
+    n, threads = 2048, spec["threads"]
+    flop = 2 * n ** 3
+    reps = 10 if spec["quick"] else 25
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    out: dict = {"n": n, "threads": threads, "flop_per_matmul": flop}
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # the env variables set by the parent already cap BLAS threads
+        threadpool_limits = None
+    if threadpool_limits is not None:
+        with threadpool_limits(threads):
+            times = _matmul_times(lambda: a @ b, reps)
+    else:
+        times = _matmul_times(lambda: a @ b, reps)
+    out["numpy_gflops"] = flop / float(np.median(times)) / 1e9
+    import torch
+
+    torch.set_num_threads(threads)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    times = _matmul_times(lambda: ta @ tb, reps)
+    out["torch_gflops"] = flop / float(np.median(times)) / 1e9
+    out["peak_gflops"] = max(out["numpy_gflops"], out["torch_gflops"])
+    out["peak_source"] = "torch" if out["torch_gflops"] >= out["numpy_gflops"] else "numpy"
+    return out
+
+
+def _matmul_times(call, reps: int) -> list[float]:
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# --- raw onnxruntime ------------------------------------------------------------------------
+
+def _rss_probe():
+    from server.memory import MemoryProbe
+
+    return MemoryProbe(cuda=False)
+
+
+class RawEngine:
+    """The server's own Runtime (same graph file, same session options), in-process, and
+    optionally the unfused graph with the same options."""
+
+    def __init__(self, spec: dict):
+        from server.artifact import load_artifact
+        from server.runtime import CPU, Runtime
+
+        self.workload = Workload.load(spec["workload"])
+        self.artifact = load_artifact(spec["artifact"])
+        self.runtime = Runtime(self.artifact, device="cpu", intra_op_threads=spec["threads"])
+        self.pad = self.artifact.manifest.pad_token_id
+        self.sessions = {"opt": self.runtime.embed}
+        self.info = {"graph": self.runtime.embed_graph.file,
+                     "attention_graph": self.runtime.attn_graph.file, "threads": spec["threads"]}
+        plain = next((g for g in self.artifact.manifest.graphs
+                      if not g.attention and g.precision == "fp32" and not g.optimized), None)
+        if (spec.get("plain_graph") and plain is not None
+                and plain.file != self.runtime.embed_graph.file):
+            self.sessions["plain"] = self.runtime._session(plain.file, CPU, spec["threads"])
+            self.info["plain_graph"] = plain.file
+        self.shapes = {s.name: padded_batch(s.inputs.ids, self.pad) for s in self.workload.shapes}
+        self.batches = [padded_batch([self.workload.mixed.ids[i] for i in b], self.pad)
+                        for b in self.workload.ideal_batches]
+        self.singles = [padded_batch([r], self.pad) for r in self.workload.mixed.ids]
+
+    def run(self, graph: str, ids: np.ndarray, mask: np.ndarray):
+        return self.sessions[graph].run(["last_hidden_state"],
+                                        {"input_ids": ids, "attention_mask": mask})
+
+    def shape(self, name: str, graph: str, calls: int, warmup: int = 0) -> dict:
+        ids, mask = self.shapes[name]
+        for _ in range(warmup):
+            self.run(graph, ids, mask)
+        seconds = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            self.run(graph, ids, mask)
+            seconds.append(time.perf_counter() - t0)
+        return {"seconds": seconds}
+
+    def mixed(self, kind: str, graph: str) -> dict:
+        """One pass over the mixed texts: ideal batches, or one text at a time."""
+        inputs = self.batches if kind == "ideal" else self.singles
+        latencies = []
+        t0 = time.perf_counter()
+        for ids, mask in inputs:
+            t1 = time.perf_counter()
+            self.run(graph, ids, mask)
+            latencies.append(time.perf_counter() - t1)
+        return {"run_seconds": time.perf_counter() - t0, "latencies": latencies,
+                "padded_tokens": int(sum(ids.size for ids, _ in inputs))}
+
+    def attention(self, quick: bool) -> dict:
+        reps = (QUICK if quick else FULL)["attention"]
+        return _attention(self.runtime, self.workload, self.pad, reps)
+
+
+def phase_worker(spec: dict) -> None:
+    """A raw session that stays up and measures on command, so that the benchmark can
+    alternate it with the server in short blocks: both then see the same machine, on a
+    shared one too. One JSON command a line on stdin, one JSON answer a line on stdout."""
+    engine = RawEngine(spec)
+    reply = sys.stdout
+    sys.stdout = sys.stderr  # nothing else may write to the answer channel
+    reply.write(json.dumps({"ready": engine.info}) + "\n")
+    reply.flush()
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command.pop("op")
+        if op == "quit":
+            break
+        answer = getattr(engine, op)(**command)
+        reply.write(json.dumps(answer) + "\n")
+        reply.flush()
+
+
+def _attention(runtime, workload: Workload, pad: int, reps) -> dict:
+    """Time and output bytes per layer choice (memory: `phase_memory`, a fresh process)."""
+    shape = workload.attention
+    ids, mask = padded_batch(shape.inputs.ids, pad)
+    layers_all = tuple(range(runtime.artifact.manifest.num_layers))
+    out = {"shape": shape.name}
+    for name, layers in (("none", ()), ("one", (0,)), ("all", layers_all)):
+        result = runtime.run(ids, mask, layers)
+        nbytes = sum(m.nbytes for m in result.attentions.values())
+        del result
+        row = latency_summary(repeat(lambda layers=layers: runtime.run(ids, mask, layers), reps))
+        row.update(layers=len(layers), output_bytes_fp32=nbytes, output_bytes_fp16=nbytes // 2)
+        out[name] = row
+        log.info("phase=raw attention=%s p50_ms=%.1f", name, row["p50_ms"])
+    return out
+
+
+def phase_memory(spec: dict) -> dict:
+    """Peak memory of ONE call at the attention shape, in a fresh process: the rise of the
+    resident high-water mark over the resident set before the call (the server's probe).
+    A fresh process because memory a previous call freed stays resident (malloc keeps it)
+    and would hide the next call's cost."""
+    from server.artifact import load_artifact
+    from server.runtime import Runtime
+
+    workload = Workload.load(spec["workload"])
+    artifact = load_artifact(spec["artifact"])
+    runtime = Runtime(artifact, device="cpu", intra_op_threads=spec["threads"])
+    runtime.warm_up(0)  # as the server does before serving: both graphs at 1 × 8
+    layers = tuple(spec["layers"])
+    ids, mask = padded_batch(workload.attention.inputs.ids, artifact.manifest.pad_token_id)
+    probe = _rss_probe()
+    baseline = probe.start_batch()
+    t0 = time.perf_counter()
+    result = runtime.run(ids, mask, layers)
+    seconds = time.perf_counter() - t0
+    peak = probe.batch_peak(baseline)
+    return {"layers": len(layers), "shape": workload.attention.name, "rss_before": baseline,
+            "peak_bytes": peak, "seconds": seconds,
+            "output_bytes": int(sum(m.nbytes for m in result.attentions.values()))}
+
+
+# --- PyTorch: our model, sentence-transformers ---------------------------------------------
+
+def phase_torch(spec: dict) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    workload = Workload.load(spec["workload"])
+    reps = QUICK if spec["quick"] else FULL
+    runs = reps["workload"].min_reps
+    out: dict = {"threads": spec["threads"], "torch": torch.__version__}
+
+    from model import load_checkpoint
+
+    model = load_checkpoint(spec.get("checkpoint")).eval()
+
+    def ours(ids: np.ndarray, mask: np.ndarray):
+        with torch.inference_mode():
+            return model(torch.from_numpy(ids), torch.from_numpy(mask)).last_hidden_state
+
+    out["ours"] = _torch_engine(ours, workload, reps, runs)
+    model = None  # free it before sentence-transformers loads
+
+    from sentence_transformers import SentenceTransformer
+
+    from model.checkpoint import default_checkpoint_dir
+
+    st = SentenceTransformer(str(spec.get("checkpoint") or default_checkpoint_dir()), device="cpu")
+    out["st_max_seq_length_default"] = st.max_seq_length
+    # Raised from 256 so the 512-token rows are not cut (DESIGN.md, traps).
+    st.max_seq_length = 512
+    out["st_token_mismatches"] = _st_mismatches(st, workload)
+
+    def st_encode(texts: list[str]):
+        return st.encode(texts, batch_size=max(1, len(texts)), convert_to_numpy=True,
+                         show_progress_bar=False)
+
+    rows = {"shapes": {}}
+    for shape in workload.shapes:
+        seconds = repeat(lambda texts=shape.inputs.texts: st_encode(texts), reps["shape"])
+        rows["shapes"][shape.name] = shape_row(seconds, shape.batch, shape.seq)
+        log.info("phase=torch engine=st shape=%s tokens_per_s=%.0f", shape.name,
+                 rows["shapes"][shape.name]["tokens_per_s"])
+    texts, tokens = workload.mixed.texts, sum(workload.mixed.lengths)
+    st_encode(texts[:1])
+    run_seconds, latencies = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for text in texts:
+            t1 = time.perf_counter()
+            st_encode([text])
+            latencies.append(time.perf_counter() - t1)
+        run_seconds.append(time.perf_counter() - t0)
+    rows["mixed_one"] = workload_row(run_seconds, latencies, tokens)
+    run_seconds, latencies = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        st.encode(texts, batch_size=32, convert_to_numpy=True, show_progress_bar=False)
+        run_seconds.append(time.perf_counter() - t0)
+        latencies.append(run_seconds[-1])
+    rows["mixed_ideal"] = workload_row(run_seconds, latencies, tokens)
+    out["st"] = rows
+    out["onnxruntime_imported"] = "onnxruntime" in sys.modules
+    return out
+
+
+def _torch_engine(run, workload: Workload, reps: dict, runs: int) -> dict:
+    rows: dict = {"shapes": {}}
+    for shape in workload.shapes:
+        ids, mask = padded_batch(shape.inputs.ids)
+        seconds = repeat(lambda ids=ids, mask=mask: run(ids, mask), reps["shape"])
+        rows["shapes"][shape.name] = shape_row(seconds, shape.batch, shape.seq)
+        log.info("phase=torch engine=ours shape=%s tokens_per_s=%.0f", shape.name,
+                 rows["shapes"][shape.name]["tokens_per_s"])
+    tokens = sum(workload.mixed.lengths)
+    singles = [padded_batch([r]) for r in workload.mixed.ids]
+    run(*singles[0])
+    run_seconds, latencies = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for ids, mask in singles:
+            t1 = time.perf_counter()
+            run(ids, mask)
+            latencies.append(time.perf_counter() - t1)
+        run_seconds.append(time.perf_counter() - t0)
+    rows["mixed_one"] = workload_row(run_seconds, latencies, tokens)
+    batches = [padded_batch([workload.mixed.ids[i] for i in b]) for b in workload.ideal_batches]
+    run_seconds, latencies = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for ids, mask in batches:
+            t1 = time.perf_counter()
+            run(ids, mask)
+            latencies.append(time.perf_counter() - t1)
+        run_seconds.append(time.perf_counter() - t0)
+    rows["mixed_ideal"] = workload_row(run_seconds, latencies, tokens)
+    return rows
+
+
+def _st_mismatches(st, workload: Workload) -> int:
+    """Texts that sentence-transformers' tokenizer does not turn into the same ids."""
+    texts = workload.mixed.texts + [t for s in workload.shapes for t in s.inputs.texts]
+    ids = workload.mixed.ids + [i for s in workload.shapes for i in s.inputs.ids]
+    bad = 0
+    for start in range(0, len(texts), 256):
+        features = st.tokenize(texts[start:start + 256])
+        mask = features["attention_mask"].numpy().astype(bool)
+        got = features["input_ids"].numpy()
+        for row, expected in enumerate(ids[start:start + 256]):
+            if got[row][mask[row]].tolist() != list(expected):
+                bad += 1
+    return bad
+
+
+PHASES = {"peak": phase_peak, "memory": phase_memory, "torch": phase_torch}
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level="INFO", stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    if argv[0] == "worker":
+        phase_worker(json.loads(Path(argv[1]).read_text()))
+        return 0
+    name, spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    started = time.perf_counter()
+    result = PHASES[name](spec)
+    result["phase_seconds"] = time.perf_counter() - started
+    Path(out_path).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,268 @@
+"""attnserve end to end: the server as an `attnserve serve` subprocess on loopback, the
+client here (grpc only: no torch, no onnxruntime in this process), /metrics scraped
+around each measurement."""
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.measure import latency_summary, repeat
+from bench.workloads import Workload
+from server._proto.attnserve.v1 import encoder_pb2 as pb
+from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+
+log = logging.getLogger("bench.serving")
+
+REPO = Path(__file__).resolve().parents[1]
+READY = re.compile(r"event=serving port=(\d+) metrics_port=(\d+)")
+START_TIMEOUT_S = 120
+# Big enough for every layer's maps in float32 at the attention shape; the default
+# (64 MiB) refuses 8 × 256 with all six layers before any work, as it should.
+MAX_MESSAGE_BYTES = 1 << 30
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, artifact: Path, log_path: Path, extra: list[str], threads: int):
+        self.log_path = log_path
+        self.args = [sys.executable, "-m", "server.cli", "serve", "--artifact", str(artifact),
+                     "--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1",
+                     # --metrics-port 0 turns /metrics off: take a free port instead.
+                     "--metrics-port", str(free_port()), "--device", "cpu",
+                     "--intra-op-threads", str(threads),
+                     "--max-message-bytes", str(MAX_MESSAGE_BYTES), *extra]
+        self.proc: subprocess.Popen | None = None
+        self.port = self.metrics_port = 0
+
+    def start(self) -> "ServerProcess":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            match = READY.search(self.log_path.read_text())
+            if match:
+                self.port, self.metrics_port = int(match.group(1)), int(match.group(2))
+                log.info("event=server_ready pid=%d port=%d metrics_port=%d", self.proc.pid,
+                         self.port, self.metrics_port)
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not start; its log:\n{self.log_path.read_text()[-3000:]}")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def metrics(self) -> dict:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        values: dict = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return values
+
+    def status(self) -> dict:
+        """Resident set and its high-water mark (the server resets the mark at each batch),
+        and CPU seconds used so far."""
+        text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return {"rss": kib.get("VmRSS", 0), "hwm": kib.get("VmHWM", 0), "cpu_s": cpu}
+
+
+def metric_delta(before: dict, after: dict, name: str, **labels) -> float:
+    """Sum over samples named `name` whose labels include `labels`."""
+    total = 0.0
+    for (sample, sample_labels), value in after.items():
+        if sample != name:
+            continue
+        d = dict(sample_labels)
+        if all(d.get(k) == v for k, v in labels.items()):
+            total += value - before.get((sample, sample_labels), 0.0)
+    return total
+
+
+def server_breakdown(before: dict, after: dict) -> dict:
+    """Seconds per server stage, batch counts and tokens over a measurement."""
+    stages = defaultdict(float)
+    for stage in ("queue", "tokenize", "inference", "respond"):
+        stages[stage] = metric_delta(before, after, "attnserve_stage_duration_seconds_sum",
+                                     stage=stage)
+    requests = metric_delta(before, after, "attnserve_request_duration_seconds_count", rpc="Embed")
+    return {
+        "stage_seconds": dict(stages),
+        "request_seconds": metric_delta(before, after, "attnserve_request_duration_seconds_sum",
+                                        rpc="Embed"),
+        "requests": requests,
+        "batches": metric_delta(before, after, "attnserve_batch_size_count"),
+        "sequences": metric_delta(before, after, "attnserve_batch_size_sum"),
+        "real_tokens": metric_delta(before, after, "attnserve_batch_tokens_sum", kind="real"),
+        "padded_tokens": metric_delta(before, after, "attnserve_batch_tokens_sum", kind="padded"),
+    }
+
+
+class Measured:
+    """Scrapes, CPU seconds of server and client around one measurement; `merge` adds up
+    the summaries of several blocks of the same measurement."""
+
+    def __init__(self, server: ServerProcess):
+        self.server = server
+
+    def __enter__(self):
+        self.before = self.server.metrics()
+        self.status = self.server.status()
+        self.client_cpu = time.process_time()
+        self.wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.wall
+        self.client_cpu = time.process_time() - self.client_cpu
+        self.after = self.server.metrics()
+        status = self.server.status()
+        self.server_cpu = status["cpu_s"] - self.status["cpu_s"]
+
+    def summary(self) -> dict:
+        out = server_breakdown(self.before, self.after)
+        out.update(wall_s=self.wall, server_cpu_s=self.server_cpu, client_cpu_s=self.client_cpu)
+        return out
+
+    @staticmethod
+    def merge(summaries: list[dict]) -> dict:
+        out: dict = {}
+        for summary in summaries:
+            for key, value in summary.items():
+                if isinstance(value, dict):
+                    inner = out.setdefault(key, {})
+                    for k, v in value.items():
+                        inner[k] = inner.get(k, 0.0) + v
+                else:
+                    out[key] = out.get(key, 0.0) + value
+        return out
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+async def run_callers(address: str, texts: list[str], callers: int) -> tuple[float, list[float]]:
+    """`callers` concurrent callers, each sending one text per request until all are sent."""
+    latencies: list[float] = []
+    next_index = 0
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.EncoderServiceStub(channel)
+        await stub.Embed(pb.EmbedRequest(texts=texts[:1]))
+
+        async def caller():
+            nonlocal next_index
+            while next_index < len(texts):
+                text = texts[next_index]
+                next_index += 1
+                t0 = time.perf_counter()
+                await stub.Embed(pb.EmbedRequest(texts=[text]))
+                latencies.append(time.perf_counter() - t0)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        return time.perf_counter() - started, latencies
+
+
+ATTENTION_CONFIGS = (("none", None, False), ("none", None, True), ("one", [0], False),
+                     ("one", [0], True), ("all", [], False), ("all", [], True))
+
+
+def attention_request(texts: list[str], layers: list[int] | None, fp16: bool) -> pb.EmbedRequest:
+    request = pb.EmbedRequest(texts=texts, dtype=pb.DTYPE_FLOAT16 if fp16 else pb.DTYPE_FLOAT32)
+    if layers is not None:
+        request.attention.CopyFrom(pb.AttentionOptions(layers=layers))  # []: every layer
+    return request
+
+
+def measure_attention(server: ServerProcess, workload: Workload, reps, num_layers: int) -> dict:
+    """Per request at the attention shape: time and response bytes, for no maps, one
+    layer and all layers, each in float32 and float16."""
+    shape = workload.attention
+    out = {"shape": shape.name}
+    with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.EncoderServiceStub(channel)
+        for name, layers, fp16 in ATTENTION_CONFIGS:
+            request = attention_request(shape.inputs.texts, layers, fp16)
+            nbytes = stub.Embed(request).ByteSize()
+            seconds = repeat(lambda request=request: stub.Embed(request), reps)
+            row = latency_summary(seconds)
+            row.update(layers=name, dtype="float16" if fp16 else "float32", response_bytes=nbytes,
+                       layers_returned=0 if layers is None else len(layers) or num_layers)
+            out[f"{name}_{row['dtype']}"] = row
+            log.info("phase=grpc attention=%s dtype=%s p50_ms=%.1f bytes=%d", name, row["dtype"],
+                     row["p50_ms"], nbytes)
+    return out
+
+
+def measure_attention_memory(artifact: Path, workload: Workload, log_dir: Path,
+                             extra: list[str], threads: int, quick: bool) -> dict:
+    """The memory one request at the attention shape takes in a FRESH server per choice
+    (memory an earlier request freed stays resident and would hide the next one's cost):
+    the server's own attnserve_batch_peak_memory_bytes for that batch, and the rise of
+    the server's resident high-water mark over its idle resident set."""
+    out = {}
+    for name, layers, fp16 in ATTENTION_CONFIGS:
+        if quick and fp16:  # float16 changes the response, not the batch: full runs only
+            continue
+        dtype = "float16" if fp16 else "float32"
+        server = ServerProcess(artifact, log_dir / f"server-memory-{name}-{dtype}.log", extra,
+                               threads).start()
+        try:
+            idle = server.status()["rss"]
+            before = server.metrics()
+            with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
+                pb_grpc.EncoderServiceStub(channel).Embed(
+                    attention_request(workload.attention.inputs.texts, layers, fp16))
+            status, after = server.status(), server.metrics()
+        finally:
+            server.stop()
+        label = "false" if layers is None else "true"
+        out[f"{name}_{dtype}"] = {
+            "batch_peak_bytes": metric_delta(before, after, "attnserve_batch_peak_memory_bytes_sum",
+                                             attention=label),
+            "request_peak_rss_bytes": max(0, status["hwm"] - idle),
+            "idle_rss_bytes": idle,
+        }
+        log.info("phase=grpc_memory attention=%s dtype=%s batch_peak_mib=%.0f "
+                 "request_peak_mib=%.0f", name, dtype,
+                 out[f"{name}_{dtype}"]["batch_peak_bytes"] / 2**20,
+                 out[f"{name}_{dtype}"]["request_peak_rss_bytes"] / 2**20)
+    return out
