@@ -36,7 +36,8 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
         return await handler()
     except RequestError as err:
         code = err.code
-        await context.abort(err.code, err.message)
+        status = err.status()
+        await context.abort(status.code, status.details, status.trailing_metadata)
     except asyncio.CancelledError:
         remaining = context.time_remaining()
         expired = remaining is not None and remaining <= DEADLINE_SLACK_S

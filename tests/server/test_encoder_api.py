@@ -6,6 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from server._proto.attnserve.v1 import encoder_pb2 as pb
 from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
@@ -179,6 +181,11 @@ def test_bad_input_names_the_field_and_the_server_keeps_serving(stub, client, re
         stub.Embed(request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field) and reason in err.value.details()
+    # The same field, machine-readable: a google.rpc.BadRequest in the status details.
+    (detail,) = rpc_status.from_call(err.value).details
+    bad = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad) and bad.field_violations[0].field == field
+    assert reason in bad.field_violations[0].description
     assert client.embed(["still serving"])[0].pooled.shape == (384,)
 
 
