@@ -171,12 +171,13 @@ def ensure_artifact(args, budget: Budget) -> Path:
 
 
 def ort_sessions(artifact_dir: Path, provider: str, precision: str, threads: int):
-    """(embed, attend) sessions with the server's Runtime options (same graphs, same
-    session options, kSameAsRequested arena on CUDA); built here so that a machine without
-    nvidia-ml-py, which Runtime uses to find the GPU, can still run the check."""
+    """(embed, attend) sessions with the server's session options and providers, built
+    here rather than through Runtime so that a machine without nvidia-ml-py, which Runtime
+    uses to find the GPU, can still run the check."""
     import onnxruntime as ort
 
     from server.artifact import load_artifact
+    from server.runtime import providers_for, session_options
 
     artifact = load_artifact(artifact_dir)
     manifest = artifact.manifest
@@ -185,17 +186,8 @@ def ort_sessions(artifact_dir: Path, provider: str, precision: str, threads: int
         graph = manifest.graph(attention=attention, precision=precision)
         if graph is None:
             return None, manifest
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
-        options.enable_cpu_mem_arena = False
-        providers: list = ["CPUExecutionProvider"]
-        if provider == "CUDAExecutionProvider":
-            providers = [(provider, {"arena_extend_strategy": "kSameAsRequested"}),
-                         "CPUExecutionProvider"]
-        session = ort.InferenceSession(str(artifact.path(graph.file)), options, providers=providers)
+        session = ort.InferenceSession(str(artifact.path(graph.file)), session_options(threads),
+                                       providers=providers_for(provider))
         if provider not in session.get_providers():
             raise RuntimeError(f"{graph.file}: onnxruntime did not place it on {provider}")
         sessions.append(session)

@@ -272,25 +272,17 @@ def _torch_engine(run, workload: Workload, reps: dict, runs: int) -> dict:
     tokens = sum(workload.mixed.lengths)
     singles = [padded_batch([r]) for r in workload.mixed.ids]
     run(*singles[0])
-    run_seconds, latencies = [], []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for ids, mask in singles:
-            t1 = time.perf_counter()
-            run(ids, mask)
-            latencies.append(time.perf_counter() - t1)
-        run_seconds.append(time.perf_counter() - t0)
-    rows["mixed_one"] = workload_row(run_seconds, latencies, tokens)
     batches = [padded_batch([workload.mixed.ids[i] for i in b]) for b in workload.ideal_batches]
-    run_seconds, latencies = [], []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for ids, mask in batches:
-            t1 = time.perf_counter()
-            run(ids, mask)
-            latencies.append(time.perf_counter() - t1)
-        run_seconds.append(time.perf_counter() - t0)
-    rows["mixed_ideal"] = workload_row(run_seconds, latencies, tokens)
+    for name, inputs in (("mixed_one", singles), ("mixed_ideal", batches)):
+        run_seconds, latencies = [], []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for ids, mask in inputs:
+                t1 = time.perf_counter()
+                run(ids, mask)
+                latencies.append(time.perf_counter() - t1)
+            run_seconds.append(time.perf_counter() - t0)
+        rows[name] = workload_row(run_seconds, latencies, tokens)
     return rows
 
 

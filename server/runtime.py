@@ -41,6 +41,26 @@ def choose_provider(device: str) -> tuple[str, str]:
     return CUDA, why
 
 
+def session_options(threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    # Without the CPU arena, memory a long batch took goes back once it is done,
+    # instead of being held at its peak for the life of the process.
+    options.enable_cpu_mem_arena = False
+    return options
+
+
+def providers_for(provider: str) -> list:
+    if provider == CUDA:
+        # kSameAsRequested: grow the arena by what is asked, not by doubling, so the
+        # device holds close to the real peak.
+        return [(CUDA, {"arena_extend_strategy": "kSameAsRequested"}), CPU]
+    return [CPU]
+
+
 @dataclass
 class BatchOutput:
     hidden: np.ndarray
@@ -82,22 +102,10 @@ class Runtime:
                  provider, precision, threads, why, self.embed_graph.file, self.attn_graph.file)
 
     def _session(self, file: str, provider: str, threads: int) -> ort.InferenceSession:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
-        # Without the CPU arena, memory a long batch took goes back once it is done,
-        # instead of being held at its peak for the life of the process.
-        options.enable_cpu_mem_arena = False
-        providers: list = [CPU]
-        if provider == CUDA:
-            # kSameAsRequested: grow the arena by what is asked, not by doubling, so the
-            # device holds close to the real peak.
-            providers = [(CUDA, {"arena_extend_strategy": "kSameAsRequested"}), CPU]
         path = self.artifact.path(file)
         try:
-            session = ort.InferenceSession(str(path), options, providers=providers)
+            session = ort.InferenceSession(str(path), session_options(threads),
+                                           providers=providers_for(provider))
         except GRAPH_ERRORS as err:
             raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({err})") from err
         if provider == CUDA and CUDA not in session.get_providers():
