@@ -13,10 +13,16 @@ def _ints(text: str) -> list[int]:
 
 
 def heatmap(path, attention: np.ndarray, tokens: list[str], title: str) -> None:
+    import warnings
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    # A token in a script the default font lacks (CJK) keeps its row and column, labelled
+    # with boxes: not worth a warning per glyph.
+    warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
 
     size = max(4.0, 0.35 * len(tokens))
     fig, ax = plt.subplots(figsize=(size + 1.5, size))
