@@ -29,8 +29,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.config import config_from_args
     from server.runtime import DeviceError
 
-    config = config_from_args(args)
     try:
+        config = config_from_args(args)
         if args.check_config:
             artifact = load_artifact(config.artifact)
             for path in (config.tls_cert, config.tls_key, config.tls_client_ca):

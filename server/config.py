@@ -31,6 +31,16 @@ class ServeConfig:
     tls_client_ca: Path | None = None
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_batch_size", "max_queue_requests",
+                     "max_queue_tokens", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("max_wait_ms", "memory_budget_bytes", "drain_seconds",
+                     "max_connection_age_seconds", "intra_op_threads", "metrics_port", "port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
+
 
 _HELP = {
     "artifact": "artifact directory written by `attnserve export`",

@@ -22,11 +22,6 @@ from server.tokenize import TextTokenizer, TooLong
 INLINE_RESPONSE_SEQUENCES = 64
 
 
-# Requests of one stream in flight at once: enough to fill batches, bounded so a fast
-# writer cannot queue without end.
-STREAM_WINDOW = 64
-
-
 class EncoderService(pb_grpc.EncoderServiceServicer):
     def __init__(self, artifact: Artifact, runtime: Runtime, tokenizer: TextTokenizer,
                  scheduler: Scheduler, metrics: Metrics, max_message_bytes: int):
@@ -70,7 +65,8 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                 embeddings=[embedding(r, s, plan) for r, s in zip(results, sequences, strict=True)],
             )
 
-        if len(sequences) <= INLINE_RESPONSE_SEQUENCES and plan.attention is None:
+        if (len(sequences) <= INLINE_RESPONSE_SEQUENCES and plan.attention is None
+                and not plan.return_token_embeddings):
             response = respond()
         else:
             response = await asyncio.get_running_loop().run_in_executor(self.respond_pool, respond)

@@ -383,6 +383,10 @@ class Scheduler:
                 self.running = True
                 try:
                     await self._run(self.next_batch())
+                except Exception as err:  # the worker must outlive any one bad batch
+                    log.exception("event=scheduler_error")
+                    for job in list(self.jobs):
+                        self._drop(job, "failed", RequestError(f"scheduler error: {err}"))
                 finally:
                     self.running = False
             self._update_idle()

@@ -36,7 +36,6 @@ class TextTokenizer:
         self.truncating.no_padding()
         self.truncating.enable_truncation(max_positions)
         self.max_positions = max_positions
-        self.vocab_size = self.tokenizer.get_vocab_size()
 
     def encode(self, texts: list[str], truncate: bool) -> list[Encoded]:
         """Refuses (TooLong) a text longer than the model's positions unless `truncate`."""

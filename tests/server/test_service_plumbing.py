@@ -60,3 +60,11 @@ def test_embed_command_prints_writes_npy_and_draws_a_heatmap(tiny_server, tmp_pa
     assert written.returncode == 0, written.stderr
     assert np.load(out).shape == (3, 32) and "3/3 texts" in written.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_nonsensical_flag_is_refused_at_start(tiny_artifact):
+    result = subprocess.run([*ATTNSERVE, "serve", "--artifact", str(tiny_artifact),
+                             "--max-batch-size", "0", "--check-config"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--max-batch-size must be at least 1" in result.stderr and "Traceback" not in result.stderr
