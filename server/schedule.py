@@ -292,14 +292,17 @@ class Scheduler:
                 return same[lo:hi + 1]
 
     def _neighbours(self, oldest: Waiting) -> list[Waiting]:
-        """The sequences with oldest's layers sorted by length (queue order within a
-        length), cut to the max_batch_size - 1 either side of oldest: no batch reaches
-        further. Oldest comes first among its length, being the oldest of all."""
+        """The sequences with oldest's layers sorted by length, cut to the
+        max_batch_size - 1 either side of oldest: no batch reaches further. Within each
+        length the older sequences sit nearer to oldest, so a growing batch takes them
+        first; oldest comes first among its own length, being the oldest of all."""
         reach = self.limits.max_batch_size - 1
         lengths = self.by_length[oldest.job.layers]
         keys = sorted(lengths)
         at = bisect.bisect_left(keys, oldest.length)
-        below = islice((w for n in reversed(keys[:at]) for w in reversed(lengths[n])), reach)
+        # Nearest length first and, within a length, oldest first: reversed below, the
+        # oldest of the nearest length ends up next to `oldest`, where the batch grows.
+        below = islice((w for n in reversed(keys[:at]) for w in lengths[n]), reach)
         upward = islice((w for n in keys[at:] for w in lengths[n]), reach + 1)
         return list(below)[::-1] + list(upward)
 
