@@ -16,11 +16,14 @@ $(BIN)/attnserve: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[export,plot,dev]'
 	touch $@
 
-# Generated gRPC stubs (never edited by hand), importable as server._proto.<package>.
+# Generated gRPC stubs (never edited by hand), importable as
+# attnserve.server._proto.<package>: generated under that import path, then moved into
+# server/, the folder the attnserve.server package installs from.
 $(PROTO_OUT)/.stamp: $(PROTOS) $(BIN)/attnserve
-	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
-	$(BIN)/python -m grpc_tools.protoc -Iserver/_proto=proto --python_out=. --pyi_out=. \
-		--grpc_python_out=. $(PROTOS)
+	rm -rf $(PROTO_OUT) .proto-build && mkdir -p .proto-build
+	$(BIN)/python -m grpc_tools.protoc -Iattnserve/server/_proto=proto \
+		--python_out=.proto-build --pyi_out=.proto-build --grpc_python_out=.proto-build $(PROTOS)
+	mv .proto-build/attnserve/server/_proto $(PROTO_OUT) && rm -rf .proto-build
 	touch $@
 
 proto: $(PROTO_OUT)/.stamp

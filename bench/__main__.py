@@ -1,5 +1,5 @@
 import sys
 
-from bench.run import main
+from attnserve.bench.run import main
 
 sys.exit(main())

@@ -141,7 +141,7 @@ class DeviceMemory:
                                   "nounits", "-i", "0"], capture_output=True, text=True).stdout
             return int(float(out.split()[0]) * 2**20) if out.strip() else None
         if self.source == "rss":
-            from server.memory import resident_bytes
+            from attnserve.server.memory import resident_bytes
 
             return resident_bytes()
         return None
@@ -153,7 +153,7 @@ def ensure_artifact(args, budget: Budget) -> Path:
     """--artifact as given, else export one (fp16 graphs included when possible)."""
     if args.artifact:
         return Path(args.artifact)
-    from export.pipeline import run_export
+    from attnserve.export.pipeline import run_export
 
     out = Path(tempfile.mkdtemp(prefix="gpu-check-artifact-"))
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
@@ -176,8 +176,8 @@ def ort_sessions(artifact_dir: Path, provider: str, precision: str, threads: int
     uses to find the GPU, can still run the check."""
     import onnxruntime as ort
 
-    from server.artifact import load_artifact
-    from server.runtime import providers_for, session_options
+    from attnserve.artifact import load_artifact
+    from attnserve.server.runtime import providers_for, session_options
 
     artifact = load_artifact(artifact_dir)
     manifest = artifact.manifest
@@ -284,7 +284,7 @@ def check_ort(args, budget: Budget, device: str) -> dict:
 def check_torch(args, budget: Budget, device: str) -> dict:
     import torch
 
-    from model import load_checkpoint
+    from attnserve.model import load_checkpoint
 
     if device == "cuda" and not torch.cuda.is_available():
         return {"path": "torch", "error": "torch.cuda.is_available() is False"}

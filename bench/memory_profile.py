@@ -25,7 +25,6 @@ memory_profile.png to --out. It asserts nothing.
 import argparse
 import csv
 import json
-import os
 import subprocess
 import sys
 import time
@@ -34,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from server.artifact import load_artifact
-from server.memory_model import MemoryModel, analytic_bound
+from attnserve.artifact import load_artifact
+from attnserve.server.memory_model import MemoryModel, analytic_bound
 
 REPO = Path(__file__).resolve().parents[1]
 # Below this, a measurement is mostly allocator noise: relative errors are reported only
@@ -69,8 +68,8 @@ class Measurement:
 
 def measure_shape(artifact_dir: Path, batch: int, seq: int, attention: bool, device: str,
                   precision: str, threads: int, repeats: int) -> Measurement:
-    from server.memory import MemoryProbe, trim_heap
-    from server.runtime import CUDA, Runtime
+    from attnserve.server.memory import MemoryProbe, trim_heap
+    from attnserve.server.runtime import CUDA, Runtime
 
     artifact = load_artifact(artifact_dir)
     manifest = artifact.manifest
@@ -104,23 +103,17 @@ def measure_shape(artifact_dir: Path, batch: int, seq: int, attention: bool, dev
                        method)
 
 
-def _env_with_repo() -> dict[str, str]:
-    """The worker imports `bench` and `server` from this checkout, installed or not."""
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
-
-
 def measure_isolated(artifact_dir: Path, batch: int, seq: int, attention: bool, device: str,
                      precision: str, threads: int, repeats: int,
                      timeout_s: float = 900) -> Measurement:
-    command = [sys.executable, "-m", "bench.memory_profile", "--worker",
+    command = [sys.executable, "-m", "attnserve.bench.memory_profile", "--worker",
                "--artifact", str(Path(artifact_dir).resolve()), "--batch", str(batch),
                "--seq", str(seq), "--device", device, "--precision", precision,
                "--threads", str(threads), "--repeats", str(repeats)]
     if attention:
         command.append("--attention")
     done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s, env=_env_with_repo())
+                          timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"shape batch={batch} seq={seq} attention={attention}: worker exited "
                            f"{done.returncode}:\n{done.stderr[-3000:]}")
@@ -376,9 +369,5 @@ def _worker(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv[1:]:
-        sys.exit(_worker(sys.argv[1:]))
-    # The flags live with the command: `attnserve memory-profile`.
-    from server.cli import main
-
-    sys.exit(main(["memory-profile", *sys.argv[1:]]))
+    # Only the per-shape worker runs as a module; people run `attnserve memory-profile`.
+    sys.exit(_worker(sys.argv[1:]))

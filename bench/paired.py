@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.measure import shape_row, workload_row
-from bench.serving import REPO, Measured, ServerProcess, measure_attention, run_callers
-from bench.workloads import Workload
-from server.client import EncoderClient
+from attnserve.bench.measure import shape_row, workload_row
+from attnserve.bench.serving import REPO, Measured, ServerProcess, measure_attention, run_callers
+from attnserve.bench.workloads import Workload
+from attnserve.server.client import EncoderClient
 
 log = logging.getLogger("bench.paired")
 
@@ -30,7 +30,7 @@ class RawWorker:
     def __init__(self, spec_path: Path, log_path: Path):
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.phases", "worker", str(spec_path)], cwd=REPO,
+            [sys.executable, "-m", "attnserve.bench.phases", "worker", str(spec_path)], cwd=REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         line = self.proc.stdout.readline()
         if not line:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.measure import FULL, QUICK, latency_summary, repeat, shape_row, workload_row
-from bench.workloads import Workload, padded_batch
+from attnserve.bench.measure import FULL, QUICK, latency_summary, repeat, shape_row, workload_row
+from attnserve.bench.workloads import Workload, padded_batch
 
 log = logging.getLogger("bench.phases")
 
@@ -70,7 +70,7 @@ def _matmul_times(call, reps: int) -> list[float]:
 # --- raw onnxruntime ------------------------------------------------------------------------
 
 def _rss_probe():
-    from server.memory import MemoryProbe
+    from attnserve.server.memory import MemoryProbe
 
     return MemoryProbe(cuda=False)
 
@@ -80,8 +80,8 @@ class RawEngine:
     optionally the unfused graph with the same options."""
 
     def __init__(self, spec: dict):
-        from server.artifact import load_artifact
-        from server.runtime import CPU, Runtime
+        from attnserve.artifact import load_artifact
+        from attnserve.server.runtime import CPU, Runtime
 
         self.workload = Workload.load(spec["workload"])
         self.artifact = load_artifact(spec["artifact"])
@@ -174,8 +174,8 @@ def phase_memory(spec: dict) -> dict:
     resident high-water mark over the resident set before the call (the server's probe).
     A fresh process because memory a previous call freed stays resident (malloc keeps it)
     and would hide the next call's cost."""
-    from server.artifact import load_artifact
-    from server.runtime import Runtime
+    from attnserve.artifact import load_artifact
+    from attnserve.server.runtime import Runtime
 
     workload = Workload.load(spec["workload"])
     artifact = load_artifact(spec["artifact"])
@@ -207,7 +207,7 @@ def phase_torch(spec: dict) -> dict:
     runs = reps["workload"].min_reps
     out: dict = {"threads": spec["threads"], "torch": torch.__version__}
 
-    from model import load_checkpoint
+    from attnserve.model import load_checkpoint
 
     model = load_checkpoint(spec.get("checkpoint")).eval()
 
@@ -220,7 +220,7 @@ def phase_torch(spec: dict) -> dict:
 
     from sentence_transformers import SentenceTransformer
 
-    from model.checkpoint import default_checkpoint_dir
+    from attnserve.model.checkpoint import default_checkpoint_dir
 
     st = SentenceTransformer(str(spec.get("checkpoint") or default_checkpoint_dir()), device="cpu")
     out["st_max_seq_length_default"] = st.max_seq_length

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from bench.measure import ModelShape
+from attnserve.bench.measure import ModelShape
 
 RAW, PLAIN, GRPC, OURS, ST = ("raw ORT", "raw ORT plain graph", "attnserve gRPC",
                               "PyTorch eager (ours)", "sentence-transformers")

@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.measure import FULL, QUICK, ModelShape, OtherLoad, wait_quiet
-from bench.paired import run_paired
-from bench.report import build_rows, markdown, plot, targets
-from bench.serving import measure_attention_memory
-from bench.workloads import ATTENTION_SHAPE, IDEAL_BATCH, IDEAL_PADDING, build
+from attnserve.bench.measure import FULL, QUICK, ModelShape, OtherLoad, wait_quiet
+from attnserve.bench.paired import run_paired
+from attnserve.bench.report import build_rows, markdown, plot, targets
+from attnserve.bench.serving import measure_attention_memory
+from attnserve.bench.workloads import ATTENTION_SHAPE, IDEAL_BATCH, IDEAL_PADDING, build
 
 log = logging.getLogger("bench")
 
@@ -76,7 +76,7 @@ def run_phase(name: str, spec: dict, work: Path, wait: float, env: dict | None =
     quiet = wait_quiet(wait) if wait else None
     other = OtherLoad().start()
     log.info("event=phase_start phase=%s", name)
-    subprocess.run([sys.executable, "-m", "bench.phases", name, str(spec_path), str(out_path)],
+    subprocess.run([sys.executable, "-m", "attnserve.bench.phases", name, str(spec_path), str(out_path)],
                    cwd=REPO, check=True, env={**os.environ, **(env or {})})
     result = json.loads(out_path.read_text())
     result["other_load_cores"] = other.stop()
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                             format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     args = parse_args(argv)
     started = time.perf_counter()
-    from server.artifact import ArtifactError, load_artifact
+    from attnserve.artifact import ArtifactError, load_artifact
 
     try:
         artifact = load_artifact(args.artifact)

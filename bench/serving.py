@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.measure import latency_summary, repeat
-from bench.workloads import Workload
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.bench.measure import latency_summary, repeat
+from attnserve.bench.workloads import Workload
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 
 log = logging.getLogger("bench.serving")
 
@@ -44,7 +44,7 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, artifact: Path, log_path: Path, extra: list[str], threads: int):
         self.log_path = log_path
-        self.args = [sys.executable, "-m", "server.cli", "serve", "--artifact", str(artifact),
+        self.args = [sys.executable, "-m", "attnserve", "serve", "--artifact", str(artifact),
                      "--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1",
                      # --metrics-port 0 turns /metrics off: take a free port instead.
                      "--metrics-port", str(free_port()), "--device", "cpu",

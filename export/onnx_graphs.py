@@ -5,8 +5,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model import Encoder
-from server.artifact import HIDDEN_OUTPUT, INPUT_NAMES, attention_output
+from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, attention_output
+from attnserve.model import Encoder
 
 # The TorchScript exporter at opset 17: torch 2.13's default dynamo exporter writes a
 # graph whose attention onnxruntime's optimiser cannot fuse, and which runs slower.

@@ -7,7 +7,7 @@ from pathlib import Path
 from onnxruntime.transformers.fusion_options import FusionOptions
 from onnxruntime.transformers.optimizer import optimize_model
 
-from model import EncoderConfig
+from attnserve.model import EncoderConfig
 
 log = logging.getLogger("attnserve.export")
 

@@ -6,12 +6,12 @@ import shutil
 import time
 from pathlib import Path
 
-from export.onnx_graphs import OPSET, export_graph
-from export.optimize import optimize
-from export.verify import check_onnx, max_abs_error
-from model import load_checkpoint
-from model.checkpoint import default_checkpoint_dir
-from server.artifact import TOKENIZER, Graph, Manifest, write_manifest
+from attnserve.artifact import TOKENIZER, Graph, Manifest, write_manifest
+from attnserve.export.onnx_graphs import OPSET, export_graph
+from attnserve.export.optimize import optimize
+from attnserve.export.verify import check_onnx, max_abs_error
+from attnserve.model import load_checkpoint
+from attnserve.model.checkpoint import default_checkpoint_dir
 
 log = logging.getLogger("attnserve.export")
 

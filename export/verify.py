@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from model import Encoder
+from attnserve.model import Encoder
 
 # Lengths other than the tracing length (7), including 1 and the model's maximum, so a
 # graph that baked a shape in fails here.

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from model.positions import RotaryEmbedding
+from attnserve.model.positions import RotaryEmbedding
 
 
 class MultiHeadAttention(nn.Module):

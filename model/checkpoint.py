@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model.config import EncoderConfig
-from model.encoder import Encoder
+from attnserve.model.config import EncoderConfig
+from attnserve.model.encoder import Encoder
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model.attention import MultiHeadAttention
-from model.config import EncoderConfig
-from model.positions import RotaryEmbedding, sinusoidal_table
+from attnserve.model.attention import MultiHeadAttention
+from attnserve.model.config import EncoderConfig
+from attnserve.model.positions import RotaryEmbedding, sinusoidal_table
 
 
 class Embeddings(nn.Module):

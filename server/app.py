@@ -10,19 +10,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
-from server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from server.artifact import MEMORY_MODEL, TOKENIZER, Artifact, ArtifactError, load_artifact
-from server.calls import RejectUndecodable
-from server.config import ServeConfig
-from server.encoder_service import EncoderService
-from server.kserve_service import KServeService
-from server.memory import MemoryProbe
-from server.memory_model import load_memory_model
-from server.metrics import Metrics
-from server.runtime import CUDA, Runtime
-from server.schedule import Limits, Scheduler
-from server.tokenize import TextTokenizer
+from attnserve.artifact import MEMORY_MODEL, TOKENIZER, Artifact, ArtifactError, load_artifact
+from attnserve.server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
+from attnserve.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+from attnserve.server.calls import RejectUndecodable
+from attnserve.server.config import ServeConfig
+from attnserve.server.encoder_service import EncoderService
+from attnserve.server.kserve_service import KServeService
+from attnserve.server.memory import MemoryProbe
+from attnserve.server.memory_model import load_memory_model
+from attnserve.server.metrics import Metrics
+from attnserve.server.runtime import CUDA, Runtime
+from attnserve.server.schedule import Limits, Scheduler
+from attnserve.server.tokenize import TextTokenizer
 
 log = logging.getLogger("attnserve.server")
 

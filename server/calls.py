@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from server.errors import RequestError
-from server.metrics import Metrics
+from attnserve.server.errors import RequestError
+from attnserve.server.metrics import Metrics
 
 log = logging.getLogger("attnserve.calls")
 

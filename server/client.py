@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 
 _NUMPY = {pb.DTYPE_UNSPECIFIED: "<f4", pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT16: "<f2"}
 POOLING = {"default": pb.POOLING_UNSPECIFIED, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS,

@@ -4,17 +4,17 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from server.artifact import Artifact
-from server.calls import answer, deadline_of
-from server.errors import InvalidArgument
-from server.metrics import Metrics
-from server.parse import POOLING_NAMES, check_response_size, plan_embed, token_id_sequences
-from server.respond import embedding
-from server.runtime import Runtime
-from server.schedule import Scheduler
-from server.tokenize import TextTokenizer, TooLong
+from attnserve.artifact import Artifact
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server.calls import answer, deadline_of
+from attnserve.server.errors import InvalidArgument
+from attnserve.server.metrics import Metrics
+from attnserve.server.parse import POOLING_NAMES, check_response_size, plan_embed, token_id_sequences
+from attnserve.server.respond import embedding
+from attnserve.server.runtime import Runtime
+from attnserve.server.schedule import Scheduler
+from attnserve.server.tokenize import TextTokenizer, TooLong
 
 # Responses with more sequences than this, or with attention maps, are built on a thread:
 # packing thousands of embeddings on the event loop stalled every other call (health

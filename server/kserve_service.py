@@ -10,13 +10,13 @@ reaches the caller.
 
 import numpy as np
 
-from server._proto.inference import grpc_service_pb2 as pb
-from server._proto.inference import grpc_service_pb2_grpc as pb_grpc
-from server.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output
-from server.calls import answer, deadline_of
-from server.errors import InvalidArgument, NotFound, ResourceExhausted
-from server.metrics import Metrics
-from server.schedule import Scheduler
+from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output
+from attnserve.server._proto.inference import grpc_service_pb2 as pb
+from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
+from attnserve.server.calls import answer, deadline_of
+from attnserve.server.errors import InvalidArgument, NotFound, ResourceExhausted
+from attnserve.server.metrics import Metrics
+from attnserve.server.schedule import Scheduler
 
 ALL_ATTENTIONS = "attentions"
 SERVER_NAME = "attnserve"

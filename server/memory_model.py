@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from server.artifact import MEMORY_MODEL, Manifest
+from attnserve.artifact import MEMORY_MODEL, Manifest
 
 
 @dataclass(frozen=True)

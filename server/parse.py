@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server.artifact import Manifest
-from server.errors import InvalidArgument, ResourceExhausted
+from attnserve.artifact import Manifest
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server.errors import InvalidArgument, ResourceExhausted
 
 POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
 DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32,

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server.parse import EmbedPlan
-from server.schedule import SequenceResult
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server.parse import EmbedPlan
+from attnserve.server.schedule import SequenceResult
 
 _WIRE = {np.float32: (pb.DTYPE_FLOAT32, "<f4"), np.float16: (pb.DTYPE_FLOAT16, "<f2")}
 

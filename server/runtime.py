@@ -8,8 +8,8 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
-from server.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, ArtifactError, attention_output
-from server.memory import gpu_present
+from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, ArtifactError, attention_output
+from attnserve.server.memory import gpu_present
 
 log = logging.getLogger("attnserve.runtime")
 

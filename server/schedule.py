@@ -18,12 +18,12 @@ from itertools import islice
 
 import numpy as np
 
-from server.calls import DEADLINE_SLACK_S
-from server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
-from server.memory import MemoryProbe, trim_heap
-from server.memory_model import MemoryModel
-from server.metrics import Metrics
-from server.runtime import CPU, Runtime
+from attnserve.server.calls import DEADLINE_SLACK_S
+from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
+from attnserve.server.memory import MemoryProbe, trim_heap
+from attnserve.server.memory_model import MemoryModel
+from attnserve.server.metrics import Metrics
+from attnserve.server.runtime import CPU, Runtime
 
 log = logging.getLogger("attnserve.schedule")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from server.artifact import TOKENIZER
+from attnserve.artifact import TOKENIZER
 
 REPO = Path(__file__).resolve().parents[1]
-ATTNSERVE = [sys.executable, "-m", "server.cli"]
+ATTNSERVE = [sys.executable, "-m", "attnserve"]
 START_TIMEOUT_S = 60
 
 

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .helpers import OVERLAYS, REPO, find, kserve_predictor_pod, only_container
 
-ATTNSERVE = [sys.executable, "-m", "server.cli"]
+ATTNSERVE = [sys.executable, "-m", "attnserve"]
 START_TIMEOUT_S = 90
 
 

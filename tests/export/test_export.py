@@ -5,9 +5,9 @@ import json
 import onnx
 import pytest
 
-from export.verify import max_abs_error
-from model import load_checkpoint
-from server.artifact import ArtifactError, load_artifact
+from attnserve.artifact import ArtifactError, load_artifact
+from attnserve.export.verify import max_abs_error
+from attnserve.model import load_checkpoint
 from tests.conftest import export
 
 
@@ -89,7 +89,7 @@ def test_export_of_a_bad_checkpoint_names_the_tensor(tmp_path, tiny_checkpoint):
     tensors = load_file(bad / "model.safetensors")
     tensors.pop("encoder.layer.1.attention.self.value.bias")
     save_file(tensors, bad / "model.safetensors")
-    result = subprocess.run([sys.executable, "-m", "server.cli", "export", "--from", str(bad),
+    result = subprocess.run([sys.executable, "-m", "attnserve", "export", "--from", str(bad),
                              "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert result.returncode != 0
     assert "layers.1.attention.w_v.bias" in result.stderr

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from model import Encoder, EncoderConfig
-from model.attention import MultiHeadAttention
-from model.positions import RotaryEmbedding
+from attnserve.model import Encoder, EncoderConfig
+from attnserve.model.attention import MultiHeadAttention
+from attnserve.model.positions import RotaryEmbedding
 
 
 @pytest.mark.parametrize("heads", [1, 2])

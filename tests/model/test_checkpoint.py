@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import CheckpointError, load_checkpoint
+from attnserve.model import CheckpointError, load_checkpoint
 from tests.conftest import make_tiny_checkpoint
 
 

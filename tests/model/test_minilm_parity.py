@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from model import load_checkpoint
-from model.checkpoint import default_checkpoint_dir
+from attnserve.model import load_checkpoint
+from attnserve.model.checkpoint import default_checkpoint_dir
 
 SENTENCES = [
     "服务 A 调用了配置中心 B，因为它需要获取最新配置。",

@@ -12,11 +12,11 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from server._proto.inference import grpc_service_pb2 as kpb
-from server.artifact import load_artifact
-from server.runtime import Runtime
+from attnserve.artifact import load_artifact
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server._proto.inference import grpc_service_pb2 as kpb
+from attnserve.server.runtime import Runtime
 from tests.conftest import ServerProcess
 
 CLS, SEP = 101, 102

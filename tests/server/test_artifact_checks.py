@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from server.artifact import MANIFEST, MEMORY_MODEL, TOKENIZER
+from attnserve.artifact import MANIFEST, MEMORY_MODEL, TOKENIZER
 from tests.conftest import ATTNSERVE, REPO
 from tests.server.reliability import embed_ids, serve, stub
 

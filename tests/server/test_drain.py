@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from server._proto.inference import grpc_service_pb2 as kpb
-from server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
+from attnserve.server._proto.inference import grpc_service_pb2 as kpb
+from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.server.reliability import (
     BIG,
     Reference,

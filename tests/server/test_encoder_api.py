@@ -9,12 +9,12 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from server.artifact import load_artifact
-from server.client import EncoderClient, to_numpy
-from server.runtime import Runtime
-from server.tokenize import TextTokenizer
+from attnserve.artifact import load_artifact
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server.client import EncoderClient, to_numpy
+from attnserve.server.runtime import Runtime
+from attnserve.server.tokenize import TextTokenizer
 
 TEXTS = [
     "服务 A 调用了配置中心 B，因为它需要获取最新配置。",

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server._proto.inference import grpc_service_pb2 as kpb
-from server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from server.artifact import load_artifact
+from attnserve.artifact import load_artifact
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.inference import grpc_service_pb2 as kpb
+from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.server.reliability import (
     BIG,
     EXPECTED_REFUSALS,

@@ -7,10 +7,10 @@ import grpc
 import numpy as np
 import pytest
 
-from server._proto.inference import grpc_service_pb2 as pb
-from server._proto.inference import grpc_service_pb2_grpc as pb_grpc
-from server.artifact import load_artifact
-from server.runtime import Runtime
+from attnserve.artifact import load_artifact
+from attnserve.server._proto.inference import grpc_service_pb2 as pb
+from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
+from attnserve.server.runtime import Runtime
 
 MODEL = "all-MiniLM-L6-v2"
 IDS = np.array([[101, 7592, 2088, 999, 102], [101, 2748, 102, 0, 0]], dtype=np.int64)

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from server.artifact import load_artifact
-from server.memory_model import analytic_bound, load_memory_model
+from attnserve.artifact import load_artifact
+from attnserve.server.memory_model import analytic_bound, load_memory_model
 from tests.conftest import ATTNSERVE, REPO
 
 SEQ_LENS = (16, 64, 128)

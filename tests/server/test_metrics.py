@@ -13,9 +13,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.artifact import MANIFEST
-from server.client import EncoderClient
-from server.memory_model import MemoryModel
+from attnserve.artifact import MANIFEST
+from attnserve.server.client import EncoderClient
+from attnserve.server.memory_model import MemoryModel
 from tests.conftest import ServerProcess
 from tests.server.observability import scrape_text
 

@@ -12,7 +12,7 @@ import urllib.request
 import grpc
 import pytest
 
-from server.client import EncoderClient
+from attnserve.server.client import EncoderClient
 from tests.conftest import ServerProcess, free_port
 
 PROMETHEUS_START_S = 30

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from server._proto.attnserve.v1 import encoder_pb2 as pb
-from server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from server.artifact import load_artifact
+from attnserve.artifact import load_artifact
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.server.reliability import MIB, embed_ids, ids_of, infer_request, rss, serve, stub
 
 CALLERS = 4

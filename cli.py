@@ -16,7 +16,7 @@ def setup_logging(level: str = "info") -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     # Imported here: export brings torch, which the serving path never loads.
-    from export.pipeline import run_export
+    from attnserve.export.pipeline import run_export
 
     run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name)
     print(f"artifact written to {args.out}")
@@ -24,10 +24,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from server.app import run
-    from server.artifact import ArtifactError, load_artifact
-    from server.config import config_from_args
-    from server.runtime import DeviceError
+    from attnserve.artifact import ArtifactError, load_artifact
+    from attnserve.server.app import run
+    from attnserve.server.config import config_from_args
+    from attnserve.server.runtime import DeviceError
 
     try:
         config = config_from_args(args)
@@ -49,27 +49,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    from server.embed_cli import run_embed
+    from attnserve.server.embed_cli import run_embed
 
     return run_embed(args)
 
 
 def cmd_memory_profile(args: argparse.Namespace) -> int:
     # Imported here: a benchmark, with matplotlib, that serving never loads.
-    from bench.memory_profile import run_memory_profile
+    from attnserve.bench.memory_profile import run_memory_profile
 
     return run_memory_profile(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     # Imported here: the benchmark drives torch and onnxruntime in subprocesses of its own.
-    from bench.run import main as run_bench
+    from attnserve.bench.run import main as run_bench
 
     return run_bench(args.bench_args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.config import add_serve_arguments
+    from attnserve.server.config import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

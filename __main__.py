@@ -1,0 +1,7 @@
+"""`python -m attnserve`: the same command as the `attnserve` script."""
+
+import sys
+
+from attnserve.cli import main
+
+sys.exit(main())
