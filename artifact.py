@@ -13,13 +13,26 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 MEMORY_MODEL = "memory_model.json"
-FORMAT_VERSION = 1
+# 2: a graph may be int8 and carry its parity against fp32 (`Graph.parity`). A manifest of
+# an older version is read as it was written; a newer one is refused by name.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 INPUT_NAMES = ("input_ids", "attention_mask")
 HIDDEN_OUTPUT = "last_hidden_state"
+POOLINGS = ("mean", "cls")
 
 
 def attention_output(layer: int) -> str:
     return f"attentions.{layer}"
+
+
+def pooled_output(pooling: str, normalized: bool) -> str:
+    """The graph output of one pooled vector per sequence, [batch, hidden] float32:
+    `mean` over the attention mask or the first token's (`cls`), L2-normalised or not."""
+    return f"pooled_{pooling}" + ("_normalized" if normalized else "")
+
+
+POOLED_OUTPUTS = tuple(pooled_output(p, n) for p in POOLINGS for n in (False, True))
 
 
 class ArtifactError(ValueError):
@@ -27,17 +40,39 @@ class ArtifactError(ValueError):
 
 
 @dataclass(frozen=True)
+class Parity:
+    """How far a quantized graph is from its fp32 reference, measured at export on a fixed
+    set of texts, each alone and in padded batches."""
+
+    reference: str
+    """the fp32 graph compared against"""
+    texts: int
+    batch: int
+    """size of the padded batches the texts were also run in"""
+    pooled_cosine_min: float
+    """cosine of the mean-pooled, L2-normalised embeddings: the worst text"""
+    pooled_cosine_mean: float
+    min_cosine: float
+    """the gate export applied: below it, the graph was refused"""
+
+
+@dataclass(frozen=True)
 class Graph:
     file: str
     precision: str
-    """fp32 or fp16 (the weights and compute; inputs and outputs stay int64/float32)"""
+    """fp32, fp16 or int8 (the weights and compute; inputs and outputs stay int64/float32;
+    int8: dynamically quantized matmuls for the CPU)"""
     attention: bool
     """True when the graph also outputs attentions.0 … attentions.N-1"""
     optimized: bool
     """True when onnxruntime's transformer optimiser fused its kernels"""
     outputs: list[str]
+    """every output of the graph: last_hidden_state, the pooled vectors (POOLED_OUTPUTS),
+    and attentions.K in an attention graph"""
     max_abs_error: float
     """worst difference from the PyTorch model measured at export"""
+    parity: Parity | None = None
+    """int8 graphs: agreement with fp32 (format_version 2)"""
 
 
 @dataclass(frozen=True)
@@ -101,12 +136,13 @@ def load_artifact(directory: Path | str) -> Artifact:
     raw = manifest_path.read_bytes()
     try:
         data = json.loads(raw)
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise ArtifactError(
                 f"{manifest_path}: format_version {data.get('format_version')!r}, "
-                f"this server reads {FORMAT_VERSION}"
+                f"this server reads {' and '.join(map(str, READABLE_FORMAT_VERSIONS))}"
             )
-        graphs = [Graph(**g) for g in data.pop("graphs")]
+        graphs = [Graph(**g | {"parity": Parity(**g["parity"]) if g.get("parity") else None})
+                  for g in data.pop("graphs")]
         manifest = Manifest(graphs=graphs, **data)
     except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as err:
         raise ArtifactError(f"{manifest_path}: not a valid manifest ({err})") from err

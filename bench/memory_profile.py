@@ -1,32 +1,52 @@
-"""`attnserve memory-profile`: the peak memory of one batch against its shape.
+"""`attnserve memory-profile`: the peak memory of one batch against its shape, and the
+memory model fitted to it.
 
-Each shape (batch × seq_len, with or without every layer's attention maps) runs in a
-fresh subprocess, so one shape's heap or arena cannot hide the next. The subprocess
-builds the server's own `Runtime` (same provider choice, session options and graphs)
-and measures with the server's own `MemoryProbe`: on the CPU the rise of the resident
-high-water mark (VmHWM, reset through /proc/self/clear_refs) over the resident set
-before the batch, with the heap trimmed first (malloc_trim); on CUDA the rise of the
-device memory NVML reports. A shape that fails (killed for memory, say) is reported and
-left out.
+Shapes: every batch size × sequence length through the embeddings graph and, with
+--attention, through the attention graph, returning every layer's maps or only the
+first layer's, alternately along the diagonals of the grid (so the fit can tell maps
+held for the request, d, from the scores every layer makes, c).
 
-The measurements are fitted by least squares to
+What one shape's peak is (`PeakMeter`, in a worker process that measures every shape):
 
-    bytes ≈ a + b·batch·seq + c·batch·heads·seq² + d·batch·heads·seq²·returned_layers
+* CPU: the high-water mark of the bytes the run has allocated and not yet freed, counted
+  allocation by allocation by memray's native tracking (malloc, calloc, realloc,
+  posix_memalign, aligned_alloc, mmap … of every thread, without Python stacks) from the
+  moment the run starts: onnxruntime's intermediate tensors, its outputs and the numpy
+  arrays they come back in. Memory the allocator hands out again counts again, so the
+  figure does not depend on what ran before, and a rerun gives the same bytes.
+  The measuring sessions take the server's session options (memory patterns off among
+  them) with onnxruntime's CPU arena off whatever the server uses, so each tensor is an
+  allocation of its own: with the arena on, its growth would be counted, which depends on
+  what ran before and on its rounding.
+* CUDA: a fresh session per shape (its own arena, grown by what is asked:
+  kSameAsRequested), run once at a tiny shape so cuBLAS/cuDNN workspaces exist, then the
+  shape; the rise of the device memory NVML reports in use over the run is the arena's
+  growth to the shape's peak. NVML counts the whole GPU: run it on an idle one.
 
-first on all shapes but every third (reporting the relative error on those held out),
-then on all of them; the final fit is saved beside the artifact as memory_model.json,
-which the server loads to predict each batch's peak (admission, and the metric
-attnserve_batch_predicted_memory_bytes beside the measured one).
+The measurements are fitted per graph by least squares on relative error, every
+coefficient ≥ 0, as one phase or the larger of two (server/memory_model.py gives the
+form and what each term stands for): first on the shapes off one diagonal in three of
+the batch × seq grid, to report the error on those held out, then on all of them. The
+final fits are saved beside the artifact in memory_model.json under
+`provider/precision/graph` (other providers' entries are kept), which the server loads
+to admit batches and to predict each one's peak.
 
-It prints a table and writes memory_profile.csv, memory_profile.json and
-memory_profile.png to --out. It asserts nothing.
+It prints a table (and, when --out already holds a run of the same shapes, how far this
+run is from it) and writes memory_profile.csv, memory_profile.json and memory_profile.png
+to --out. With --mixed-load it then serves the artifact under a mixed load from 8 callers
+and prints the server's measured over predicted peak memory per seq_len bucket (the
+dashboard's ratio). It asserts nothing.
 """
 
 import argparse
 import csv
 import json
+import logging
+import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,110 +54,221 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.artifact import load_artifact
-from attnserve.server.memory_model import MemoryModel, analytic_bound
+from attnserve.server.memory_model import (
+    ATTENTION,
+    COEFFICIENTS,
+    EMBEDDINGS,
+    GRAPH_KINDS,
+    MemoryModel,
+    model_key,
+    save_entries,
+)
+
+log = logging.getLogger("attnserve.memory_profile")
 
 REPO = Path(__file__).resolve().parents[1]
-# Below this, a measurement is mostly allocator noise: relative errors are reported only
-# over shapes whose peak reaches it, and the fit weighs smaller ones as if they were at it.
-NOISE_FLOOR_BYTES = 1 << 20
 MIB = 1 << 20
-COEFFICIENTS = ("a", "b", "c", "d")
+# Relative errors are scored over shapes whose peak reaches this; the fit weighs smaller
+# ones as if they were at it (a few hundred KiB of per-run overhead is not what a memory
+# budget is about).
+NOISE_FLOOR_BYTES = 1 << 20
+CPU_METHOD = ("memray native tracking: high-water mark of the bytes allocated and not yet "
+              "freed during the run (every thread; onnxruntime's CPU arena off)")
+CUDA_METHOD = ("fresh session per shape (arena kSameAsRequested), warmed at 1x8: rise of the "
+               "device memory in use (NVML) over the run")
+
+
+@dataclass(frozen=True)
+class Shape:
+    graph: str
+    """embeddings or attention"""
+    batch: int
+    seq: int
+    returned_layers: int
 
 
 @dataclass
 class Measurement:
-    attention: bool
+    graph: str
     batch: int
     seq: int
     returned_layers: int
     peak_bytes: int
-    """the largest rise over the runs in the fresh process (the first, in practice)"""
-    first_peak_bytes: int
-    baseline_bytes: int
-    """resident set (CPU) or device memory used (CUDA) just before the first run"""
+    """the largest over the runs"""
+    run_peaks: list[int]
     seconds: float
-    """the fastest run"""
+    """the fastest run (under memray's tracking on the CPU: slower than serving)"""
     provider: str
     precision: str
+    graph_file: str
     method: str
-    """what the probe measured: see server/memory.py"""
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.graph, self.batch, self.seq, self.returned_layers)
 
 
-# --- the worker: one shape in a fresh process ---------------------------------------
+# --- the worker: every shape, one process -------------------------------------------------
 
 
-def measure_shape(artifact_dir: Path, batch: int, seq: int, attention: bool, device: str,
-                  precision: str, threads: int, repeats: int) -> Measurement:
-    from attnserve.server.memory import MemoryProbe, trim_heap
-    from attnserve.server.runtime import CUDA, Runtime
+class PeakMeter:
+    """The artifact's graphs on one provider, and one shape's peak (module docstring)."""
 
-    artifact = load_artifact(artifact_dir)
-    manifest = artifact.manifest
-    runtime = Runtime(artifact, device, precision, threads)
-    probe = MemoryProbe(cuda=runtime.provider == CUDA)
-    # The server's warm-up on the CPU: both graphs, one short sequence. (Not its CUDA
-    # warm-up at the largest shape, which would leave the arena at that shape's peak.)
-    small = np.full((1, 8), manifest.pad_token_id, dtype=np.int64)
-    runtime.run(small, np.ones_like(small))
-    runtime.run(small, np.ones_like(small), (0,))
-    rng = np.random.default_rng(seq * 1000 + batch)
-    ids = rng.integers(1000, manifest.vocab_size, size=(batch, seq), dtype=np.int64)
-    mask = np.ones((batch, seq), dtype=np.int64)
-    layers = tuple(range(manifest.num_layers)) if attention else ()
-    peaks, times, first_baseline = [], [], None
-    for _ in range(repeats):
-        trim_heap()  # what set-up and earlier runs freed must not hide this run's need
-        baseline = probe.start_batch()
-        if first_baseline is None:
-            first_baseline = baseline
-        started = time.perf_counter()
-        out = runtime.run(ids, mask, layers)
-        times.append(time.perf_counter() - started)
-        peaks.append(probe.batch_peak(baseline))
+    def __init__(self, artifact_dir: Path, device: str, precision: str, threads: int):
+        from attnserve.server.memory import MemoryProbe
+        from attnserve.server.ort_backend import CUDA, choose_provider
+
+        self.artifact = load_artifact(artifact_dir)
+        self.manifest = self.artifact.manifest
+        self.provider, _ = choose_provider(device)
+        if precision == "auto":
+            has_fp16 = self.manifest.graph(attention=False, precision="fp16") is not None
+            precision = "fp16" if self.provider == CUDA and has_fp16 else "fp32"
+        self.precision = precision
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self.cuda = self.provider == CUDA
+        self.probe = MemoryProbe(cuda=True) if self.cuda else None
+        if self.cuda:
+            import onnxruntime as ort
+
+            try:  # CUDA/cuDNN from the nvidia-* wheels, where the system has none
+                ort.preload_dlls()
+            except Exception as err:  # noqa: BLE001 - older builds lack it; the libraries may be the system's
+                log.info("event=preload_dlls_skipped reason=%r", str(err))
+        self.graphs = {}
+        for kind in GRAPH_KINDS:
+            graph = self.manifest.graph(attention=kind == ATTENTION, precision=precision)
+            if graph is None:
+                raise SystemExit(f"{self.artifact.directory}: no {precision} graphs (export with --fp16)")
+            self.graphs[kind] = graph.file
+        # On the CPU one session per graph serves every shape: memray's count does not
+        # depend on what ran before. On CUDA each shape gets a session of its own.
+        self.sessions = {} if self.cuda else {kind: self._session(kind) for kind in GRAPH_KINDS}
+
+    def _session(self, kind: str):
+        import onnxruntime as ort
+
+        from attnserve.server.ort_backend import providers_for, session_options
+
+        options = session_options(self.threads)
+        options.enable_cpu_mem_arena = False
+        session = ort.InferenceSession(str(self.artifact.path(self.graphs[kind])), options,
+                                       providers=providers_for(self.provider))
+        self._run(session, kind, *self._inputs(1, 8), 1)  # kernels, thread pool, workspaces
+        return session
+
+    def _inputs(self, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(seq * 1000 + batch)
+        ids = rng.integers(1000, self.manifest.vocab_size, size=(batch, seq), dtype=np.int64)
+        return ids, np.ones_like(ids)
+
+    @staticmethod
+    def _run(session, kind: str, ids: np.ndarray, mask: np.ndarray, returned_layers: int) -> list:
+        # As the server runs it: the attention graph asked only for the maps returned.
+        names = ["last_hidden_state"]
+        if kind == ATTENTION:
+            names += [f"attentions.{layer}" for layer in range(returned_layers)]
+        return session.run(names, {"input_ids": ids, "attention_mask": mask})
+
+    def _cpu_peak(self, shape: Shape, ids: np.ndarray, mask: np.ndarray) -> int:
+        import memray
+
+        session = self.sessions[shape.graph]
+        with tempfile.TemporaryDirectory(prefix="memory-profile-") as scratch:
+            capture = Path(scratch) / "run.bin"
+            with memray.Tracker(capture, native_traces=False, trace_python_allocators=False,
+                                file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS):
+                out = self._run(session, shape.graph, ids, mask, shape.returned_layers)
+                del out
+            with memray.FileReader(capture) as reader:
+                return int(reader.metadata.peak_memory)
+
+    def _cuda_peak(self, session, shape: Shape, ids: np.ndarray, mask: np.ndarray) -> int:
+        before = self.probe.device_memory().used
+        out = self._run(session, shape.graph, ids, mask, shape.returned_layers)
+        peak = self.probe.device_memory().used - before
         del out
-    method = ("NVML device memory used, rise" if probe.nvml is not None
-              else "VmHWM rise over VmRSS, after malloc_trim" if probe.hwm_resettable
-              else "VmRSS rise after the batch (VmHWM not resettable)")
-    return Measurement(attention, batch, seq, len(layers), max(peaks), peaks[0],
-                       int(first_baseline), min(times), runtime.provider, runtime.precision,
-                       method)
+        return max(0, peak)
+
+    def measure(self, shape: Shape, repeats: int) -> Measurement:
+        ids, mask = self._inputs(shape.batch, shape.seq)
+        session = self._session(shape.graph) if self.cuda else None
+        peaks, times = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            peaks.append(self._cuda_peak(session, shape, ids, mask) if self.cuda
+                         else self._cpu_peak(shape, ids, mask))
+            times.append(time.perf_counter() - started)
+        del session
+        return Measurement(shape.graph, shape.batch, shape.seq, shape.returned_layers, max(peaks),
+                           peaks, min(times), self.provider, self.precision,
+                           self.graphs[shape.graph], CUDA_METHOD if self.cuda else CPU_METHOD)
 
 
-def measure_isolated(artifact_dir: Path, batch: int, seq: int, attention: bool, device: str,
-                     precision: str, threads: int, repeats: int,
-                     timeout_s: float = 900) -> Measurement:
-    command = [sys.executable, "-m", "attnserve.bench.memory_profile", "--worker",
-               "--artifact", str(Path(artifact_dir).resolve()), "--batch", str(batch),
-               "--seq", str(seq), "--device", device, "--precision", precision,
-               "--threads", str(threads), "--repeats", str(repeats)]
-    if attention:
-        command.append("--attention")
-    done = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"shape batch={batch} seq={seq} attention={attention}: worker exited "
-                           f"{done.returncode}:\n{done.stderr[-3000:]}")
-    return Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precision: str,
+                   threads: int, repeats: int, timeout_s: float = 1800,
+                   progress=lambda message: None) -> tuple[list[Measurement], list[str]]:
+    """Every shape in worker processes: one for all of them, and a new one for the rest
+    after a shape that kills its worker (out of memory, say, or past `timeout_s` for the
+    worker), which is left out. Returns the measurements and what was left out, why."""
+    rows: list[Measurement] = []
+    left_out: list[str] = []
+    todo = list(shapes)
+    while todo:
+        command = [sys.executable, "-m", "attnserve.bench.memory_profile", "--worker",
+                   "--artifact", str(Path(artifact_dir).resolve()), "--device", device,
+                   "--precision", precision, "--threads", str(threads), "--repeats", str(repeats),
+                   "--shapes", json.dumps([asdict(s) for s in todo])]
+        with tempfile.TemporaryFile("w+") as errors:
+            worker = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=errors,
+                                      text=True)
+            stop = threading.Timer(timeout_s, worker.kill)
+            stop.start()
+            try:
+                for line in worker.stdout:
+                    row = Measurement(**json.loads(line))
+                    rows.append(row)
+                    todo.remove(row.shape)
+                    progress(f"[{len(rows) + len(left_out)}/{len(shapes)}] {row.graph} "
+                             f"batch={row.batch} seq={row.seq} maps={row.returned_layers}: "
+                             f"{row.peak_bytes / MIB:.2f} MiB, {row.seconds:.3f} s")
+                code = worker.wait()
+            finally:
+                stop.cancel()
+            errors.seek(0)
+            tail = errors.read()[-2000:]
+        if todo and code != 0:
+            failed = todo.pop(0)
+            left_out.append(f"{failed}: worker exited {code}: {tail}")
+            progress(f"[{len(rows) + len(left_out)}/{len(shapes)}] left out {failed}: worker "
+                     f"exited {code}")
+        elif todo:
+            raise RuntimeError(f"the worker stopped with {len(todo)} shapes left: {tail}")
+    return rows, left_out
 
 
-# --- the fit ----------------------------------------------------------------------------
+# --- the fit ------------------------------------------------------------------------------
 
 
-def features(batch: int, seq: int, heads: int, returned_layers: int) -> list[float]:
+def features(graph: str, batch: int, seq: int, heads: int, returned_layers: int) -> list[float]:
     quadratic = float(batch) * heads * seq * seq
-    return [1.0, float(batch) * seq, quadratic, quadratic * returned_layers]
+    return [1.0, float(batch) * seq, quadratic, quadratic * returned_layers if graph == ATTENTION else 0.0]
 
 
-def fit(rows: list[Measurement], heads: int, with_d: bool) -> np.ndarray:
-    """Least squares on relative error (each row weighted by 1/measured, floored at the
-    noise floor), with every coefficient kept ≥ 0: a negative term would predict less
-    memory for a larger batch. Coefficients that come out negative are dropped and the
-    rest refitted."""
-    x = np.array([features(r.batch, r.seq, heads, r.returned_layers) for r in rows])
+def _matrix(rows: list[Measurement], heads: int) -> np.ndarray:
+    return np.array([features(r.graph, r.batch, r.seq, heads, r.returned_layers) for r in rows])
+
+
+def fit_phase(rows: list[Measurement], heads: int) -> np.ndarray:
+    """a, b, c, d of one phase: least squares on relative error (each row weighted by
+    1/measured, floored at the noise floor), every coefficient kept ≥ 0 (a negative term
+    would predict less memory for a larger batch: one that comes out negative is dropped
+    and the rest refitted; so is one no row varies)."""
+    x = _matrix(rows, heads)
     y = np.array([float(r.peak_bytes) for r in rows])
     weight = 1.0 / np.maximum(y, NOISE_FLOOR_BYTES)
-    active = list(range(4 if with_d else 3))
-    coef = np.zeros(4)
+    active = [k for k in range(x.shape[1]) if x[:, k].any()]
+    coef = np.zeros(len(COEFFICIENTS))
     while active:
         solution, *_ = np.linalg.lstsq(x[:, active] * weight[:, None], y * weight, rcond=None)
         if (solution >= 0).all():
@@ -147,33 +278,102 @@ def fit(rows: list[Measurement], heads: int, with_d: bool) -> np.ndarray:
     return coef
 
 
-def predict(coef: np.ndarray, row: Measurement, heads: int) -> float:
-    return float(np.dot(coef, features(row.batch, row.seq, heads, row.returned_layers)))
+def predict(phases: list[np.ndarray], row: Measurement, heads: int) -> float:
+    values = features(row.graph, row.batch, row.seq, heads, row.returned_layers)
+    return max(float(np.dot(p, values)) for p in phases)
 
 
-def relative_errors(coef: np.ndarray, rows: list[Measurement], heads: int) -> dict:
-    """|predicted - measured| / measured over the rows above the noise floor."""
-    errors = [abs(predict(coef, r, heads) - r.peak_bytes) / r.peak_bytes
+def _mean_error(phases: list[np.ndarray], rows: list[Measurement], heads: int) -> float:
+    return float(np.mean([abs(predict(phases, r, heads) - r.peak_bytes) / max(r.peak_bytes, NOISE_FLOOR_BYTES)
+                          for r in rows]))
+
+
+# A second phase must earn its four coefficients: at least this much lower mean error.
+PHASE_GAIN = 0.01
+
+
+def fit_phases(rows: list[Measurement], heads: int) -> list[np.ndarray]:
+    """One graph's model: one phase, or two whose larger is the peak (the feed-forward
+    phase below some length, the attention phase above it; server/memory_model.py).
+    Since both phases scale with batch·seq, which is larger depends on seq alone: each
+    measured length is tried as the boundary, each side fitted, then every row given to
+    the phase that predicts more for it and both refitted, until that settles."""
+    best = [fit_phase(rows, heads)]
+    best_error = _mean_error(best, rows, heads) - PHASE_GAIN
+    width = len(COEFFICIENTS)
+    for boundary in sorted({r.seq for r in rows})[:-1]:
+        groups = [[r for r in rows if r.seq <= boundary], [r for r in rows if r.seq > boundary]]
+        phases = None
+        for _ in range(8):
+            if min(len(g) for g in groups) < width - 1:
+                break
+            phases = [fit_phase(g, heads) for g in groups]
+            regrouped: list[list[Measurement]] = [[], []]
+            for r in rows:
+                values = features(r.graph, r.batch, r.seq, heads, r.returned_layers)
+                regrouped[int(np.dot(phases[1], values) > np.dot(phases[0], values))].append(r)
+            if regrouped == groups:
+                break
+            groups = regrouped
+        if phases is not None and _mean_error(phases, rows, heads) < best_error:
+            best, best_error = phases, _mean_error(phases, rows, heads)
+    return best
+
+
+def relative_errors(fits: dict[str, list[np.ndarray]], rows: list[Measurement], heads: int) -> dict:
+    """|predicted - measured| / measured over the rows at or above the noise floor."""
+    errors = [abs(predict(fits[r.graph], r, heads) - r.peak_bytes) / r.peak_bytes
               for r in rows if r.peak_bytes >= NOISE_FLOOR_BYTES]
     return {"shapes": len(rows), "shapes_scored": len(errors),
             "mean_rel_error": float(np.mean(errors)) if errors else None,
             "max_rel_error": float(np.max(errors)) if errors else None}
 
 
+def held_out_flags(rows: list[Measurement], every: int) -> list[bool]:
+    """Which rows are held out: along the diagonals of each graph's batch × seq grid
+    (rank of its seq + rank of its batch ≡ -1 mod `every`), so every length and every
+    batch size keeps shapes on both sides."""
+    flags = []
+    for r in rows:
+        mine = [x for x in rows if x.graph == r.graph]
+        seqs, batches = sorted({x.seq for x in mine}), sorted({x.batch for x in mine})
+        flags.append((seqs.index(r.seq) + batches.index(r.batch)) % every == every - 1)
+    return flags
+
+
 def fit_with_holdout(rows: list[Measurement], heads: int, every: int) -> dict:
-    with_d = any(r.returned_layers for r in rows)
-    held = [r for i, r in enumerate(rows) if i % every == every - 1]
-    train = [r for i, r in enumerate(rows) if i % every != every - 1]
+    """Per graph: a fit on the shapes not held out, scored on those held out; then the
+    fit on all of them."""
+    flags = held_out_flags(rows, every)
+    train_fits, held, train, fits = {}, [], [], {}
+    for kind in GRAPH_KINDS:
+        mine = [(r, f) for r, f in zip(rows, flags, strict=True) if r.graph == kind]
+        if not mine:
+            continue
+        fits[kind] = fit_phases([r for r, _ in mine], heads)
+        out = [r for r, f in mine if f]
+        kept = [r for r, f in mine if not f]
+        if out and len(kept) >= len(COEFFICIENTS):
+            train_fits[kind] = fit_phases(kept, heads)
+            held += out
+            train += kept
     holdout = None
-    if held and len(train) >= (4 if with_d else 3):
-        holdout = relative_errors(fit(train, heads, with_d), held, heads) | {
-            "every": every, "train_shapes": len(train)}
-    coef = fit(rows, heads, with_d)
-    return {"coef": coef, "with_d": with_d, "holdout": holdout,
-            "in_sample": relative_errors(coef, rows, heads)}
+    if held:
+        holdout = relative_errors(train_fits, held, heads) | {
+            "every": every, "train_shapes": len(train),
+            "by_graph": {kind: relative_errors(train_fits, [r for r in held if r.graph == kind], heads)
+                         for kind in train_fits}}
+    return {"fits": fits, "holdout": holdout, "in_sample": relative_errors(fits, rows, heads),
+            "held": {i for i, f in enumerate(flags) if f}}
 
 
-# --- output -----------------------------------------------------------------------------
+# --- output -------------------------------------------------------------------------------
+
+
+def formula(phase: np.ndarray) -> str:
+    a, b, c, d = phase
+    return (f"{a:.4g} + {b:.4g}·batch·seq + {c:.4g}·batch·heads·seq² "
+            f"+ {d:.4g}·batch·heads·seq²·returned_layers")
 
 
 def _mib(value: float) -> str:
@@ -184,55 +384,63 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-def table(rows: list[Measurement], coef: np.ndarray, heads: int, held: set[int]) -> str:
-    header = (f"{'attention':>9} {'batch':>5} {'seq':>5} {'tokens':>7} {'peak MiB':>10} "
-              f"{'fit MiB':>10} {'error':>7} {'run s':>8}  held out")
+def table(rows: list[Measurement], fits: dict[str, list[np.ndarray]], heads: int, held: set[int],
+          previous: dict[Shape, int]) -> str:
+    header = (f"{'graph':>10} {'maps':>4} {'batch':>5} {'seq':>5} {'peak MiB':>10} {'fit MiB':>10} "
+              f"{'error':>7} {'prev run':>8} {'run s':>8}  held out")
     lines = [header, "-" * len(header)]
     for i, r in enumerate(rows):
-        fitted = predict(coef, r, heads)
+        fitted = predict(fits[r.graph], r, heads)
         error = (fitted - r.peak_bytes) / r.peak_bytes if r.peak_bytes else None
-        lines.append(f"{'all' if r.attention else 'none':>9} {r.batch:>5} {r.seq:>5} "
-                     f"{r.batch * r.seq:>7} {_mib(r.peak_bytes):>10} {_mib(fitted):>10} "
-                     f"{'n/a' if error is None else f'{100 * error:+.0f}%':>7} "
+        before = previous.get(r.shape)
+        change = f"{100 * (r.peak_bytes - before) / before:+.1f}%" if before else ""
+        lines.append(f"{r.graph:>10} {r.returned_layers:>4} {r.batch:>5} {r.seq:>5} "
+                     f"{_mib(r.peak_bytes):>10} {_mib(fitted):>10} "
+                     f"{'n/a' if error is None else f'{100 * error:+.1f}%':>7} {change:>8} "
                      f"{r.seconds:>8.3f}  {'yes' if i in held else ''}")
     return "\n".join(lines)
 
 
-def write_csv(path: Path, rows: list[Measurement], coef: np.ndarray, heads: int) -> None:
+def write_csv(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]],
+              heads: int) -> None:
     with path.open("w", newline="") as stream:
         writer = csv.writer(stream)
-        names = list(asdict(rows[0]))
+        names = [n for n in asdict(rows[0]) if n != "run_peaks"]
         writer.writerow(names + ["predicted_bytes"])
         for r in rows:
-            writer.writerow([getattr(r, n) for n in names] + [round(predict(coef, r, heads))])
+            writer.writerow([getattr(r, n) for n in names] + [round(predict(fits[r.graph], r, heads))])
 
 
-def plot(path: Path, rows: list[Measurement], coef: np.ndarray, heads: int, layers: int,
-         held: set[int], title: str) -> None:
-    import matplotlib
-
+def plot(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]], heads: int,
+         held: set[int], title: str) -> bool:
+    """Write the PNG; without matplotlib (the `plot` extra) say how to get it and return
+    False: the CSV and JSON hold every figure."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        log.warning("event=plot_skipped file=%s reason=%r to_get_it=\"pip install "
+                    "'attnserve[plot]'\" and run again", path, str(err))
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = sorted({r.attention for r in rows})
-    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.8), squeeze=False,
+    modes = sorted({(r.graph, r.returned_layers) for r in rows}, key=lambda m: (m[0] == ATTENTION, m[1]))
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.8), squeeze=False,
                              sharey=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, attention in zip(axes[0], modes, strict=True):
-        mine = [(i, r) for i, r in enumerate(rows) if r.attention == attention]
+    for ax, (kind, maps) in zip(axes[0], modes, strict=True):
+        mine = [(i, r) for i, r in enumerate(rows) if (r.graph, r.returned_layers) == (kind, maps)]
         for k, batch in enumerate(sorted({r.batch for _, r in mine})):
-            points = sorted((r.seq, r.peak_bytes / MIB, i in held) for i, r in mine
-                            if r.batch == batch)
+            points = sorted((r.seq, r.peak_bytes / MIB, i in held) for i, r in mine if r.batch == batch)
             seqs = [s for s, _, _ in points]
             color = colors[k % len(colors)]
             ax.plot(seqs, [m for _, m, _ in points], "o", color=color, label=f"batch {batch}")
             out = [(s, m) for s, m, h in points if h]
             if out:  # held-out shapes: a white centre
-                ax.plot([s for s, _ in out], [m for _, m in out], "o", color="white",
-                        markersize=3)
+                ax.plot([s for s, _ in out], [m for _, m in out], "o", color="white", markersize=3)
             dense = np.geomspace(min(seqs), max(seqs), 64)
-            fitted = [float(np.dot(coef, features(batch, s, heads, layers if attention else 0)))
-                      / MIB for s in dense]
+            fitted = [max(float(np.dot(p, features(kind, batch, s, heads, maps))) for p in fits[kind]) / MIB
+                      for s in dense]
             ax.plot(dense, fitted, "-", color=color, alpha=0.6, linewidth=1)
         ax.set_xscale("log", base=2)
         ticks = sorted({r.seq for _, r in mine})
@@ -240,22 +448,144 @@ def plot(path: Path, rows: list[Measurement], coef: np.ndarray, heads: int, laye
         ax.minorticks_off()
         ax.set_yscale("log")
         ax.set_xlabel("sequence length (tokens)")
-        ax.set_title("all attention maps returned" if attention else "embeddings only")
+        ax.set_title(f"{kind} graph" + (f", {maps} layer(s) of maps returned" if kind == ATTENTION else ""))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(title="measured (dots; hollow: held out), fit (lines)", fontsize=8,
-                  title_fontsize=8)
+        ax.legend(title="measured (dots; hollow: held out), fit (lines)", fontsize=8, title_fontsize=8)
     axes[0][0].set_ylabel("peak memory of one batch (MiB)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
-# --- the command ------------------------------------------------------------------------
+def previous_peaks(path: Path, provider: str, precision: str) -> dict[Shape, int]:
+    """The peaks of the run already in --out, when it measured on the same provider and
+    precision: what this run's shapes are compared with."""
+    try:
+        report = json.loads(path.read_text())
+        if (report.get("provider"), report.get("precision")) != (provider, precision):
+            return {}
+        return {Shape(r["graph"], r["batch"], r["seq"], r["returned_layers"]): r["peak_bytes"]
+                for r in report["rows"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def agreement(rows: list[Measurement], previous: dict[Shape, int]) -> dict | None:
+    changes = [abs(r.peak_bytes - previous[r.shape]) / previous[r.shape] for r in rows
+               if previous.get(r.shape)]
+    if not changes:
+        return None
+    return {"shapes": len(changes), "max_rel_change": max(changes),
+            "mean_rel_change": float(np.mean(changes))}
+
+
+# --- the server under a mixed load -------------------------------------------------------
+
+MIXED_SEED = 12
+MIXED_CALLERS = 8
+
+
+def mixed_requests(calls: int, max_len: int) -> list[tuple[list[list[int]], list[int] | None]]:
+    """`calls` requests: three in four of 1-8 sequences of 8 to `max_len` tokens, one in
+    four asking for every layer's attention maps of 1-2 sequences of up to 192 tokens
+    (their responses grow with the square: these stay under the default 64 MiB message
+    limit); seeded, so every run sends the same."""
+    rng = np.random.default_rng(MIXED_SEED)
+    out = []
+    for _ in range(calls):
+        maps = rng.random() < 0.25
+        longest, most = (min(max_len, 192), 2) if maps else (max_len, 8)
+        lengths = rng.integers(8, longest + 1, size=int(rng.integers(1, most + 1)))
+        out.append(([[1000 + int(t) for t in rng.integers(0, 20000, size=n)] for n in lengths],
+                    [] if maps else None))
+    return out
+
+
+def mixed_load(artifact_dir: Path, calls: int) -> dict:
+    """A real `attnserve serve` on loopback, MIXED_CALLERS callers sending `calls` mixed
+    requests at once; then, from its /metrics, measured over predicted peak memory per
+    seq_len bucket and maps or not (the dashboard's ratio panel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from attnserve.bench.harness import ServerProcess
+    from attnserve.server.client import EncoderClient
+
+    manifest = load_artifact(artifact_dir).manifest
+    requests = mixed_requests(calls, manifest.max_positions)
+    with ServerProcess(Path(artifact_dir)) as server:
+        def caller(mine: list) -> list[str]:
+            codes = []
+            with EncoderClient(server.address) as client:
+                for token_ids, layers in mine:
+                    try:
+                        client.embed(token_ids=token_ids, attention_layers=layers, timeout=600)
+                        codes.append("OK")
+                    except grpc.RpcError as err:  # refused (memory, size): counted, not fatal
+                        codes.append(err.code().name)
+            return codes
+
+        with ThreadPoolExecutor(MIXED_CALLERS) as pool:
+            codes = [c for mine in pool.map(caller, [requests[i::MIXED_CALLERS]
+                                                    for i in range(MIXED_CALLERS)]) for c in mine]
+        samples = server.scrape()
+    answered = codes.count("OK")
+    refused = {code: codes.count(code) for code in sorted(set(codes) - {"OK"})}
+    buckets: dict[tuple[str, str], dict] = {}
+    for (name, labels), value in samples.items():
+        kind = {"attnserve_batch_peak_memory_bytes_sum": "measured_bytes",
+                "attnserve_batch_predicted_memory_bytes_sum": "predicted_bytes",
+                "attnserve_batch_peak_memory_bytes_count": "batches"}.get(name)
+        if kind:
+            key = (dict(labels)["seq_len_bucket"], dict(labels)["attention"])
+            buckets.setdefault(key, {})[kind] = value
+    rows = [{"seq_len_bucket": b, "attention": a, **v,
+             "ratio": v["measured_bytes"] / v["predicted_bytes"] if v.get("predicted_bytes") else None}
+            for (b, a), v in sorted(buckets.items(), key=lambda kv: (kv[0][1], int(kv[0][0].split("-")[0])))]
+    return {"calls": calls, "answered": answered, "refused": refused, "callers": MIXED_CALLERS,
+            "buckets": rows}
+
+
+def mixed_table(result: dict) -> str:
+    lines = [f"under a mixed load ({result['answered']} of {result['calls']} requests answered, "
+             f"refused: {result['refused'] or 'none'}; {result['callers']} callers): measured / "
+             "predicted peak memory per batch",
+             f"{'bucket':>9} {'maps':>5} {'batches':>7} {'measured MiB':>13} {'predicted MiB':>14} "
+             f"{'ratio':>6}"]
+    for r in result["buckets"]:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"{r['seq_len_bucket']:>9} {r['attention']:>5} {r['batches']:>7.0f} "
+                     f"{r['measured_bytes'] / MIB:>13.1f} {r['predicted_bytes'] / MIB:>14.1f} {ratio:>6}")
+    return "\n".join(lines)
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def memray_importable() -> bool:
+    try:
+        import memray  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers: int) -> list[Shape]:
+    """The embeddings graph at every shape; with `attention`, the attention graph too,
+    returning every layer's maps or only the first layer's, alternately along the
+    diagonals of the grid (so the fit sees both counts at every size)."""
+    shapes = [Shape(EMBEDDINGS, b, s, 0) for b in batches for s in seq_lens]
+    if attention:
+        shapes += [Shape(ATTENTION, b, s, layers if (i + j) % 2 == 0 else 1)
+                   for j, b in enumerate(batches) for i, s in enumerate(seq_lens)]
+    return shapes
 
 
 def run_memory_profile(args: argparse.Namespace) -> int:
@@ -272,81 +602,100 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     if skipped:
         print(f"skipping seq lens {skipped}: over the model's {manifest.max_positions} "
               "positions", file=sys.stderr)
-    modes = [False, True] if args.attention else [False]
-    shapes = [(a, b, s) for a in modes for b in batches for s in seq_lens]
-    rows: list[Measurement] = []
+    if args.device != "cuda" and not memray_importable():
+        from attnserve.server.ort_backend import CPU, choose_provider
+
+        if choose_provider(args.device)[0] == CPU:
+            print("memory-profile: on the CPU it counts allocations with memray, which is not "
+                  "installed: pip install 'attnserve[profile]'", file=sys.stderr)
+            return 2
+    heads, layers = manifest.num_heads, manifest.num_layers
+    shapes = shapes_for(args.attention, seq_lens, batches, layers)
     started = time.monotonic()
-    for n, (attention, batch, seq) in enumerate(shapes, 1):
-        try:
-            row = measure_isolated(artifact.directory, batch, seq, attention, args.device,
-                                   args.precision, args.threads, args.repeats)
-        except (RuntimeError, subprocess.TimeoutExpired) as err:
-            print(f"[{n}/{len(shapes)}] left out: {err}", file=sys.stderr, flush=True)
-            continue
-        rows.append(row)
-        print(f"[{n}/{len(shapes)}] attention={'all' if attention else 'none'} batch={batch} "
-              f"seq={seq}: {_mib(row.peak_bytes)} MiB, {row.seconds:.3f} s", file=sys.stderr,
-              flush=True)
+    rows, left_out = measure_shapes(artifact.directory, shapes, args.device, args.precision,
+                                    args.threads, max(1, args.repeats),
+                                    progress=lambda m: print(m, file=sys.stderr, flush=True))
     if not rows:
         print("memory-profile: every shape failed (see above)", file=sys.stderr)
         return 1
-    heads, layers = manifest.num_heads, manifest.num_layers
-    provider = rows[0].provider
+    provider, precision, method = rows[0].provider, rows[0].precision, rows[0].method
     result = fit_with_holdout(rows, heads, args.holdout_every)
-    coef = result["coef"]
-    d_source = "fitted"
-    if not result["with_d"]:
-        # No attention rows measured: the returned maps' term stays the analytic bound's.
-        coef[3], d_source = analytic_bound(manifest).d, "analytic bound"
-    held = {i for i in range(len(rows)) if i % args.holdout_every == args.holdout_every - 1}
-    memory_model = MemoryModel(*(float(c) for c in coef), source=f"fitted on {provider}")
+    fits = result["fits"]
+    held = result["held"]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    title = (f"{manifest.model_name} on {provider} ({rows[0].precision}): peak memory of one "
-             f"batch, each shape in a fresh process")
-    write_csv(out / "memory_profile.csv", rows, coef, heads)
-    plot(out / "memory_profile.png", rows, coef, heads, layers, held, title)
-    model_path = None if args.no_save_model else memory_model.save(artifact.directory)
+    previous = previous_peaks(out / "memory_profile.json", provider, precision)
+    agree = agreement(rows, previous)
+    graph_files = {r.graph: r.graph_file for r in rows}
+    models = {kind: MemoryModel(*map(float, phases[0]), source=f"fitted on {provider} {precision} "
+                                f"({graph_files[kind]})",
+                                other_phases=tuple(tuple(map(float, p)) for p in phases[1:]))
+              for kind, phases in fits.items()}
+    entries = {
+        model_key(provider, precision, kind): model.entry() | {
+            "graph_file": graph_files[kind], "measure": method,
+            "shapes": sum(r.graph == kind for r in rows),
+            "holdout": (result["holdout"] or {}).get("by_graph", {}).get(kind),
+        } for kind, model in models.items()}
+    title = (f"{manifest.model_name} on {provider} ({precision}): peak memory of one batch "
+             f"({'allocation high-water mark' if method == CPU_METHOD else 'arena growth, fresh session'})")
+    written = [out / "memory_profile.csv", out / "memory_profile.json"]
+    write_csv(written[0], rows, fits, heads)
+    if plot(out / "memory_profile.png", rows, fits, heads, held, title):
+        written.append(out / "memory_profile.png")
+    model_path = None if args.no_save_model else save_entries(artifact.directory, entries)
     report = {
-        "model": manifest.model_name, "provider": provider, "precision": rows[0].precision,
+        "model": manifest.model_name, "provider": provider, "precision": precision,
         "artifact": str(artifact.directory), "artifact_sha256": artifact.manifest_sha256,
-        "heads": heads, "layers": layers, "repeats": args.repeats,
-        "measure": rows[0].method,
+        "heads": heads, "layers": layers, "repeats": args.repeats, "measure": method,
         "seconds": round(time.monotonic() - started, 1),
-        "rows": [asdict(r) | {"predicted_bytes": round(predict(coef, r, heads))} for r in rows],
-        "fit": {"formula": "a + b*batch*seq + c*batch*heads*seq^2 "
-                           "+ d*batch*heads*seq^2*returned_layers",
-                "coefficients": dict(zip(COEFFICIENTS, map(float, coef), strict=True)), "d_source": d_source,
+        "rows": [asdict(r) | {"predicted_bytes": round(predict(fits[r.graph], r, heads)),
+                              "held_out": i in held} for i, r in enumerate(rows)],
+        "left_out": left_out,
+        "fit": {"formula": "max over phases of a + b*batch*seq + c*batch*heads*seq^2 "
+                           "+ d*batch*heads*seq^2*returned_layers (d: attention graph only)",
                 "weighting": "relative (1/measured, floored at 1 MiB); coefficients >= 0",
                 "holdout": result["holdout"], "in_sample": result["in_sample"],
-                "noise_floor_bytes": NOISE_FLOOR_BYTES},
+                "noise_floor_bytes": NOISE_FLOOR_BYTES, "models": entries},
+        "previous_run": agree,
         "memory_model": str(model_path) if model_path else None,
     }
     (out / "memory_profile.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"memory profile: {manifest.model_name}, {provider} ({rows[0].precision}), "
-          f"{heads} heads, {layers} layers; peak = {rows[0].method}, each shape in a fresh "
-          "process")
-    print(table(rows, coef, heads, held))
-    a, b, c, d = coef
-    print(f"fit: bytes ≈ {a:.4g} + {b:.4g}·batch·seq + {c:.4g}·batch·heads·seq² + "
-          f"{d:.4g}·batch·heads·seq²·returned_layers  (d: {d_source})")
+    print(f"memory profile: {manifest.model_name}, {provider} ({precision}), {heads} heads, "
+          f"{layers} layers; peak = {method}")
+    print(table(rows, fits, heads, held, previous))
+    for kind, phases in fits.items():
+        print(f"fit, {kind} graph ({graph_files[kind]}): bytes ≈ "
+              + ("max of\n    " if len(phases) > 1 else "") + "\n    ".join(map(formula, phases)))
     holdout = result["holdout"]
     if holdout:
-        print(f"held-out error (1 shape in {args.holdout_every} held out, fit on the other "
-              f"{holdout['train_shapes']}; {holdout['shapes_scored']} of {holdout['shapes']} "
-              f"above {NOISE_FLOOR_BYTES // MIB} MiB scored): mean "
-              f"{_pct(holdout['mean_rel_error'])}, max {_pct(holdout['max_rel_error'])}")
+        per_graph = "; ".join(f"{kind} mean {_pct(e['mean_rel_error'])}, max {_pct(e['max_rel_error'])}"
+                              for kind, e in holdout["by_graph"].items())
+        print(f"held-out error (1 shape in {args.holdout_every} of each graph held out, fit on the "
+              f"other {holdout['train_shapes']}; {holdout['shapes_scored']} of {holdout['shapes']} "
+              f"at or above {NOISE_FLOOR_BYTES // MIB} MiB scored): mean "
+              f"{_pct(holdout['mean_rel_error'])}, max {_pct(holdout['max_rel_error'])} ({per_graph})")
     else:
         print("held-out error: n/a (too few shapes to hold any out)")
-    print(f"in-sample error (final fit on all {len(rows)} shapes): mean "
+    print(f"in-sample error (final fits on all {len(rows)} shapes): mean "
           f"{_pct(result['in_sample']['mean_rel_error'])}, max "
           f"{_pct(result['in_sample']['max_rel_error'])}")
-    print(f"wrote {out / 'memory_profile.csv'}, {out / 'memory_profile.json'}, "
-          f"{out / 'memory_profile.png'}")
+    if agree:
+        print(f"against the previous run in {out} ({agree['shapes']} shapes): per-shape change mean "
+              f"{_pct(agree['mean_rel_change'])}, max {_pct(agree['max_rel_change'])}")
+    for reason in left_out:
+        print(f"left out: {reason.splitlines()[0]}")
+    print(f"wrote {', '.join(map(str, written))}")
     if model_path:
-        print(f"memory model saved to {model_path} (the server loads it at start)")
+        print(f"memory model saved to {model_path} under {provider}/{precision}/"
+              f"{{{','.join(fits)}}} (the server loads it at start)")
+    if args.mixed_load:
+        mixed = mixed_load(artifact.directory, args.mixed_load)
+        (out / "mixed_load.json").write_text(json.dumps(mixed, indent=2) + "\n")
+        print(mixed_table(mixed))
+        print(f"wrote {out / 'mixed_load.json'}")
     return 0
 
 
@@ -354,20 +703,19 @@ def _worker(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench.memory_profile --worker")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--artifact", type=Path, required=True)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--seq", type=int, required=True)
-    parser.add_argument("--attention", action="store_true")
+    parser.add_argument("--shapes", required=True, help="JSON list of Shape fields")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args(argv)
-    row = measure_shape(args.artifact, args.batch, args.seq, args.attention, args.device,
-                        args.precision, args.threads, max(1, args.repeats))
-    print(json.dumps(asdict(row)), flush=True)
+    meter = PeakMeter(args.artifact, args.device, args.precision, args.threads)
+    for fields in json.loads(args.shapes):
+        row = meter.measure(Shape(**fields), max(1, args.repeats))
+        print(json.dumps(asdict(row)), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    # Only the per-shape worker runs as a module; people run `attnserve memory-profile`.
+    # Only the worker runs as a module; people run `attnserve memory-profile`.
     sys.exit(_worker(sys.argv[1:]))

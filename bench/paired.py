@@ -13,11 +13,11 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from attnserve.bench.measure import shape_row, workload_row
-from attnserve.bench.serving import REPO, Measured, ServerProcess, measure_attention, run_callers
+from attnserve.bench.harness import REPO, ServerProcess
+from attnserve.bench.measure import shape_row, time_calls, workload_row
+from attnserve.bench.serving import Measured, bench_server, measure_attention, run_callers
 from attnserve.bench.workloads import Workload
 from attnserve.server.client import EncoderClient
 
@@ -66,15 +66,6 @@ def _block(first_call_s: float, block_s: float) -> int:
     return max(1, min(50, round(block_s / max(first_call_s, 1e-4))))
 
 
-def _timed_calls(call, count: int) -> list[float]:
-    seconds = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - t0)
-    return seconds
-
-
 def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
                server_extra: list[str], threads: int, num_layers: int, quick: bool,
                reps: dict) -> tuple[dict, dict]:
@@ -84,7 +75,7 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
     graphs = ["opt"] + (["plain"] if "plain_graph" in worker.info else [])
     server = None
     try:
-        server = ServerProcess(artifact, work / "server.log", server_extra, threads).start()
+        server = bench_server(artifact, work / "server.log", server_extra, threads)
         grpc_out: dict = {"args": server.args[2:], "idle_rss_bytes": server.status()["rss"],
                           "shapes": {}, "concurrency": {}, "rounds": rounds}
         with EncoderClient(server.address) as client:
@@ -107,7 +98,7 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
                                                               graph=graph, calls=calls)["seconds"]
                         else:
                             with Measured(server) as m:
-                                served.extend(_timed_calls(
+                                served.extend(time_calls(
                                     lambda texts=texts: client.embed(texts), calls))
                             breakdowns.append(m.summary())
                 raw["shapes"][shape.name] = shape_row(samples["opt"], shape.batch, shape.seq)

@@ -4,7 +4,7 @@
     python -m bench.phases worker SPEC.json      (the raw session, driven over stdin)
 
 `peak` imports numpy and torch; `worker` and `memory` onnxruntime (through the server's
-own Runtime); `torch` our PyTorch model and sentence-transformers. None imports another's
+own OrtBackend); `torch` our PyTorch model and sentence-transformers. None imports another's
 engine, and the torch phase never runs while the server or the raw worker is up.
 """
 
@@ -17,7 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.bench.measure import FULL, QUICK, latency_summary, repeat, shape_row, workload_row
+from attnserve.bench.measure import (
+    FULL,
+    QUICK,
+    Reps,
+    latency_summary,
+    shape_row,
+    time_calls,
+    time_each,
+    workload_row,
+)
 from attnserve.bench.workloads import Workload, padded_batch
 
 log = logging.getLogger("bench.phases")
@@ -39,32 +48,22 @@ def phase_peak(spec: dict) -> dict:
         from threadpoolctl import threadpool_limits
     except ImportError:  # the env variables set by the parent already cap BLAS threads
         threadpool_limits = None
+    matmuls = Reps(reps, reps, 0.0, warmup=2)
     if threadpool_limits is not None:
         with threadpool_limits(threads):
-            times = _matmul_times(lambda: a @ b, reps)
+            times = time_calls(lambda: a @ b, matmuls)
     else:
-        times = _matmul_times(lambda: a @ b, reps)
+        times = time_calls(lambda: a @ b, matmuls)
     out["numpy_gflops"] = flop / float(np.median(times)) / 1e9
     import torch
 
     torch.set_num_threads(threads)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    times = _matmul_times(lambda: ta @ tb, reps)
+    times = time_calls(lambda: ta @ tb, matmuls)
     out["torch_gflops"] = flop / float(np.median(times)) / 1e9
     out["peak_gflops"] = max(out["numpy_gflops"], out["torch_gflops"])
     out["peak_source"] = "torch" if out["torch_gflops"] >= out["numpy_gflops"] else "numpy"
     return out
-
-
-def _matmul_times(call, reps: int) -> list[float]:
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 # --- raw onnxruntime ------------------------------------------------------------------------
@@ -76,25 +75,25 @@ def _rss_probe():
 
 
 class RawEngine:
-    """The server's own Runtime (same graph file, same session options), in-process, and
+    """The server's own OrtBackend (same graph file, same session options), in-process, and
     optionally the unfused graph with the same options."""
 
     def __init__(self, spec: dict):
         from attnserve.artifact import load_artifact
-        from attnserve.server.runtime import CPU, Runtime
+        from attnserve.server.ort_backend import CPU, OrtBackend
 
         self.workload = Workload.load(spec["workload"])
         self.artifact = load_artifact(spec["artifact"])
-        self.runtime = Runtime(self.artifact, device="cpu", intra_op_threads=spec["threads"])
+        self.runtime = OrtBackend(self.artifact, device="cpu", intra_op_threads=spec["threads"])
         self.pad = self.artifact.manifest.pad_token_id
-        self.sessions = {"opt": self.runtime.embed}
+        self.sessions = {"opt": self.runtime.lanes[0].embed.session}
         self.info = {"graph": self.runtime.embed_graph.file,
                      "attention_graph": self.runtime.attn_graph.file, "threads": spec["threads"]}
         plain = next((g for g in self.artifact.manifest.graphs
                       if not g.attention and g.precision == "fp32" and not g.optimized), None)
         if (spec.get("plain_graph") and plain is not None
                 and plain.file != self.runtime.embed_graph.file):
-            self.sessions["plain"] = self.runtime._session(plain.file, CPU, spec["threads"])
+            self.sessions["plain"] = self.runtime._session(plain, CPU, cuda_graph=False)
             self.info["plain_graph"] = plain.file
         self.shapes = {s.name: padded_batch(s.inputs.ids, self.pad) for s in self.workload.shapes}
         self.batches = [padded_batch([self.workload.mixed.ids[i] for i in b], self.pad)
@@ -107,25 +106,14 @@ class RawEngine:
 
     def shape(self, name: str, graph: str, calls: int, warmup: int = 0) -> dict:
         ids, mask = self.shapes[name]
-        for _ in range(warmup):
-            self.run(graph, ids, mask)
-        seconds = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            self.run(graph, ids, mask)
-            seconds.append(time.perf_counter() - t0)
-        return {"seconds": seconds}
+        return {"seconds": time_calls(lambda: self.run(graph, ids, mask),
+                                      Reps(calls, calls, 0.0, warmup=warmup))}
 
     def mixed(self, kind: str, graph: str) -> dict:
         """One pass over the mixed texts: ideal batches, or one text at a time."""
         inputs = self.batches if kind == "ideal" else self.singles
-        latencies = []
-        t0 = time.perf_counter()
-        for ids, mask in inputs:
-            t1 = time.perf_counter()
-            self.run(graph, ids, mask)
-            latencies.append(time.perf_counter() - t1)
-        return {"run_seconds": time.perf_counter() - t0, "latencies": latencies,
+        latencies = time_each(lambda batch: self.run(graph, *batch), inputs)
+        return {"run_seconds": sum(latencies), "latencies": latencies,
                 "padded_tokens": int(sum(ids.size for ids, _ in inputs))}
 
     def attention(self, quick: bool) -> dict:
@@ -162,7 +150,8 @@ def _attention(runtime, workload: Workload, pad: int, reps) -> dict:
         result = runtime.run(ids, mask, layers)
         nbytes = sum(m.nbytes for m in result.attentions.values())
         del result
-        row = latency_summary(repeat(lambda layers=layers: runtime.run(ids, mask, layers), reps))
+        row = latency_summary(time_calls(lambda layers=layers: runtime.run(ids, mask, layers),
+                                         reps))
         row.update(layers=len(layers), output_bytes_fp32=nbytes, output_bytes_fp16=nbytes // 2)
         out[name] = row
         log.info("phase=raw attention=%s p50_ms=%.1f", name, row["p50_ms"])
@@ -175,12 +164,12 @@ def phase_memory(spec: dict) -> dict:
     A fresh process because memory a previous call freed stays resident (malloc keeps it)
     and would hide the next call's cost."""
     from attnserve.artifact import load_artifact
-    from attnserve.server.runtime import Runtime
+    from attnserve.server.ort_backend import OrtBackend
 
     workload = Workload.load(spec["workload"])
     artifact = load_artifact(spec["artifact"])
-    runtime = Runtime(artifact, device="cpu", intra_op_threads=spec["threads"])
-    runtime.warm_up(0)  # as the server does before serving: both graphs at 1 × 8
+    runtime = OrtBackend(artifact, device="cpu", intra_op_threads=spec["threads"])
+    runtime.warm_up(runtime.warm_up_shapes(0))  # as the server does before serving: both graphs at 1 × 8
     layers = tuple(spec["layers"])
     ids, mask = padded_batch(workload.attention.inputs.ids, artifact.manifest.pad_token_id)
     probe = _rss_probe()
@@ -234,28 +223,17 @@ def phase_torch(spec: dict) -> dict:
 
     rows = {"shapes": {}}
     for shape in workload.shapes:
-        seconds = repeat(lambda texts=shape.inputs.texts: st_encode(texts), reps["shape"])
+        seconds = time_calls(lambda texts=shape.inputs.texts: st_encode(texts), reps["shape"])
         rows["shapes"][shape.name] = shape_row(seconds, shape.batch, shape.seq)
         log.info("phase=torch engine=st shape=%s tokens_per_s=%.0f", shape.name,
                  rows["shapes"][shape.name]["tokens_per_s"])
     texts, tokens = workload.mixed.texts, sum(workload.mixed.lengths)
     st_encode(texts[:1])
-    run_seconds, latencies = [], []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for text in texts:
-            t1 = time.perf_counter()
-            st_encode([text])
-            latencies.append(time.perf_counter() - t1)
-        run_seconds.append(time.perf_counter() - t0)
-    rows["mixed_one"] = workload_row(run_seconds, latencies, tokens)
-    run_seconds, latencies = [], []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        st.encode(texts, batch_size=32, convert_to_numpy=True, show_progress_bar=False)
-        run_seconds.append(time.perf_counter() - t0)
-        latencies.append(run_seconds[-1])
-    rows["mixed_ideal"] = workload_row(run_seconds, latencies, tokens)
+    passes = [time_each(lambda text: st_encode([text]), texts) for _ in range(runs)]
+    rows["mixed_one"] = workload_row([sum(p) for p in passes], [t for p in passes for t in p], tokens)
+    run_seconds = time_calls(lambda: st.encode(texts, batch_size=32, convert_to_numpy=True,
+                                               show_progress_bar=False), runs)
+    rows["mixed_ideal"] = workload_row(run_seconds, run_seconds, tokens)
     out["st"] = rows
     out["onnxruntime_imported"] = "onnxruntime" in sys.modules
     return out
@@ -265,7 +243,7 @@ def _torch_engine(run, workload: Workload, reps: dict, runs: int) -> dict:
     rows: dict = {"shapes": {}}
     for shape in workload.shapes:
         ids, mask = padded_batch(shape.inputs.ids)
-        seconds = repeat(lambda ids=ids, mask=mask: run(ids, mask), reps["shape"])
+        seconds = time_calls(lambda ids=ids, mask=mask: run(ids, mask), reps["shape"])
         rows["shapes"][shape.name] = shape_row(seconds, shape.batch, shape.seq)
         log.info("phase=torch engine=ours shape=%s tokens_per_s=%.0f", shape.name,
                  rows["shapes"][shape.name]["tokens_per_s"])
@@ -274,15 +252,8 @@ def _torch_engine(run, workload: Workload, reps: dict, runs: int) -> dict:
     run(*singles[0])
     batches = [padded_batch([workload.mixed.ids[i] for i in b]) for b in workload.ideal_batches]
     for name, inputs in (("mixed_one", singles), ("mixed_ideal", batches)):
-        run_seconds, latencies = [], []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            for ids, mask in inputs:
-                t1 = time.perf_counter()
-                run(ids, mask)
-                latencies.append(time.perf_counter() - t1)
-            run_seconds.append(time.perf_counter() - t0)
-        rows[name] = workload_row(run_seconds, latencies, tokens)
+        passes = [time_each(lambda batch: run(*batch), inputs) for _ in range(runs)]
+        rows[name] = workload_row([sum(p) for p in passes], [t for p in passes for t in p], tokens)
     return rows
 
 

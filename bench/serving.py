@@ -4,30 +4,20 @@ around each measurement."""
 
 import asyncio
 import logging
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
-from attnserve.bench.measure import latency_summary, repeat
+from attnserve.bench.harness import Samples, ServerProcess, delta
+from attnserve.bench.measure import latency_summary, time_calls
 from attnserve.bench.workloads import Workload
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 
 log = logging.getLogger("bench.serving")
 
-REPO = Path(__file__).resolve().parents[1]
-READY = re.compile(r"event=serving port=(\d+) metrics_port=(\d+)")
-START_TIMEOUT_S = 120
 # Big enough for every layer's maps in float32 at the attention shape; the default
 # (64 MiB) refuses 8 × 256 with all six layers before any work, as it should.
 MAX_MESSAGE_BYTES = 1 << 30
@@ -35,105 +25,28 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def bench_server(artifact: Path, log_path: Path, extra: list[str], threads: int) -> ServerProcess:
+    """The server as the benchmark runs it, started: `threads` onnxruntime threads,
+    messages large enough for every attention map, then `extra`."""
+    return ServerProcess(artifact, "--intra-op-threads", str(threads),
+                         "--max-message-bytes", str(MAX_MESSAGE_BYTES), *extra, log_path=log_path)
 
 
-class ServerProcess:
-    def __init__(self, artifact: Path, log_path: Path, extra: list[str], threads: int):
-        self.log_path = log_path
-        self.args = [sys.executable, "-m", "attnserve", "serve", "--artifact", str(artifact),
-                     "--host", "127.0.0.1", "--port", "0", "--metrics-host", "127.0.0.1",
-                     # --metrics-port 0 turns /metrics off: take a free port instead.
-                     "--metrics-port", str(free_port()), "--device", "cpu",
-                     "--intra-op-threads", str(threads),
-                     "--max-message-bytes", str(MAX_MESSAGE_BYTES), *extra]
-        self.proc: subprocess.Popen | None = None
-        self.port = self.metrics_port = 0
-
-    def start(self) -> "ServerProcess":
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
-        self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            match = READY.search(self.log_path.read_text())
-            if match:
-                self.port, self.metrics_port = int(match.group(1)), int(match.group(2))
-                log.info("event=server_ready pid=%d port=%d metrics_port=%d", self.proc.pid,
-                         self.port, self.metrics_port)
-                return self
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not start; its log:\n{self.log_path.read_text()[-3000:]}")
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def metrics(self) -> dict:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        values: dict = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-        return values
-
-    def status(self) -> dict:
-        """Resident set and its high-water mark (the server resets the mark at each batch),
-        and CPU seconds used so far."""
-        text = Path(f"/proc/{self.proc.pid}/status").read_text()
-        kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return {"rss": kib.get("VmRSS", 0), "hwm": kib.get("VmHWM", 0), "cpu_s": cpu}
-
-
-def metric_delta(before: dict, after: dict, name: str, **labels) -> float:
-    """Sum over samples named `name` whose labels include `labels`."""
-    total = 0.0
-    for (sample, sample_labels), value in after.items():
-        if sample != name:
-            continue
-        d = dict(sample_labels)
-        if all(d.get(k) == v for k, v in labels.items()):
-            total += value - before.get((sample, sample_labels), 0.0)
-    return total
-
-
-def server_breakdown(before: dict, after: dict) -> dict:
+def server_breakdown(before: Samples, after: Samples) -> dict:
     """Seconds per server stage, batch counts and tokens over a measurement."""
     stages = defaultdict(float)
     for stage in ("queue", "tokenize", "inference", "respond"):
-        stages[stage] = metric_delta(before, after, "attnserve_stage_duration_seconds_sum",
-                                     stage=stage)
-    requests = metric_delta(before, after, "attnserve_request_duration_seconds_count", rpc="Embed")
+        stages[stage] = delta(before, after, "attnserve_stage_duration_seconds_sum", stage=stage)
+    requests = delta(before, after, "attnserve_request_duration_seconds_count", rpc="Embed")
     return {
         "stage_seconds": dict(stages),
-        "request_seconds": metric_delta(before, after, "attnserve_request_duration_seconds_sum",
-                                        rpc="Embed"),
+        "request_seconds": delta(before, after, "attnserve_request_duration_seconds_sum",
+                                 rpc="Embed"),
         "requests": requests,
-        "batches": metric_delta(before, after, "attnserve_batch_size_count"),
-        "sequences": metric_delta(before, after, "attnserve_batch_size_sum"),
-        "real_tokens": metric_delta(before, after, "attnserve_batch_tokens_sum", kind="real"),
-        "padded_tokens": metric_delta(before, after, "attnserve_batch_tokens_sum", kind="padded"),
+        "batches": delta(before, after, "attnserve_batch_size_count"),
+        "sequences": delta(before, after, "attnserve_batch_size_sum"),
+        "real_tokens": delta(before, after, "attnserve_batch_tokens_sum", kind="real"),
+        "padded_tokens": delta(before, after, "attnserve_batch_tokens_sum", kind="padded"),
     }
 
 
@@ -145,7 +58,7 @@ class Measured:
         self.server = server
 
     def __enter__(self):
-        self.before = self.server.metrics()
+        self.before = self.server.scrape()
         self.status = self.server.status()
         self.client_cpu = time.process_time()
         self.wall = time.perf_counter()
@@ -154,7 +67,7 @@ class Measured:
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.wall
         self.client_cpu = time.process_time() - self.client_cpu
-        self.after = self.server.metrics()
+        self.after = self.server.scrape()
         status = self.server.status()
         self.server_cpu = status["cpu_s"] - self.status["cpu_s"]
 
@@ -222,7 +135,7 @@ def measure_attention(server: ServerProcess, workload: Workload, reps, num_layer
         for name, layers, fp16 in ATTENTION_CONFIGS:
             request = attention_request(shape.inputs.texts, layers, fp16)
             nbytes = stub.Embed(request).ByteSize()
-            seconds = repeat(lambda request=request: stub.Embed(request), reps)
+            seconds = time_calls(lambda request=request: stub.Embed(request), reps)
             row = latency_summary(seconds)
             row.update(layers=name, dtype="float16" if fp16 else "float32", response_bytes=nbytes,
                        layers_returned=0 if layers is None else len(layers) or num_layers)
@@ -243,21 +156,21 @@ def measure_attention_memory(artifact: Path, workload: Workload, log_dir: Path,
         if quick and fp16:  # float16 changes the response, not the batch: full runs only
             continue
         dtype = "float16" if fp16 else "float32"
-        server = ServerProcess(artifact, log_dir / f"server-memory-{name}-{dtype}.log", extra,
-                               threads).start()
+        server = bench_server(artifact, log_dir / f"server-memory-{name}-{dtype}.log", extra,
+                              threads)
         try:
             idle = server.status()["rss"]
-            before = server.metrics()
+            before = server.scrape()
             with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
                 pb_grpc.EncoderServiceStub(channel).Embed(
                     attention_request(workload.attention.inputs.texts, layers, fp16))
-            status, after = server.status(), server.metrics()
+            status, after = server.status(), server.scrape()
         finally:
             server.stop()
         label = "false" if layers is None else "true"
         out[f"{name}_{dtype}"] = {
-            "batch_peak_bytes": metric_delta(before, after, "attnserve_batch_peak_memory_bytes_sum",
-                                             attention=label),
+            "batch_peak_bytes": delta(before, after, "attnserve_batch_peak_memory_bytes_sum",
+                                      attention=label),
             "request_peak_rss_bytes": max(0, status["hwm"] - idle),
             "idle_rss_bytes": idle,
         }

@@ -5,31 +5,55 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, attention_output
+from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, POOLED_OUTPUTS, POOLINGS, attention_output
 from attnserve.model import Encoder
 
 # The TorchScript exporter at opset 17: torch 2.13's default dynamo exporter writes a
 # graph whose attention onnxruntime's optimiser cannot fuse, and which runs slower.
 OPSET = 17
+# Node names of the pooling submodule start with this (the exporter names nodes by module
+# scope): optimize.py keeps those nodes in float32 inside float16 graphs.
+POOL_SCOPE = "/pool/"
 
 
-class _GraphOutputs(nn.Module):
-    """The encoder with a flat tuple of outputs, as ONNX wants them."""
+class Pool(nn.Module):
+    """The pooled outputs, computed where the hidden state is (on the GPU under CUDA), so a
+    caller who wants one vector per sequence never needs [batch, seq, hidden] copied out.
+    As sentence-transformers pools: mean over the tokens the mask keeps (the count clamped
+    away from zero, so a row of padding only pools to zeros), or the first token; each
+    also L2-normalised as torch.nn.functional.normalize does (the norm clamped at 1e-12),
+    written out so the graph has no Shape/Expand nodes, which onnxruntime may place on the
+    CPU (a CUDA graph needs every node on the device)."""
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        count = weights.sum(dim=1).clamp(min=1e-9)
+        pooled = {"mean": (hidden * weights).sum(dim=1) / count, "cls": hidden[:, 0]}
+        out = []
+        for name in POOLINGS:
+            vector = pooled[name]
+            out += [vector, vector / vector.norm(p=2, dim=1, keepdim=True).clamp(min=1e-12)]
+        return tuple(out)
+
+
+class GraphOutputs(nn.Module):
+    """The encoder with a flat tuple of outputs, as ONNX wants them, in `output_names`'
+    order: the hidden state, the pooled vectors, then the attention maps."""
 
     def __init__(self, encoder: Encoder, attention: bool):
         super().__init__()
         self.encoder = encoder
         self.attention = attention
+        self.pool = Pool()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         out = self.encoder(input_ids, attention_mask, output_attentions=self.attention)
-        if self.attention:
-            return (out.last_hidden_state, *out.attentions)
-        return out.last_hidden_state
+        pooled = self.pool(out.last_hidden_state, attention_mask)
+        return (out.last_hidden_state, *pooled, *(out.attentions if self.attention else ()))
 
 
 def output_names(encoder: Encoder, attention: bool) -> list[str]:
-    names = [HIDDEN_OUTPUT]
+    names = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
     if attention:
         names += [attention_output(i) for i in range(encoder.config.num_layers)]
     return names
@@ -45,10 +69,12 @@ def export_graph(encoder: Encoder, path: Path, attention: bool) -> list[str]:
     attention_mask = torch.ones(batch, seq, dtype=torch.int64)
     attention_mask[1, 5:] = 0
     dynamic = {name: {0: "batch", 1: "seq"} for name in (*INPUT_NAMES, HIDDEN_OUTPUT)}
-    dynamic |= {name: {0: "batch", 2: "seq", 3: "seq"} for name in outputs[1:]}
+    dynamic |= {name: {0: "batch"} for name in POOLED_OUTPUTS}
+    dynamic |= {attention_output(i): {0: "batch", 2: "seq", 3: "seq"}
+                for i in range(encoder.config.num_layers) if attention}
     with torch.no_grad():
         torch.onnx.export(
-            _GraphOutputs(encoder, attention).eval(),
+            GraphOutputs(encoder, attention).eval(),
             (input_ids, attention_mask),
             str(path),
             input_names=list(INPUT_NAMES),

@@ -1,12 +1,17 @@
 """onnxruntime's transformer optimiser: fused Attention, SkipLayerNorm and BiasGelu kernels,
 and float16 variants for the CUDA provider."""
 
+import copy
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+from onnx import GraphProto, NodeProto, TensorProto, ValueInfoProto
 from onnxruntime.transformers.fusion_options import FusionOptions
 from onnxruntime.transformers.optimizer import optimize_model
 
+from attnserve.artifact import POOLED_OUTPUTS
+from attnserve.export.onnx_graphs import POOL_SCOPE
 from attnserve.model import EncoderConfig
 
 log = logging.getLogger("attnserve.export")
@@ -18,6 +23,48 @@ log = logging.getLogger("attnserve.export")
 FP32_OPS = ["Softmax"]
 
 
+@dataclass
+class _Pooling:
+    nodes: list[NodeProto]
+    outputs: list[ValueInfoProto]
+    shared: list[TensorProto | NodeProto]
+    """initializers and Constant nodes outside the pooling scope it reads (the exporter
+    shares equal constants): the converter prunes them once their other readers are gone"""
+
+
+def _take_pooling(graph: GraphProto) -> _Pooling:
+    """Remove the pooling nodes and the pooled outputs from `graph`; returns them."""
+    nodes = [n for n in graph.node if n.name.startswith(POOL_SCOPE)]
+    outputs = [o for o in graph.output if o.name in POOLED_OUTPUTS]
+    produced = {name for n in nodes for name in n.output}
+    read = {name for n in nodes for name in n.input if name} - produced
+    shared: list[TensorProto | NodeProto] = [copy.deepcopy(i) for i in graph.initializer if i.name in read]
+    shared += [copy.deepcopy(n) for n in graph.node
+               if n.op_type == "Constant" and n not in nodes and set(n.output) & read]
+    for constant in shared:
+        if isinstance(constant, TensorProto) and constant.data_type == TensorProto.FLOAT:
+            raise ValueError(f"pooling reads float initializer {constant.name}, which the "
+                             "float16 converter would change")
+    for n in nodes:
+        graph.node.remove(n)
+    for o in outputs:
+        graph.output.remove(o)
+    for info in [v for v in graph.value_info if v.name in produced]:
+        graph.value_info.remove(info)  # the converter would mark them float16
+    return _Pooling(nodes, outputs, shared)
+
+
+def _put_back(graph: GraphProto, pooling: _Pooling) -> None:
+    present = {i.name for i in graph.initializer} | {name for n in graph.node for name in n.output}
+    for constant in pooling.shared:
+        if isinstance(constant, TensorProto) and constant.name not in present:
+            graph.initializer.append(constant)
+        elif isinstance(constant, NodeProto) and constant.output[0] not in present:
+            graph.node.append(constant)
+    graph.node.extend(pooling.nodes)  # saving sorts the nodes topologically
+    graph.output.extend(pooling.outputs)
+
+
 def optimize(source: Path, target: Path, config: EncoderConfig, fuse_attention: bool,
              fp16: bool) -> dict[str, int]:
     """Write the optimised graph; returns onnxruntime's count of fused operators.
@@ -25,6 +72,12 @@ def optimize(source: Path, target: Path, config: EncoderConfig, fuse_attention: 
     The graph that outputs attention probabilities keeps its explicit softmax: the
     fused Attention kernel does not expose them, and fusing it writes a graph
     onnxruntime refuses ("Graph output (attentions.0) does not exist").
+
+    In a float16 graph the pooling stays float32, fed by the float32 hidden state the
+    graph outputs: a mean over up to 512 tokens summed in float16 loses digits callers'
+    cosine similarities need. The converter cannot keep a chain of nodes float32 (it casts
+    every blocked node's inputs and outputs to and from float16), so the pooling nodes
+    are taken out before it runs and put back after.
     """
     options = FusionOptions("bert")
     options.enable_attention = fuse_attention
@@ -41,7 +94,9 @@ def optimize(source: Path, target: Path, config: EncoderConfig, fuse_attention: 
             use_gpu=fp16,
         )
         if fp16:
+            pooling = _take_pooling(model.model.graph)
             model.convert_float_to_float16(keep_io_types=True, op_block_list=FP32_OPS)
+            _put_back(model.model.graph, pooling)
         model.save_model_to_file(str(target))
         fused = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
     finally:

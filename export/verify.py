@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from attnserve.export.onnx_graphs import GraphOutputs, output_names
 from attnserve.model import Encoder
 
 # Lengths other than the tracing length (7), including 1 and the model's maximum, so a
@@ -45,17 +46,17 @@ def session(path: Path) -> ort.InferenceSession:
 def max_abs_error(path: Path, encoder: Encoder, outputs: list[str]) -> float:
     """Worst absolute difference between onnxruntime and PyTorch over the parity shapes."""
     sess = session(path)
+    attention = any(name.startswith("attentions.") for name in outputs)
+    # The module that was traced: every output, pooled vectors included, in its place.
+    reference = GraphOutputs(encoder, attention).eval()
     worst = 0.0
     for feed in parity_inputs(encoder.config.vocab_size, encoder.config.max_positions):
         got = sess.run(outputs, feed)
         with torch.no_grad():
-            ref = encoder(
-                torch.from_numpy(feed["input_ids"]),
-                torch.from_numpy(feed["attention_mask"]),
-                output_attentions=len(outputs) > 1,
-            )
-        expected = [ref.last_hidden_state, *(ref.attentions or ())]
-        for name, g, e in zip(outputs, got, expected, strict=True):
+            ref = reference(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]))
+        expected = dict(zip(output_names(encoder, attention), ref, strict=True))
+        for name, g in zip(outputs, got, strict=True):
+            e = expected[name]
             if g.shape != tuple(e.shape):
                 raise ParityError(f"{path.name}: {name} has shape {g.shape}, PyTorch {tuple(e.shape)}")
             worst = max(worst, float(np.abs(g.astype(np.float32) - e.numpy()).max()))

@@ -1,27 +1,34 @@
-"""Assemble and run the server: artifact -> runtime -> scheduler -> servicers, beside
-grpc.health.v1, reflection and the Prometheus endpoint; drain on SIGTERM."""
+"""Assemble and run the server: artifact -> backend -> request queue and batch loop ->
+servicers, beside grpc.health.v1, reflection, the HTTP port and the Prometheus endpoint;
+drain on SIGTERM."""
 
 import asyncio
+import json
 import logging
+import os
 import signal
+import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from attnserve.artifact import MEMORY_MODEL, TOKENIZER, Artifact, ArtifactError, load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
 from attnserve.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from attnserve.server.calls import RejectUndecodable
+from attnserve.server.batch_loop import BatchLoop
+from attnserve.server.calls import DecodeRequests, QuietHungUpCalls
 from attnserve.server.config import ServeConfig
 from attnserve.server.encoder_service import EncoderService
+from attnserve.server.executors import create_executors, on_every_thread
+from attnserve.server.http_app import HttpServers
 from attnserve.server.kserve_service import KServeService
-from attnserve.server.memory import MemoryProbe
+from attnserve.server.memory import MemoryProbe, machine_available_bytes
 from attnserve.server.memory_model import load_memory_model
 from attnserve.server.metrics import Metrics
-from attnserve.server.runtime import CUDA, Runtime
-from attnserve.server.schedule import Limits, Scheduler
+from attnserve.server.ort_backend import CPU, CUDA, OrtBackend, Strategy
+from attnserve.server.request_queue import Limits, MemoryBudget, RequestQueue
 from attnserve.server.tokenize import TextTokenizer
 
 log = logging.getLogger("attnserve.server")
@@ -32,6 +39,7 @@ SERVICES = (
 )
 # A batch may take this share of the memory that is free when the server starts.
 DEFAULT_BUDGET_SHARE = 0.5
+MAX_CONCURRENT_STREAMS = 1000
 
 
 def credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
@@ -48,17 +56,30 @@ def credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
                                        require_client_auth=True)
 
 
+def write_ready_file(path: Path, ports: dict[str, int]) -> None:
+    """Tell whoever started the server that it serves, on which ports, as which pid:
+    written beside `path` and renamed onto it, so a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps({**ports, "pid": os.getpid()}))
+    os.replace(partial, path)
+
+
 class Server:
     def __init__(self, config: ServeConfig):
+        """Every start-up check, and nothing bound yet: `serve --check-config` stops here."""
         self.config = config
         self.artifact: Artifact = load_artifact(config.artifact)
         manifest = self.artifact.manifest
-        self.runtime = Runtime(self.artifact, config.device, config.precision,
-                               config.intra_op_threads)
+        self.backend = OrtBackend(self.artifact, config.device, config.precision,
+                                  config.intra_op_threads, Strategy(
+                                      config.shape_buckets, config.bucket_seq_multiple,
+                                      config.max_batch_size, config.sessions,
+                                      config.cuda_graphs == "on"))
         self.metrics = Metrics(manifest.max_positions)
-        self.probe = MemoryProbe(cuda=self.runtime.provider == CUDA)
+        self.probe = MemoryProbe(cuda=self.backend.provider == CUDA)
         try:
-            self.memory_model = load_memory_model(self.artifact.directory, manifest)
+            self.memory_model = load_memory_model(self.artifact.directory, manifest,
+                                                  self.backend.provider, self.backend.precision)
         except (ValueError, TypeError) as err:
             raise ArtifactError(f"{self.artifact.path(MEMORY_MODEL)}: not a valid memory model "
                                 f"({err})") from err
@@ -71,15 +92,17 @@ class Server:
         except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception
             raise ArtifactError(f"{self.artifact.path(TOKENIZER)}: not a valid tokenizer "
                                 f"({err})") from err
+        self.credentials = credentials(config)
         self.health = health.aio.HealthServicer()
         self.serving = False
         self.bound_port = 0
         self.metrics_port = 0
+        self.http_port = 0
 
     def _describe(self) -> None:
         m, memory = self.metrics, self.probe.device_memory()
-        m.info.info({"model": self.artifact.manifest.model_name, "provider": self.runtime.provider,
-                     "precision": self.runtime.precision,
+        m.info.info({"model": self.artifact.manifest.model_name, "provider": self.backend.provider,
+                     "precision": self.backend.precision,
                      "artifact_sha256": self.artifact.manifest_sha256})
         m.device_memory_used.labels(memory.device).set_function(lambda: self.probe.device_memory().used)
         m.device_memory_total.labels(memory.device).set(memory.total)
@@ -94,55 +117,87 @@ class Server:
 
     async def start(self) -> None:
         config = self.config
-        self.scheduler = Scheduler(self.runtime, self.metrics, self.probe, self.memory_model,
-                                   self.limits)
+        manifest = self.artifact.manifest
+        self.executors = create_executors(self.backend.concurrency, self.backend.bind_thread)
+        # On CUDA the budget is the device's; requests and responses live in host memory,
+        # under a limit of their own.
+        memory = MemoryBudget(self.memory_model, self.limits.memory_budget_bytes, manifest.num_heads,
+                              manifest.hidden_size, responses_in_budget=self.backend.provider == CPU,
+                              host_bytes=int(machine_available_bytes() * DEFAULT_BUDGET_SHARE))
+        self.queue = RequestQueue(self.limits, memory, self.metrics)
+        self.batch_loop = BatchLoop(self.queue, self.backend, self.executors.inference, self.metrics,
+                                    self.probe, self.limits, memory, manifest.pad_token_id)
         options = [("grpc.max_send_message_length", config.max_message_bytes),
-                   ("grpc.max_receive_message_length", config.max_message_bytes)]
+                   ("grpc.max_receive_message_length", config.max_message_bytes),
+                   # Calls one connection may have open at once, each with its state
+                   # and a request of up to --max-message-bytes (whose bytes the memory
+                   # ledger then holds, a connection its share). Far above what callers
+                   # open: grpc's Python client does not wait for a free stream, a call
+                   # past the limit fails UNAVAILABLE (a burst of 300 on one channel
+                   # lost 185 of them at a limit of 100).
+                   ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)]
         if config.max_connection_age_seconds:
             # A connection past its age gets GOAWAY; calls on it may still finish.
             options += [("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
                         ("grpc.max_connection_age_grace_ms", int(config.drain_seconds * 1000))]
-        self.grpc = grpc.aio.server(interceptors=[RejectUndecodable(self.metrics)],
-                                    options=options)
-        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
-            EncoderService(self.artifact, self.runtime, self.tokenizer, self.scheduler,
-                           self.metrics, config.max_message_bytes), self.grpc)
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeService(self.artifact, self.scheduler, self.metrics, config.max_message_bytes,
-                          lambda: self.serving), self.grpc)
+        # No request carries more entries in one field than the queue holds tokens.
+        decode = DecodeRequests(self.metrics, memory.ledger, self.executors.tokenize,
+                                self.limits.max_queue_tokens)
+        self.grpc = grpc.aio.server(interceptors=[decode], options=options)
+        logging.getLogger("grpc._cython.cygrpc").addFilter(QuietHungUpCalls())
+        encoder = EncoderService(self.artifact, self.backend, self.tokenizer, self.queue,
+                                 self.executors, self.metrics, config.max_message_bytes)
+        kserve = KServeService(self.artifact, self.queue, self.executors, self.metrics,
+                               config.max_message_bytes, lambda: self.serving)
+        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(encoder, self.grpc)
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve, self.grpc)
+        # The HTTP port takes the same calls (embed, infer) to the same queue and metrics.
+        self.http = HttpServers(config, self.metrics, encoder.embed, kserve, lambda: self.serving,
+                                self.executors.respond, self.executors.scrape)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         await self._set_health(False)
         address = f"{config.host}:{config.port}"
-        creds = credentials(config)
+        creds = self.credentials
         self.bound_port = (self.grpc.add_secure_port(address, creds) if creds
                            else self.grpc.add_insecure_port(address))
-        if config.metrics_port:
-            http, _ = start_http_server(config.metrics_port, config.metrics_host,
-                                        registry=self.metrics.registry)
-            self.metrics_port = http.server_port
+        self.http_port, self.metrics_port = await self.http.start()
         self._describe()
         await self.grpc.start()
-        self.scheduler.start()
-        # Ready only once both graphs have run: the first caller must not pay for it.
-        await asyncio.get_running_loop().run_in_executor(
-            self.scheduler.executor, self.runtime.warm_up, self.limits.max_batch_tokens)
+        self.batch_loop.start()
+        await self._warm_up()
         await self._set_health(True)
-        log.info("event=serving port=%d metrics_port=%d tls=%s mtls=%s model=%s budget_bytes=%d "
-                 "memory_model=%r", self.bound_port, self.metrics_port, creds is not None,
+        log.info("event=serving port=%d metrics_port=%d http_port=%d tls=%s mtls=%s model=%s "
+                 "budget_bytes=%d memory_model=%r", self.bound_port, self.metrics_port,
+                 self.http_port, creds is not None,
                  config.tls_client_ca is not None, self.artifact.manifest.model_name,
                  self.limits.memory_budget_bytes, self.memory_model.source)
+        if config.ready_file is not None:
+            write_ready_file(config.ready_file, {"port": self.bound_port,
+                                                 "metrics_port": self.metrics_port,
+                                                 "http_port": self.http_port})
+
+    async def _warm_up(self) -> None:
+        """Ready only once both graphs have run, every shape bucket included, on every
+        inference thread's sessions: the first caller must not pay for it."""
+        shapes = self.backend.warm_up_shapes(self.limits.max_batch_tokens)
+        threads, started = self.executors.inference_threads, time.perf_counter()
+        log.info("event=warm_up_start shapes=%d threads=%d", len(shapes), threads)
+        await asyncio.gather(*map(asyncio.wrap_future, on_every_thread(
+            self.executors.inference, threads, lambda: self.backend.warm_up(shapes))))
+        log.info("event=warmed_up shapes=%d threads=%d seconds=%.2f", len(shapes), threads,
+                 time.perf_counter() - started)
 
     async def drain(self) -> None:
         """NOT_SERVING at once, UNAVAILABLE to new work, finish what was accepted."""
         log.info("event=draining seconds=%.0f", self.config.drain_seconds)
         await self._set_health(False)
-        finished = await self.scheduler.drain(self.config.drain_seconds)
+        finished = await self.queue.drain(self.config.drain_seconds)
         # Give answered requests a moment to reach their callers, then close. Calls still
         # waiting inside gRPC for a handler at this instant were never accepted; gRPC
-        # cancels them (CANCELLED).
-        await self.grpc.stop(grace=1.0)
+        # cancels them (CANCELLED); the HTTP ports close likewise.
+        await asyncio.gather(self.grpc.stop(grace=1.0), self.http.stop())
         log.info("event=stopped all_finished=%s answered=%s", finished, self._answered())
 
     def _answered(self) -> str:

@@ -1,10 +1,23 @@
-"""`attnserve serve` settings: command-line flags, each with an ATTNSERVE_* environment twin."""
+"""`attnserve serve` settings: command-line flags, each with an ATTNSERVE_* environment twin.
+
+A value from a flag and one from the environment go through the same conversion and the
+same checks (`config_from_args`), and an error names where the bad value came from: a
+flag wins over its twin, an empty value counts as unset."""
 
 import argparse
-import dataclasses
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message starts with the flag, or with the
+    environment variable the value came from."""
+
+    def __init__(self, field: str, reason: str, source: str | None = None):
+        self.field, self.reason = field, reason
+        super().__init__(f"{source or flag(field)}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -14,6 +27,8 @@ class ServeConfig:
     port: int = 50051
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 8000
+    http_port: int = 8080
+    http_max_body_bytes: int = 4 * 1024 * 1024
     device: str = "auto"
     precision: str = "auto"
     max_batch_tokens: int = 16384
@@ -26,32 +41,60 @@ class ServeConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     max_connection_age_seconds: float = 300.0
     intra_op_threads: int = 0
+    shape_buckets: str = "auto"
+    bucket_seq_multiple: int = 32
+    sessions: int = 0
+    cuda_graphs: str = "off"
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     log_level: str = "info"
+    ready_file: Path | None = None
 
     def __post_init__(self) -> None:
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(name, f"{getattr(self, name)!r} is not one of "
+                                        f"{', '.join(allowed)}")
         for name in ("max_batch_tokens", "max_batch_size", "max_queue_requests",
-                     "max_queue_tokens", "max_message_bytes"):
+                     "max_queue_tokens", "max_message_bytes", "http_max_body_bytes",
+                     "bucket_seq_multiple"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+                raise ConfigError(name, "must be at least 1")
         for name in ("max_wait_ms", "memory_budget_bytes", "drain_seconds",
-                     "max_connection_age_seconds", "intra_op_threads", "metrics_port", "port"):
+                     "max_connection_age_seconds", "intra_op_threads", "metrics_port", "port",
+                     "http_port", "sessions"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
+                raise ConfigError(name, "must not be negative")
+        if self.cuda_graphs == "on" and self.shape_buckets == "off":
+            raise ConfigError("cuda_graphs", "needs shape buckets (one graph per bucket): "
+                                             "drop --shape-buckets off")
 
 
+CHOICES = {
+    "device": ("auto", "cuda", "cpu"),
+    "precision": ("auto", "fp32", "fp16", "int8"),
+    "log_level": ("debug", "info", "warning", "error"),
+    "shape_buckets": ("auto", "on", "off"),
+    "cuda_graphs": ("on", "off"),
+}
 _HELP = {
-    "artifact": "artifact directory written by `attnserve export`",
+    "artifact": "artifact directory written by `attnserve export` (required)",
     "host": "address the gRPC port binds to",
-    "port": "gRPC port (EncoderService, Open Inference Protocol, health, reflection)",
+    "port": "gRPC port (EncoderService, Open Inference Protocol, health, reflection); "
+            "0: one the OS picks (see --ready-file)",
     "metrics_host": "address the Prometheus /metrics port binds to",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
+    "http_port": "HTTP port on --host: OpenAI-compatible /v1/embeddings, KServe v2 REST "
+                 "(/v2/...), GET /health (0 disables it)",
+    "http_max_body_bytes": "largest HTTP request body (413 past it); it bounds the time "
+                           "parsing one JSON body holds the interpreter (~15 ms per MiB)",
     "device": "auto: CUDA when a GPU and the CUDA provider are usable, else CPU; "
               "cuda: fail at start when CUDA cannot be used",
-    "precision": "auto: fp16 graphs on CUDA when the artifact has them, fp32 elsewhere",
-    "max_batch_tokens": "cap on padded tokens (batch × longest sequence) in one batch",
+    "precision": "auto: fp16 graphs on CUDA when the artifact has them, fp32 elsewhere; int8: "
+                 "the CPU's quantized graphs (export --int8)",
+    "max_batch_tokens": "cap on padded tokens in one batch (rows × length as run: batch × "
+                        "longest sequence, or the shape bucket's)",
     "max_batch_size": "cap on sequences in one batch",
     "max_wait_ms": "how long an idle scheduler waits to gather a first batch; 0: run at "
                    "once (batches still form from what queues while one runs)",
@@ -65,16 +108,32 @@ _HELP = {
                                   "once), so clients balancing over a headless Service find new "
                                   "replicas; 0 keeps connections forever",
     "intra_op_threads": "onnxruntime intra-op threads; 0: one per core",
+    "shape_buckets": "pad every batch to a bounded set of shapes (rows to a power of two up "
+                     "to --max-batch-size, length to a multiple of --bucket-seq-multiple) and "
+                     "run each once before health says SERVING, so no caller meets a shape's "
+                     "first run (~55 ms on CUDA); auto: on with CUDA, off on the CPU (where a "
+                     "padded token costs as much as a real one and a new shape nothing)",
+    "bucket_seq_multiple": "with shape buckets, lengths round up to a multiple of this",
+    "sessions": "onnxruntime sessions per graph, each running its own batch at the same "
+                "time on its own inference thread; 0: 2 with CUDA (the device overlaps one "
+                "batch's host work with another's kernels), 1 on the CPU (one batch already "
+                "uses every core)",
+    "cuda_graphs": "on: capture one CUDA graph per shape bucket (needs shape buckets) and "
+                   "replay it, with fixed input and output buffers (IO binding); on the CPU "
+                   "only the fixed buffers",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mTLS)",
-    "log_level": "debug, info, warning or error",
+    "log_level": "the least severe log lines written",
+    "ready_file": "once health is SERVING, write {\"port\", \"metrics_port\", \"http_port\", "
+                  "\"pid\"} as JSON to this file (whole: written beside it, then renamed), "
+                  "for whoever started the server and waits for it",
 }
-_CHOICES = {
-    "device": ("auto", "cuda", "cpu"),
-    "precision": ("auto", "fp32", "fp16"),
-    "log_level": ("debug", "info", "warning", "error"),
-}
+_TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def env_name(field: str) -> str:
@@ -87,24 +146,45 @@ def _field_type(name: str) -> type:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeConfig field; the environment twin, when set, is the default."""
-    for name, field in ServeConfig.__dataclass_fields__.items():
-        default = None if field.default is dataclasses.MISSING else field.default
-        default = os.environ.get(env_name(name), default)
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            type=_field_type(name),
-            default=default,
-            required=default is None and name == "artifact",
-            choices=_CHOICES.get(name),
-            help=f"{_HELP[name]} (env {env_name(name)})",
-        )
+    """One flag per ServeConfig field, taken as text: `config_from_args` converts and checks
+    flags and environment twins alike."""
+    for field in fields(ServeConfig):
+        default = "" if field.default is MISSING or field.default is None else \
+            f"; default {field.default}"
+        choices = CHOICES.get(field.name)
+        parser.add_argument(flag(field.name), default=None,
+                            metavar="{" + ",".join(choices) + "}" if choices else None,
+                            help=f"{_HELP[field.name]}{default} (env {env_name(field.name)})")
 
 
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    values = {}
-    for name in ServeConfig.__dataclass_fields__:
-        value = getattr(args, name)
-        if value is not None and value != "":
-            values[name] = _field_type(name)(value)  # env defaults arrive as strings
-    return ServeConfig(**values)
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
+    """The flags given, else their environment twins, else the defaults; raises ConfigError
+    naming the flag or the variable a bad value came from."""
+    environ = os.environ if environ is None else environ
+    values, from_env = {}, set()
+    for field in fields(ServeConfig):
+        name = field.name
+        raw = getattr(args, name)
+        if raw is None or raw == "":
+            raw = environ.get(env_name(name), "")
+            if raw == "":
+                continue
+            from_env.add(name)
+        kind = _field_type(name)
+        try:
+            values[name] = kind(raw)
+        except ValueError:
+            raise ConfigError(name, f"{raw!r} is not {_TYPE_NAMES.get(kind, kind.__name__)}",
+                              _source(name, from_env)) from None
+    if "artifact" not in values:
+        raise ConfigError("artifact", f"required (or set {env_name('artifact')})")
+    try:
+        return ServeConfig(**values)
+    except ConfigError as err:
+        if err.field not in from_env:
+            raise
+        raise ConfigError(err.field, err.reason, _source(err.field, from_env)) from None
+
+
+def _source(name: str, from_env: set[str]) -> str:
+    return f"{env_name(name)} (environment)" if name in from_env else flag(name)

@@ -1,37 +1,124 @@
-"""Predicted peak memory of a batch:
+"""Predicted peak memory of one batch: the bytes its run allocates at its peak, outputs
+included, over what the process held before it (the weights and the sessions are the
+baseline, counted once at start, not per batch).
+
+A layer's memory peaks in one of two phases, and the batch's peak is the larger:
+
+- the feed-forward phase: per token, the hidden states alive around it and the 4×-wide
+  intermediate and its GELU (b / (4·hidden) is how many float32 hidden-wide vectors per
+  token that is: 13 for all-MiniLM-L6-v2's fused graph on the CPU);
+- the attention phase: per token, the hidden state, Q, K, V and the context, and per
+  attention score (batch·heads·seq² of them per layer) the scores or probabilities the
+  layer materialises while it runs. The CPU's fused Attention kernel holds one float32
+  tensor of them (c = 4); a CUDA kernel that never materialises them, none.
+
+The attention phase takes over past a length where heads·seq outgrows the feed-forward's
+extra width (about 256 tokens for MiniLM on the CPU), so a model is one or more phases,
+each
 
     bytes ≈ a + b·batch·seq + c·batch·heads·seq² + d·batch·heads·seq²·returned_layers
 
-The first three terms are the activations (attention scores grow with the square of the
-length); the last is the attention maps a request asks to get back. `attnserve
-memory-profile` fits the coefficients on the device and saves them beside the artifact;
-without that file, a conservative analytic bound stands in.
+and predicts the largest. The graph that returns attention maps holds them as graph
+outputs from the layer that makes them to the end of the run, every layer's whether or
+not the request asks for it (measured: one layer returned or six, the same peak), so its
+c counts them (≈ 4·layers per score) and d, per returned layer, comes out ≈ 0.
+
+Each of the artifact's two graphs keeps different things alive, so each has its own
+model, per provider and precision.
+
+`attnserve memory-profile` measures the allocation peak of each shape, fits both graphs
+and saves the coefficients beside the artifact as memory_model.json, keyed by
+`provider/precision/graph`; without an entry for the provider the server runs on, a
+conservative analytic bound stands in.
 """
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from attnserve.artifact import MEMORY_MODEL, Manifest
 
+EMBEDDINGS, ATTENTION = "embeddings", "attention"
+GRAPH_KINDS = (EMBEDDINGS, ATTENTION)
+FORMAT_VERSION = 2
+"""memory_model.json: 1 (no "format_version"): one set of coefficients, a b c d source,
+for every graph; 2: {"format_version": 2, "models": {"<provider>/<precision>/<graph>":
+{a, b, c, d, source, ...}}}, where entries may carry more (how they were measured, their
+held-out error) that the server does not read."""
+COEFFICIENTS = ("a", "b", "c", "d")
+
 
 @dataclass(frozen=True)
 class MemoryModel:
+    """One graph's coefficients (see the module's docstring)."""
+
     a: float
     b: float
     c: float
     d: float
     source: str
-    """"fitted on <provider>" or "analytic bound" """
+    """"fitted on <provider> ..." or "analytic bound" """
+    other_phases: tuple[tuple[float, float, float, float], ...] = ()
+    """(a, b, c, d) of each further phase; the prediction is the largest phase's"""
+
+    def __post_init__(self):
+        phases = [tuple(getattr(self, n) for n in COEFFICIENTS), *self.other_phases]
+        for phase in phases:
+            if len(phase) != len(COEFFICIENTS):
+                raise ValueError(f"a phase has the coefficients {COEFFICIENTS}, not {phase!r}")
+            for name, value in zip(COEFFICIENTS, phase, strict=True):
+                if isinstance(value, bool) or not isinstance(value, int | float) \
+                        or not math.isfinite(value) or value < 0:
+                    raise ValueError(f"coefficient {name} must be a finite number >= 0, not {value!r}")
+
+    @property
+    def phases(self) -> list[tuple[float, float, float, float]]:
+        return [(self.a, self.b, self.c, self.d), *self.other_phases]
 
     def predict(self, batch: int, seq: int, heads: int, returned_layers: int) -> float:
-        quadratic = batch * heads * seq * seq
-        return self.a + self.b * batch * seq + self.c * quadratic + self.d * quadratic * returned_layers
+        tokens, quadratic = batch * seq, batch * heads * seq * seq
+        return max(a + b * tokens + c * quadratic + d * quadratic * returned_layers
+                   for a, b, c, d in self.phases)
+
+    def entry(self) -> dict:
+        """As memory_model.json holds it."""
+        out = {n: getattr(self, n) for n in (*COEFFICIENTS, "source")}
+        if self.other_phases:
+            out["other_phases"] = [dict(zip(COEFFICIENTS, p, strict=True)) for p in self.other_phases]
+        return out
 
     def save(self, directory: Path) -> Path:
+        """memory_model.json in format 1: this model for every graph and provider."""
         path = directory / MEMORY_MODEL
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        path.write_text(json.dumps(self.entry(), indent=2) + "\n")
         return path
+
+
+@dataclass(frozen=True)
+class MemoryModels:
+    """What the server predicts with: the embeddings graph's model for batches without
+    maps, the attention graph's for batches that return some."""
+
+    embeddings: MemoryModel
+    attention: MemoryModel
+
+    @property
+    def source(self) -> str:
+        if self.embeddings.source == self.attention.source:
+            return self.embeddings.source
+        return f"{EMBEDDINGS}: {self.embeddings.source}; {ATTENTION}: {self.attention.source}"
+
+    def for_graph(self, kind: str) -> MemoryModel:
+        return self.attention if kind == ATTENTION else self.embeddings
+
+    def predict(self, batch: int, seq: int, heads: int, returned_layers: int) -> float:
+        graph = self.attention if returned_layers else self.embeddings
+        return graph.predict(batch, seq, heads, returned_layers)
+
+
+def model_key(provider: str, precision: str, kind: str) -> str:
+    return f"{provider}/{precision}/{kind}"
 
 
 def analytic_bound(manifest: Manifest) -> MemoryModel:
@@ -49,8 +136,65 @@ def analytic_bound(manifest: Manifest) -> MemoryModel:
     )
 
 
-def load_memory_model(directory: Path, manifest: Manifest) -> MemoryModel:
+def _model(entry: dict) -> MemoryModel:
+    if not isinstance(entry, dict):
+        raise ValueError(f"an entry must be an object, not {entry!r}")
+    missing = [k for k in (*COEFFICIENTS, "source") if k not in entry]
+    if missing:
+        raise ValueError(f"entry lacks {', '.join(missing)}")
+    others = entry.get("other_phases", [])
+    if not isinstance(others, list) or not all(isinstance(p, dict) for p in others):
+        raise ValueError(f"other_phases must be a list of objects, not {others!r}")
+    return MemoryModel(**{k: entry[k] for k in (*COEFFICIENTS, "source")},
+                       other_phases=tuple(tuple(p.get(n) for n in COEFFICIENTS) for p in others))
+
+
+def read_entries(path: Path) -> dict[str, dict]:
+    """A format-2 file's entries; {} for a missing or format-1 file (which a new fit
+    replaces). Raises ValueError for a damaged one."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    if "format_version" not in data:
+        return {}
+    if data["format_version"] != FORMAT_VERSION or not isinstance(data.get("models"), dict):
+        raise ValueError(f"format_version {data['format_version']!r} with models "
+                         f"{type(data.get('models')).__name__}; this server reads 1 and {FORMAT_VERSION}")
+    for key, entry in data["models"].items():
+        try:
+            _model(entry)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{key}: {err}") from err
+    return data["models"]
+
+
+def save_entries(directory: Path, entries: dict[str, dict]) -> Path:
+    """Write `entries` into memory_model.json, keeping the other providers' and
+    precisions' entries already there."""
     path = directory / MEMORY_MODEL
-    if path.is_file():
-        return MemoryModel(**json.loads(path.read_text()))
-    return analytic_bound(manifest)
+    models = read_entries(path) | entries
+    path.write_text(json.dumps({"format_version": FORMAT_VERSION, "models": dict(sorted(models.items()))},
+                               indent=2) + "\n")
+    return path
+
+
+def load_memory_model(directory: Path, manifest: Manifest, provider: str = "CPUExecutionProvider",
+                      precision: str = "fp32") -> MemoryModels:
+    """The models for the graphs the server runs on `provider` at `precision`. Raises
+    ValueError (or TypeError) for a damaged file."""
+    path = directory / MEMORY_MODEL
+    bound = analytic_bound(manifest)
+    if not path.is_file():
+        return MemoryModels(bound, bound)
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and "format_version" not in data:
+        one = _model(data)
+        return MemoryModels(one, one)
+    entries = read_entries(path)
+    fitted = {kind: entries.get(model_key(provider, precision, kind)) for kind in GRAPH_KINDS}
+    missing = f"analytic bound (memory_model.json has no {provider}/{precision} fit)"
+    models = {kind: _model(entry) if entry else replace(bound, source=missing)
+              for kind, entry in fitted.items()}
+    return MemoryModels(models[EMBEDDINGS], models[ATTENTION])

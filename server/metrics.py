@@ -69,7 +69,8 @@ class Metrics:
             ["device"], registry=registry)
         self.device_memory_total = Gauge(
             "attnserve_device_memory_total_bytes",
-            "Device memory in all (NVML on a GPU; the machine's memory on the CPU).",
+            "Device memory in all (NVML on a GPU; on the CPU the machine's memory, or the "
+            "container's limit when lower).",
             ["device"], registry=registry)
         self.queue_depth = Gauge(
             "attnserve_queue_depth", "Requests accepted and waiting for a batch.", registry=registry)
@@ -77,8 +78,16 @@ class Metrics:
             "attnserve_inflight_requests", "Requests being handled now.", registry=registry)
         self.dropped = Counter(
             "attnserve_dropped_sequences",
-            "Sequences dropped before inference because their caller's deadline passed or "
-            "the caller went away.", ["reason"], registry=registry)
+            "Sequences dropped unanswered, by reason: deadline (the caller's deadline passed "
+            "while it waited) or cancelled (the caller went away), both before inference; "
+            "failed (its batch raised in inference, or the batch loop failed).", ["reason"],
+            registry=registry)
+        self.unseen_shape_runs = Counter(
+            "attnserve_unseen_shape_runs",
+            "Batches run at a (batch, seq) shape their graph's session had never run before "
+            "(on CUDA such a run costs ~55 ms more); with shape buckets every embeddings "
+            "shape ran in warm-up, so graph=\"embeddings\" stays 0 after it.",
+            ["graph"], registry=registry)
         self.health_serving = Gauge(
             "attnserve_health_serving", "1 while grpc.health.v1 answers SERVING.", registry=registry)
         self.info = Info("attnserve", "The model being served.", registry=registry)

@@ -6,7 +6,7 @@ import numpy as np
 
 from attnserve.artifact import Manifest
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server.errors import InvalidArgument, ResourceExhausted
+from attnserve.server.errors import InvalidArgument
 
 POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
 DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32,
@@ -74,43 +74,29 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
                      DTYPES[request.dtype], attention)
 
 
-def token_id_sequences(request: pb.EmbedRequest, manifest: Manifest) -> list[np.ndarray]:
-    """Caller-supplied ids, taken as they are (the caller adds special tokens)."""
+def token_id_sequences(request: pb.EmbedRequest, manifest: Manifest) -> tuple[list[np.ndarray], np.ndarray]:
+    """Caller-supplied ids, taken as they are (the caller adds special tokens), and their
+    lengths. Run off the event loop: a Python loop over the sequences, which lets the
+    interpreter go between them; a sequence longer than the model takes is refused, or
+    only its first max_positions ids are read."""
+    limit = manifest.max_positions
     sequences = []
+    lengths = np.empty(len(request.token_ids), dtype=np.int64)
     for i, entry in enumerate(request.token_ids):
-        ids = np.asarray(entry.ids, dtype=np.int64)
-        if ids.size == 0:
+        count = len(entry.ids)
+        if count == 0:
             raise InvalidArgument(f"token_ids[{i}]", "empty sequence")
+        if count > limit and not request.truncate:
+            raise InvalidArgument(
+                f"token_ids[{i}]", f"{count} tokens, longer than the model's {limit} "
+                "positions; set truncate=true to cut it")
+        ids = np.asarray(entry.ids[:limit] if count > limit else entry.ids, dtype=np.int64)
         bad = np.flatnonzero((ids < 0) | (ids >= manifest.vocab_size))
         if bad.size:
             j = int(bad[0])
             raise InvalidArgument(
                 f"token_ids[{i}].ids[{j}]",
                 f"id {int(ids[j])} is outside the vocabulary [0, {manifest.vocab_size})")
-        if ids.size > manifest.max_positions:
-            if not request.truncate:
-                raise InvalidArgument(
-                    f"token_ids[{i}]", f"{ids.size} tokens, longer than the model's "
-                    f"{manifest.max_positions} positions; set truncate=true to cut it")
-            ids = ids[:manifest.max_positions]
         sequences.append(ids)
-    return sequences
-
-
-def check_response_size(plan: EmbedPlan, lengths: list[int], manifest: Manifest,
-                        limit: int) -> int:
-    """Refuse, before any work, a response the transport would refuse after all of it;
-    returns the response's size in bytes."""
-    item = np.dtype(plan.dtype).itemsize
-    total = 0
-    for n in lengths:
-        total += manifest.hidden_size * item * (1 + (n if plan.return_token_embeddings else 0))
-        if plan.attention is not None:
-            total += (len(plan.attention.layers) * plan.attention.returned_heads(manifest.num_heads)
-                      * n * n * item)
-    if total > limit:
-        raise ResourceExhausted(
-            f"response would be about {total / (1 << 20):.1f} MiB, over the "
-            f"{limit / (1 << 20):.1f} MiB message limit: ask for fewer attention layers or "
-            "heads, set average_heads, use dtype=DTYPE_FLOAT16, or send fewer texts")
-    return total
+        lengths[i] = ids.size
+    return sequences, lengths

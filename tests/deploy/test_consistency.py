@@ -3,8 +3,8 @@
 - The container args of each overlay (and of the KServe predictor) parse with
   `attnserve serve --check-config` against a real artifact.
 - A real server, started with the cpu overlay's args on free loopback ports,
-  answers grpc.health.v1 SERVING on the port it was told (the one the probes
-  and Services use), exports every metric that the alert rules, the dashboard
+  answers grpc.health.v1 SERVING and GET /health 200 on the ports it was told
+  (the ones the probes and Services use), exports every metric that the alert rules, the dashboard
   and the autoscaler's adapter rule read, and on SIGTERM exits within the pod's
   grace period.
 
@@ -16,22 +16,18 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
-from contextlib import closing
-from types import SimpleNamespace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .helpers import OVERLAYS, REPO, find, kserve_predictor_pod, only_container
+from attnserve.bench.harness import ATTNSERVE, ServerProcess, free_port
+from attnserve.cli import main
 
-ATTNSERVE = [sys.executable, "-m", "attnserve"]
-START_TIMEOUT_S = 90
+from .helpers import OVERLAYS, REPO, SERVE_FLAGS, find, kserve_predictor_pod, only_container
 
 
 def clean_env() -> dict[str, str]:
@@ -59,20 +55,31 @@ def check_config(artifact, args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("where", [*OVERLAYS, "kserve"])
 def test_container_args_pass_check_config(tiny_artifact, rendered, kserve_isvc, where):
-    out = check_config(tiny_artifact, container_args(rendered, kserve_isvc, where))
+    """--check-config runs start-up's own checks, the device included: on a machine without
+    CUDA the GPU pods' `--device=cuda` must fail for that reason alone, and everything else
+    in their args pass with the device set to the CPU."""
+    args = container_args(rendered, kserve_isvc, where)
+    out = check_config(tiny_artifact, args)
+    if out.returncode != 0 and "--device=cuda" in args:
+        assert out.returncode == 2 and "--device cuda" in out.stderr, f"{where}: {out.stderr}"
+        out = check_config(tiny_artifact, [*args, "--device=cpu"])
     assert out.returncode == 0, f"{where}: {out.stdout}{out.stderr}"
+
+
+def test_the_deployment_contract_names_every_serve_flag(capsys):
+    """helpers.SERVE_FLAGS (what the manifests may use) is the real command's flag list,
+    read from its usage line."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    usage = capsys.readouterr().out.split("\n\n", 1)[0]
+    assert SERVE_FLAGS == set(re.findall(r"\[?(--[a-z][a-z-]*)", usage)) - {"--help"}
 
 
 @pytest.mark.parametrize("bad", ["--drain-secondz=20", "--device=gpu", "--port=grpc"])
 def test_check_config_rejects_a_bad_flag(tiny_artifact, rendered, kserve_isvc, bad):
     args = [*container_args(rendered, kserve_isvc, "cpu"), bad]
-    assert check_config(tiny_artifact, args).returncode != 0
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    out = check_config(tiny_artifact, args)
+    assert out.returncode == 2 and bad.split("=")[0] in out.stderr, out.stderr
 
 
 def scrape(port: int) -> str:
@@ -102,55 +109,25 @@ def exported_names(exposition: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def live_server(tiny_artifact, rendered, tmp_path_factory):
-    """`attnserve serve` with the cpu overlay's args; host and ports overridden
-    (the last flag wins) so that it runs on free loopback ports."""
-    args = container_args(rendered, None, "cpu")
-    port, metrics_port = free_port(), free_port()
-    command = [
-        *ATTNSERVE,
-        "serve",
-        "--artifact",
-        str(tiny_artifact),
-        *args,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--metrics-host",
-        "127.0.0.1",
-        "--metrics-port",
-        str(metrics_port),
-        "--device",
-        "cpu",
-    ]
-    log_path = tmp_path_factory.mktemp("attnserve") / "serve.log"
-    log = log_path.open("w")  # a file, not a pipe nobody drains
-    proc = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"attnserve serve exited {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if health(port) == health_pb2.HealthCheckResponse.SERVING:
-                    scrape(metrics_port)
-                    break
-            except (grpc.RpcError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"attnserve serve not SERVING on {port} after {START_TIMEOUT_S}s")
-            time.sleep(0.25)
-        yield SimpleNamespace(proc=proc, port=port, metrics_port=metrics_port, log_path=log_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+def live_server(tiny_artifact, rendered):
+    """`attnserve serve` with the cpu overlay's args; host and ports overridden (the last
+    flag wins) so that it runs on free loopback ports."""
+    port, http_port = free_port(), free_port()
+    overrides = ["--host", "127.0.0.1", "--port", str(port), "--metrics-host", "127.0.0.1",
+                 "--metrics-port", str(free_port()), "--http-port", str(http_port), "--device", "cpu"]
+    with ServerProcess(tiny_artifact, *container_args(rendered, None, "cpu"), *overrides) as server:
+        assert server.port == port, "the server did not bind the port it was told"
+        assert server.http_port == http_port, "the server did not bind the HTTP port it was told"
+        yield server
 
 
 def test_server_serves_health_on_the_grpc_port(live_server):
     assert health(live_server.port) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_server_serves_the_readiness_path_on_the_http_port(live_server):
+    with urllib.request.urlopen(f"{live_server.http_url}/health", timeout=5) as response:
+        assert response.status == 200
 
 
 def test_every_metric_read_by_rules_dashboard_and_adapter_is_exported(live_server, used_metrics):
@@ -175,5 +152,5 @@ def test_sigterm_exits_within_the_grace_period(live_server, rendered):
         proc.wait(budget)
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running {budget}s after SIGTERM: the kubelet would SIGKILL it")
-    assert proc.returncode == 0, live_server.log_path.read_text()
+    assert proc.returncode == 0, live_server.output()
     assert time.monotonic() - started < budget

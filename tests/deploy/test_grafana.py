@@ -108,3 +108,20 @@ def test_measured_and_predicted_memory_side_by_side(dashboard):
     assert measured["gridPos"]["y"] == predicted["gridPos"]["y"]
     assert measured["fieldConfig"]["defaults"]["unit"] == "bytes"
     assert predicted["fieldConfig"]["defaults"]["unit"] == "bytes"
+
+
+def test_measured_over_predicted_memory_per_bucket(dashboard):
+    """Both histograms observe the same batches, so the sum of measured peaks over the sum
+    of predicted ones, per bucket, is the ratio an operator judges the model by: green
+    between 0.8 and 1.1."""
+    (panel,) = [p for p in panels(dashboard) if p["title"].startswith("Measured / predicted peak memory")]
+    (target,) = panel["targets"]
+    numerator, denominator = target["expr"].split(" / ")
+    by = "sum by (seq_len_bucket, attention)"
+    assert numerator.startswith(by) and "attnserve_batch_peak_memory_bytes_sum" in numerator
+    assert denominator.startswith(by) and "attnserve_batch_predicted_memory_bytes_sum" in denominator
+    assert "_count" not in target["expr"]
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["unit"] == "none"
+    steps = defaults["thresholds"]["steps"]
+    assert [(s["color"], s["value"]) for s in steps] == [("red", None), ("green", 0.8), ("red", 1.1)]

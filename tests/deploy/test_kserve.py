@@ -1,5 +1,6 @@
 """The KServe InferenceService: its predictor is a valid Pod, runs the GPU image
-the way the gpu overlay does, and exposes the v2 gRPC port KServe expects."""
+the way the gpu overlay does, exposes the v2 gRPC port KServe expects and probes the HTTP
+port."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_predictor_validation_is_strict(kserve_isvc):
         kubernetes_validate.validate(kserve_predictor_pod(isvc), "1.30", strict=True)
 
 
-def test_grpc_v2_port_probes_and_metrics(kserve_isvc):
+def test_v2_ports_probes_and_metrics(kserve_isvc):
     pod = kserve_predictor_pod(kserve_isvc)["spec"]
     c = only_container(pod)
     assert c["name"] == "kserve-container"
@@ -41,10 +42,13 @@ def test_grpc_v2_port_probes_and_metrics(kserve_isvc):
     assert set(flags) <= SERVE_FLAGS
     assert ports["h2c"] == int(flags["--port"][0])
     assert ports["metrics"] == int(flags["--metrics-port"][0])
+    assert ports["http"] == int(flags["--http-port"][0])
     annotations = kserve_isvc["metadata"]["annotations"]
     assert int(annotations["prometheus.kserve.io/port"]) == ports["metrics"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == ports["h2c"], probe
+    ready = c["readinessProbe"]["httpGet"]
+    assert ready["path"] == "/health" and ports[ready["port"]] == ports["http"]
 
 
 def test_runs_like_the_gpu_overlay(kserve_isvc, rendered):

@@ -71,16 +71,30 @@ def test_ports_are_the_ones_the_server_is_told_to_listen_on(rendered, name):
     ports = container_ports(rendered[name])
     assert ports["grpc"] == int(flag(rendered[name], "--port"))
     assert ports["metrics"] == int(flag(rendered[name], "--metrics-port"))
+    assert ports["http"] == int(flag(rendered[name], "--http-port"))
+
+
+def probed_port(probe: dict, ports: dict[str, int]) -> int:
+    """The container port a probe reaches (httpGet may name it)."""
+    (kind,) = set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"}
+    port = probe[kind]["port"]
+    return ports[port] if isinstance(port, str) else port
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_probes_are_native_grpc_on_the_grpc_port(rendered, name):
+def test_probes_reach_the_grpc_and_http_ports_health(rendered, name):
     c = container(rendered[name])
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    ports = container_ports(rendered[name])
+    for probe in ("startupProbe", "livenessProbe"):
         assert set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
-        assert c[probe]["grpc"]["port"] == container_ports(rendered[name])["grpc"], probe
+        assert probed_port(c[probe], ports) == ports["grpc"], probe
         # An empty service name asks for the server's overall health.
         assert c[probe]["grpc"].get("service", "") == "", probe
+    # Readiness on the HTTP port: GET /health answers 503 while draining or loading.
+    ready = c["readinessProbe"]
+    assert set(ready) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"httpGet"}
+    assert ready["httpGet"]["path"] == "/health"
+    assert probed_port(ready, ports) == ports["http"]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -95,8 +109,11 @@ def test_services_and_servicemonitor_name_existing_ports(rendered, name):
     metrics_svc = find(objs, "Service", "attnserve-metrics")
     assert metrics_svc["spec"].get("clusterIP") != "None"
     assert [p["name"] for p in metrics_svc["spec"]["ports"]] == ["metrics"]
+    http_svc = find(objs, "Service", "attnserve-http")
+    assert http_svc["spec"].get("clusterIP") != "None", "HTTP/1.1 clients balance per connection"
+    assert [p["name"] for p in http_svc["spec"]["ports"]] == ["http"]
 
-    for svc in (grpc_svc, metrics_svc):
+    for svc in (grpc_svc, metrics_svc, http_svc):
         assert selects(svc["spec"]["selector"], pod_labels), svc["metadata"]["name"]
         for port in svc["spec"]["ports"]:
             target = port["targetPort"]
@@ -122,7 +139,7 @@ def test_selectors_match_the_pods(rendered, name):
     assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
     ports = container_ports(objs)
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert allowed == set(ports), "ingress to exactly the grpc and metrics ports"
+    assert allowed == set(ports), "ingress to exactly the grpc, http and metrics ports"
     if name != "base":
         hpa = find(objs, "HorizontalPodAutoscaler")
         ref = hpa["spec"]["scaleTargetRef"]

@@ -1,23 +1,25 @@
-"""Helpers for the reliability and security tests (issue 6): servers with a reachable
-/metrics port, the in-process reference, health, scrapes and the server's memory."""
+"""Helpers for the reliability and security tests (issue 6): servers of their own, the
+in-process reference, health and requests."""
 
-import re
+import json
 import socket
+import struct
+import subprocess
+import sys
+import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.artifact import load_artifact
+from attnserve.bench.harness import ServerProcess
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
-from attnserve.server.runtime import Runtime
-from tests.conftest import ServerProcess
+from attnserve.server.ort_backend import OrtBackend
 
 CLS, SEP = 101, 102
 MIB = 1 << 20
@@ -27,16 +29,9 @@ EXPECTED_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_
                      grpc.StatusCode.NOT_FOUND}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(artifact: Path, *flags: str, env: dict | None = None) -> ServerProcess:
-    """A server of our own, sure to have /metrics on a port of its own (`--metrics-port 0`
-    means "no metrics"); later flags win over the fixture's."""
-    return ServerProcess(artifact, "--metrics-port", str(free_port()), *flags, env=env)
+    """A server of our own; `flags` win over the harness's."""
+    return ServerProcess(artifact, *flags, env=env)
 
 
 def ids_of(rng: np.random.Generator, length: int) -> list[int]:
@@ -53,26 +48,6 @@ def health(address: str, service: str = "", timeout: float = 5,
         response = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-
-
-def scrape(server: ServerProcess) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def sample(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-def status_bytes(pid: int, field: str) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024
-
-
-def rss(pid: int) -> int:
-    return status_bytes(pid, "VmRSS")
 
 
 def stub(channel: grpc.Channel) -> pb_grpc.EncoderServiceStub:
@@ -113,7 +88,7 @@ class Reference:
     get for its own input whatever else shared its batch."""
 
     def __init__(self, artifact: Path):
-        self.runtime = Runtime(load_artifact(artifact), device="cpu", intra_op_threads=1)
+        self.runtime = OrtBackend(load_artifact(artifact), device="cpu", intra_op_threads=1)
 
     def run(self, ids: list[int], layers: tuple[int, ...] = ()):
         array = np.asarray([ids], dtype=np.int64)
@@ -168,3 +143,195 @@ def sequences_for(encoder, rng: np.random.Generator, seconds: float, length: int
     encoder.Embed(embed_ids([ids_of(rng, length)]), timeout=120)
     one = time.monotonic() - started
     return max(4, min(most, int(np.ceil(seconds / max(one, 1e-3)))))
+
+
+HEALTH_PROBE = """
+import json, sys, threading, time
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+address, deadline, interval, most = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+ok, failed, slowest = 0, [], 0.0
+with grpc.insecure_channel(address) as channel:
+    check = health_pb2_grpc.HealthStub(channel).Check
+    check(health_pb2.HealthCheckRequest(), timeout=30)
+    print("ready", flush=True)
+    for _ in range(most):
+        if stop.is_set():
+            break
+        started = time.monotonic()
+        try:
+            check(health_pb2.HealthCheckRequest(), timeout=deadline)
+            ok += 1
+        except grpc.RpcError as err:
+            failed.append(err.code().name)
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(interval)
+print(json.dumps({"ok": ok, "failed": failed, "slowest": slowest}), flush=True)
+"""
+
+
+class HealthProbe:
+    """Health checks one after another, each with a `deadline_s` deadline, while the
+    `with` block runs: what a liveness probe sees meanwhile. In a process of its own, as
+    the kubelet is, so the test's own work (building and parsing big messages) never
+    holds its interpreter."""
+
+    MOST = 20_000  # a bound on the loop, far past any test's length
+
+    def __init__(self, address: str, deadline_s: float = 0.25, interval_s: float = 0.02):
+        self.args = [sys.executable, "-c", HEALTH_PROBE, address, str(deadline_s),
+                     str(interval_s), str(self.MOST)]
+        self.deadline_s = deadline_s
+        self.ok, self.failed, self.slowest = 0, [], 0.0
+
+    def __enter__(self) -> "HealthProbe":
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout.readline().strip() == "ready", "the health probe could not connect"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        out, _ = self.proc.communicate("", timeout=60)
+        result = json.loads(out.strip().splitlines()[-1])
+        self.ok, self.failed, self.slowest = result["ok"], result["failed"], result["slowest"]
+
+    def __str__(self) -> str:
+        return (f"{self.ok + len(self.failed)} health checks ({self.deadline_s * 1000:.0f} ms "
+                f"deadline): {len(self.failed)} failed, slowest {self.slowest * 1000:.0f} ms")
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (struct.pack(">I", len(payload))[1:] + bytes([kind, flags])
+            + struct.pack(">I", stream) + payload)
+
+
+def _header(name: str, value: str) -> bytes:
+    """HPACK: a literal header field, not indexed, with a literal name (RFC 7541 6.2.2)."""
+    def string(text: str) -> bytes:
+        raw = text.encode()
+        assert len(raw) < 127
+        return bytes([len(raw)]) + raw
+    return b"\x00" + string(name) + string(value)
+
+
+class ZeroWindowClient:
+    """A gRPC caller that never reads: a raw HTTP/2 connection on a loopback socket that
+    announces a receive window of 0 bytes (SETTINGS_INITIAL_WINDOW_SIZE = 0), so the
+    server may send headers but not one byte of any response. It answers the server's
+    SETTINGS and PINGs (as a live client does) and records every frame it gets."""
+
+    DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
+    FRAME_LIMIT = 1 << 14  # the default SETTINGS_MAX_FRAME_SIZE
+
+    def __init__(self, address: str):
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.sock.settimeout(None)
+        self.frames: list[tuple[int, int, int, bytes]] = []
+        self.lock = threading.Lock()
+        self.next_stream = 1
+        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                          + _frame(self.SETTINGS, 0, 0, struct.pack(">HI", 0x4, 0)))
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _recv(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _read(self) -> None:
+        try:
+            while True:
+                head = self._recv(9)
+                length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+                stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+                payload = self._recv(length)
+                with self.lock:
+                    self.frames.append((kind, flags, stream, payload))
+                if kind == self.SETTINGS and not flags & 1:
+                    self.sock.sendall(_frame(self.SETTINGS, 1, 0))
+                elif kind == self.PING and not flags & 1:
+                    self.sock.sendall(_frame(self.PING, 1, 0, payload))
+        except (EOFError, OSError):
+            pass
+
+    def _open(self, method: str) -> int:
+        stream, self.next_stream = self.next_stream, self.next_stream + 2
+        headers = b"".join(_header(k, v) for k, v in (
+            (":method", "POST"), (":scheme", "http"), (":path", method),
+            (":authority", "localhost"), ("content-type", "application/grpc"),
+            ("te", "trailers")))
+        self.sock.sendall(_frame(self.HEADERS, 0x4, stream, headers))  # END_HEADERS
+        return stream
+
+    def _send(self, stream: int, message: bytes, last: bool) -> None:
+        body = b"\x00" + struct.pack(">I", len(message)) + message
+        chunks = [body[i:i + self.FRAME_LIMIT] for i in range(0, len(body), self.FRAME_LIMIT)]
+        self.sock.sendall(b"".join(_frame(self.DATA, 1 if last and i == len(chunks) - 1 else 0,
+                                          stream, chunk) for i, chunk in enumerate(chunks)))
+
+    def call(self, method: str, request) -> int:
+        """Send one unary request on a new stream; returns the stream id."""
+        stream = self._open(method)
+        self._send(stream, request.SerializeToString(), last=True)
+        return stream
+
+    def stream(self, method: str, requests: list) -> int:
+        """Send `requests` on one new stream (a client-streaming call), leaving it open."""
+        stream = self._open(method)
+        for request in requests:
+            self._send(stream, request.SerializeToString(), last=False)
+        return stream
+
+    def received(self, kind: int) -> list[tuple[int, int, int, bytes]]:
+        with self.lock:
+            return [f for f in self.frames if f[0] == kind]
+
+    def server_settings(self) -> dict[int, int]:
+        settings: dict[int, int] = {}
+        for _, flags, _, payload in self.received(self.SETTINGS):
+            if not flags & 1:
+                for i in range(0, len(payload), 6):
+                    key, value = struct.unpack(">HI", payload[i:i + 6])
+                    settings[key] = value
+        return settings
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.reader.join(10)
+
+
+class Peak:
+    """The server's resident peak: sampled every few milliseconds, and its VmHWM (which
+    the server resets at each batch start) read after each request."""
+
+    def __init__(self, server: ServerProcess):
+        self.server, self.peak, self.stop = server, 0, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.server.status()["rss"])
+            time.sleep(0.002)
+
+    def read(self) -> int:
+        self.peak = max(self.peak, self.server.status()["hwm"])
+        return self.peak
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join(5)
+        return self.read()

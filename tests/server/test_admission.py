@@ -5,26 +5,14 @@ split; smaller requests pass; and the server's resident memory stays under the b
 plus a stated baseline: its resident set when idle after start-up, plus SLACK (below)."""
 
 import re
-import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
 
-from tests.server.reliability import (
-    BIG,
-    MIB,
-    Reference,
-    embed_ids,
-    ids_of,
-    rss,
-    sample,
-    scrape,
-    serve,
-    status_bytes,
-    stub,
-)
+from attnserve.bench.harness import sample
+from tests.server.reliability import BIG, MIB, Peak, Reference, embed_ids, ids_of, serve, stub
 
 BUDGET = 256 * MIB
 # The stated baseline is the idle resident set after start-up plus this allowance: the
@@ -40,33 +28,9 @@ def server(minilm_artifact):
     # A message limit far above any response here, so the memory budget decides alone.
     process = serve(minilm_artifact, "--memory-budget-bytes", str(BUDGET),
                     "--max-message-bytes", str(256 * MIB))
-    process.baseline = rss(process.proc.pid)  # idle, warmed up, before any request
+    process.baseline = process.status()["rss"]  # idle, warmed up, before any request
     yield process
-    assert process.terminate() == 0
-
-
-class Peak:
-    """The server's resident peak: sampled every few milliseconds, and its VmHWM (which
-    the server resets at each batch start) read after each request."""
-
-    def __init__(self, pid: int):
-        self.pid, self.peak, self.stop = pid, 0, threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-
-    def _sample(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, rss(self.pid))
-            time.sleep(0.002)
-
-    def read(self) -> int:
-        self.peak = max(self.peak, status_bytes(self.pid, "VmHWM"))
-        return self.peak
-
-    def close(self) -> int:
-        self.stop.set()
-        self.thread.join(5)
-        return self.read()
+    assert process.stop() == 0
 
 
 def call(encoder, sequences, layers):
@@ -106,8 +70,8 @@ def test_smaller_requests_pass_batches_split_and_memory_stays_under_the_budget(
     reference = Reference(minilm_artifact)
     rng = np.random.default_rng(2)
     baseline = server.baseline  # measured before the refusal test's requests too
-    before = scrape(server)
-    peak = Peak(server.proc.pid)
+    before = server.scrape()
+    peak = Peak(server)
     # (sequences, layers): each fits alone. Four 512s in one batch would need ~300 MiB by
     # the analytic bound: they run as two batches of two.
     passing = [
@@ -125,10 +89,10 @@ def test_smaller_requests_pass_batches_split_and_memory_stays_under_the_budget(
         with grpc.insecure_channel(server.address, options=BIG) as channel:
             encoder = stub(channel)
             for sequences, layers in passing:
-                ahead = scrape(server)
+                ahead = server.scrape()
                 response, err = call(encoder, sequences, layers)
                 if len(sequences) == 4:
-                    behind = scrape(server)
+                    behind = server.scrape()
                     split = [sample(behind, f"attnserve_batch_size_{x}")
                              - sample(ahead, f"attnserve_batch_size_{x}") for x in ("count", "sum")]
                 assert err is None, err.details()
@@ -143,7 +107,7 @@ def test_smaller_requests_pass_batches_split_and_memory_stays_under_the_budget(
             assert "to build and send" in err.details() and "what fits" in err.details()
     finally:
         highest = peak.close()
-    after = scrape(server)
+    after = server.scrape()
     runs = (sample(after, "attnserve_batch_size_count")
             - sample(before, "attnserve_batch_size_count"))
     assert split == [2, 4], split  # two batches, four sequences

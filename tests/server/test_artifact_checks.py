@@ -193,7 +193,7 @@ def test_the_server_never_loads_pickles(tiny_artifact, tmp_path):
         with grpc.insecure_channel(server.address) as channel:
             stub(channel).Embed(embed_ids([[101, 7592, 102]]), timeout=30)
     finally:
-        assert server.terminate() == 0
+        assert server.stop() == 0
     events = log.read_text().splitlines()
     opened = {Path(line.split(" ", 2)[1]).name for line in events if line.startswith("open ")}
     assert opened, "the audit hook saw nothing: is sitecustomize loaded?"

@@ -1,7 +1,8 @@
-"""`attnserve memory-profile` on the tiny model: the table, the CSV/JSON/PNG, a fitted
-memory_model.json the server can load; and on the CPU, measured memory that grows with
-seq_len in the direction and order of magnitude the memory model predicts. (The exact
-figures belong to the benchmark, not to this test.)"""
+"""`attnserve memory-profile` on the tiny model: the table, the CSV/JSON/PNG, per-graph
+fits saved in memory_model.json under provider/precision/graph and loaded by the
+server's loader; peaks that hold what the graphs keep alive; a second run that counts
+the same bytes. And memory_model.json's formats: the old single model, the keyed one,
+a provider it has no fit for, a damaged file."""
 
 import csv
 import json
@@ -11,12 +12,30 @@ import subprocess
 
 import pytest
 
-from attnserve.artifact import load_artifact
-from attnserve.server.memory_model import analytic_bound, load_memory_model
-from tests.conftest import ATTNSERVE, REPO
+from attnserve.artifact import MEMORY_MODEL, load_artifact
+from attnserve.server.memory_model import (
+    ATTENTION,
+    EMBEDDINGS,
+    MemoryModel,
+    load_memory_model,
+    model_key,
+    save_entries,
+)
+from tests.conftest import ATTNSERVE, REPO, without_module
 
-SEQ_LENS = (16, 64, 128)
-BATCH = 32
+SEQ_LENS = (16, 32, 64, 128)
+BATCHES = (8, 32)
+CPU = "CPUExecutionProvider"
+
+
+def profile(artifact, out, *extra) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [*ATTNSERVE, "memory-profile", "--artifact", str(artifact), "--out", str(out),
+         "--seq-lens", ",".join(map(str, SEQ_LENS)), "--batch-sizes", ",".join(map(str, BATCHES)),
+         "--attention", "--device", "cpu", *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -25,67 +44,137 @@ def profiled(tiny_artifact, tmp_path_factory):
     artifact = tmp_path_factory.mktemp("profile-artifact")
     shutil.copytree(tiny_artifact, artifact, dirs_exist_ok=True)
     out = tmp_path_factory.mktemp("profile-out")
-    done = subprocess.run(
-        [*ATTNSERVE, "memory-profile", "--artifact", str(artifact), "--out", str(out),
-         "--seq-lens", ",".join(map(str, SEQ_LENS)), "--batch-sizes", str(BATCH),
-         "--attention", "--device", "cpu", "--repeats", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return load_artifact(artifact), out, done.stdout
-
-
-def rows_of(out) -> list[dict]:
-    return json.loads((out / "memory_profile.json").read_text())["rows"]
-
-
-def peak(rows: list[dict], seq: int, attention: bool) -> int:
-    (row,) = [r for r in rows if r["seq"] == seq and r["attention"] == attention]
-    return row["peak_bytes"]
+    first = profile(artifact, out)
+    report = json.loads((out / "memory_profile.json").read_text())
+    second = profile(artifact, out, "--no-save-model")
+    return load_artifact(artifact), out, first.stdout, report, second.stdout
 
 
 def test_table_files_and_fit(profiled):
-    artifact, out, stdout = profiled
-    shapes = {(a, s) for a in ("none", "all") for s in SEQ_LENS}
-    printed = set(re.findall(rf"^\s+(none|all)\s+{BATCH}\s+(\d+)\s", stdout, re.MULTILINE))
-    assert {(a, int(s)) for a, s in printed} == shapes, stdout
-    assert "peak MiB" in stdout and "held-out error" in stdout and "fit: bytes" in stdout
+    artifact, out, stdout, report, _ = profiled
+    manifest = artifact.manifest
+    shapes = ({(EMBEDDINGS, b, s) for b in BATCHES for s in SEQ_LENS}
+              | {(ATTENTION, b, s) for b in BATCHES for s in SEQ_LENS})
+    printed = set(re.findall(r"^\s*(embeddings|attention)\s+\d+\s+(\d+)\s+(\d+)\s", stdout, re.MULTILINE))
+    assert {(g, int(b), int(s)) for g, b, s in printed} == shapes, stdout
+    assert "held-out error" in stdout and "fit, embeddings graph" in stdout
+    assert "fit, attention graph" in stdout and "memray" in stdout
     with (out / "memory_profile.csv").open() as stream:
         table = list(csv.DictReader(stream))
     assert len(table) == len(shapes)
-    assert {"batch", "seq", "attention", "peak_bytes", "predicted_bytes"} <= set(table[0])
-    report = json.loads((out / "memory_profile.json").read_text())
-    assert report["provider"] == "CPUExecutionProvider"
-    assert len(report["rows"]) == len(shapes)
-    fit = report["fit"]
-    assert fit["holdout"] is not None and fit["holdout"]["shapes"] == 2
-    assert fit["d_source"] == "fitted"
+    assert {"graph", "batch", "seq", "returned_layers", "peak_bytes", "predicted_bytes"} <= set(table[0])
+    assert report["provider"] == CPU
+    returned = {r["returned_layers"] for r in report["rows"] if r["graph"] == ATTENTION}
+    assert returned == {1, manifest.num_layers}
+    holdout = report["fit"]["holdout"]
+    assert holdout is not None and set(holdout["by_graph"]) == {EMBEDDINGS, ATTENTION}
     assert (out / "memory_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    model = load_memory_model(artifact.directory, artifact.manifest)
-    assert model.source == "fitted on CPUExecutionProvider"
-    assert [model.a, model.b, model.c, model.d] == list(fit["coefficients"].values())
-    assert min(model.a, model.b, model.c, model.d) >= 0
+    saved = json.loads((artifact.directory / MEMORY_MODEL).read_text())
+    assert saved["format_version"] == 2
+    assert set(saved["models"]) == {model_key(CPU, "fp32", k) for k in (EMBEDDINGS, ATTENTION)}
+    models = load_memory_model(artifact.directory, manifest, CPU, "fp32")
+    for kind in (EMBEDDINGS, ATTENTION):
+        entry = report["fit"]["models"][model_key(CPU, "fp32", kind)]
+        model = models.for_graph(kind)
+        assert model.source.startswith(f"fitted on {CPU} fp32")
+        assert [model.a, model.b, model.c, model.d] == [entry[c] for c in "abcd"]
+        assert min(min(phase) for phase in model.phases) >= 0
 
 
-def test_memory_grows_with_seq_len_as_predicted(profiled):
-    artifact, out, _ = profiled
+def test_peaks_hold_what_the_graphs_keep_and_the_fit_follows_them(profiled):
+    artifact, _, _, report, _ = profiled
     manifest = artifact.manifest
-    rows = rows_of(out)
-    small, large = SEQ_LENS[0], SEQ_LENS[-1]
-    measured = peak(rows, large, False) - peak(rows, small, False)
-    heads = manifest.num_heads
-    prior = analytic_bound(manifest)
-    predicted = (prior.predict(BATCH, large, heads, 0) - prior.predict(BATCH, small, heads, 0))
-    assert measured > 0, f"peak did not grow from seq {small} to {large}: {rows}"
-    assert predicted / 10 < measured < predicted * 10, (
-        f"growth from seq {small} to {large}: measured {measured} bytes, the analytic "
-        f"model predicts {predicted:.0f}")
-    # The returned maps are alive when the run ends, so the peak holds them at least.
-    maps = manifest.num_layers * BATCH * heads * large * large * 4
-    assert peak(rows, large, True) >= 0.9 * maps, (peak(rows, large, True), maps)
-    # And the fit saved beside the artifact puts the largest shape within an order of
-    # magnitude of what was measured.
-    fitted = load_memory_model(artifact.directory, manifest)
-    for attention in (False, True):
-        got = peak(rows, large, attention)
-        want = fitted.predict(BATCH, large, heads, manifest.num_layers if attention else 0)
-        assert got / 10 < want < got * 10, (attention, got, want)
+    heads, layers = manifest.num_heads, manifest.num_layers
+    rows = report["rows"]
+    for r in rows:
+        scores = r["batch"] * heads * r["seq"] ** 2 * 4
+        if r["graph"] == ATTENTION:
+            # Every layer's probabilities are graph outputs: held to the end of the run
+            # however many the request gets back.
+            assert r["peak_bytes"] >= layers * scores, r
+        # Each token's hidden state comes back as float32 at least.
+        assert r["peak_bytes"] >= r["batch"] * r["seq"] * manifest.hidden_size * 4, r
+    embeddings = {(r["batch"], r["seq"]): r["peak_bytes"] for r in rows if r["graph"] == EMBEDDINGS}
+    for batch in BATCHES:
+        growth = [embeddings[(batch, s)] for s in SEQ_LENS]
+        assert growth == sorted(growth), growth
+    models = load_memory_model(artifact.directory, manifest, CPU, "fp32")
+    for r in rows:
+        if r["peak_bytes"] >= 1 << 20:
+            predicted = models.predict(r["batch"], r["seq"], heads, r["returned_layers"])
+            assert abs(predicted - r["peak_bytes"]) <= 0.15 * r["peak_bytes"], (r, predicted)
+
+
+def test_a_second_run_counts_the_same_bytes(profiled):
+    _, _, _, first, stdout = profiled
+    again = re.search(r"against the previous run .*\((\d+) shapes\): per-shape change mean "
+                      r"([\d.]+)%, max ([\d.]+)%", stdout)
+    assert again, stdout
+    assert int(again.group(1)) == len(first["rows"])
+    assert float(again.group(3)) <= 5.0, stdout
+
+
+def test_without_matplotlib_the_figures_are_written_and_the_png_explained(tiny_artifact, tmp_path):
+    """The `plot` extra is optional: without matplotlib the CSV and JSON still come, and the
+    log says how to get the PNG."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [*ATTNSERVE, "memory-profile", "--artifact", str(tiny_artifact), "--out", str(out),
+         "--seq-lens", "16,32", "--batch-sizes", "1", "--device", "cpu", "--repeats", "1",
+         "--no-save-model"],
+        cwd=REPO, env=without_module(tmp_path / "hidden", "matplotlib"), capture_output=True,
+        text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["memory_profile.csv", "memory_profile.json"]
+    assert len(json.loads((out / "memory_profile.json").read_text())["rows"]) == 2
+    assert "event=plot_skipped" in done.stderr and "pip install 'attnserve[plot]'" in done.stderr
+
+
+def test_without_memray_the_cpu_profile_says_how_to_get_it(tiny_artifact, tmp_path):
+    done = subprocess.run(
+        [*ATTNSERVE, "memory-profile", "--artifact", str(tiny_artifact), "--out", str(tmp_path),
+         "--seq-lens", "16", "--batch-sizes", "1", "--device", "cpu", "--no-save-model"],
+        cwd=REPO, env=without_module(tmp_path / "hidden", "memray"), capture_output=True,
+        text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "pip install 'attnserve[profile]'" in done.stderr, done.stderr
+
+
+# --- memory_model.json ----------------------------------------------------------------
+
+
+def test_a_single_model_file_serves_both_graphs(tiny_artifact, tmp_path):
+    manifest = load_artifact(tiny_artifact).manifest
+    MemoryModel(a=1000.0, b=2.0, c=0.0, d=0.0, source="written by hand").save(tmp_path)
+    models = load_memory_model(tmp_path, manifest, "CUDAExecutionProvider", "fp16")
+    assert models.source == "written by hand"
+    assert models.predict(2, 10, 4, 0) == models.predict(2, 10, 4, 3) == 1040.0
+
+
+def test_keyed_models_by_provider_precision_and_graph(tiny_artifact, tmp_path):
+    manifest = load_artifact(tiny_artifact).manifest
+    embeddings = MemoryModel(10.0, 1.0, 0.0, 0.0, "cpu embeddings", other_phases=((0.0, 0.5, 4.0, 0.0),))
+    attention = MemoryModel(20.0, 1.0, 8.0, 4.0, "cpu attention")
+    save_entries(tmp_path, {model_key(CPU, "fp32", EMBEDDINGS): embeddings.entry(),
+                            model_key(CPU, "fp32", ATTENTION): attention.entry()})
+    # A later fit on another provider keeps these.
+    save_entries(tmp_path, {model_key("CUDAExecutionProvider", "fp16", EMBEDDINGS):
+                            MemoryModel(1.0, 0.0, 0.0, 0.0, "cuda").entry()})
+    models = load_memory_model(tmp_path, manifest, CPU, "fp32")
+    assert (models.embeddings, models.attention) == (embeddings, attention)
+    # The larger phase counts: at 100 tokens the scores term takes over.
+    assert models.predict(1, 1, 1, 0) == 11.0
+    assert models.predict(1, 100, 1, 0) == 0.5 * 100 + 4.0 * 100 ** 2
+    assert models.predict(1, 2, 1, 3) == 20.0 + 2 + 8.0 * 4 + 4.0 * 4 * 3
+    cuda = load_memory_model(tmp_path, manifest, "CUDAExecutionProvider", "fp16")
+    assert cuda.embeddings.source == "cuda"
+    assert cuda.attention.source.startswith("analytic bound (memory_model.json has no "
+                                            "CUDAExecutionProvider/fp16 fit)")
+
+
+@pytest.mark.parametrize("text", ['{"a": "lots"}', '{"format_version": 2, "models": {"x": {"a": -1}}}',
+                                  '{"format_version": 3, "models": {}}', "[1, 2]", "not json"])
+def test_a_damaged_file_is_refused(tiny_artifact, tmp_path, text):
+    manifest = load_artifact(tiny_artifact).manifest
+    (tmp_path / MEMORY_MODEL).write_text(text)
+    with pytest.raises((ValueError, TypeError)):
+        load_memory_model(tmp_path, manifest)

@@ -14,10 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.artifact import MANIFEST
+from attnserve.bench.harness import ServerProcess
 from attnserve.server.client import EncoderClient
 from attnserve.server.memory_model import MemoryModel
-from tests.conftest import ServerProcess
-from tests.server.observability import scrape_text
 
 # One request each, sent one after another (so each request is a batch of its own):
 # the lengths of its sequences (token ids, so lengths are exact) and the attention
@@ -30,6 +29,7 @@ REQUESTS = [
     ([128], None),
     ([100], []),
     ([40], [1]),
+    ([128] * 32, []),  # every layer's maps: 16 MiB alive at the end of the batch
 ]
 LENGTHS = [n for lengths, _ in REQUESTS for n in lengths]
 PADDED = [len(lengths) * max(lengths) for lengths, _ in REQUESTS]
@@ -38,10 +38,12 @@ BATCHES = {
     ("1-16", "false"): [5, 16],
     ("17-32", "false"): [17, 72],
     ("65-128", "false"): [128],
-    ("65-128", "true"): [100],
+    ("65-128", "true"): [100, 32 * 128],
     ("33-64", "true"): [40],
 }
 MODEL_A, MODEL_B = 1000.0, 1.0
+# The 32 × 128 batch's maps: the tiny model's 2 layers × 4 heads, float32.
+BIG_BATCH_MAPS_BYTES = 2 * 32 * 4 * 128 * 128 * 4
 
 
 def ids(n: int) -> list[int]:
@@ -79,7 +81,7 @@ class Scrape:
 
 
 @pytest.fixture(scope="module")
-def scrape(tiny_artifact, tmp_path_factory):
+def scrape(tiny_artifact, tiny_checkpoint, tmp_path_factory):
     artifact = tmp_path_factory.mktemp("metrics-artifact")
     shutil.copytree(tiny_artifact, artifact, dirs_exist_ok=True)
     MemoryModel(a=MODEL_A, b=MODEL_B, c=0.0, d=0.0, source="written by test_metrics").save(artifact)
@@ -95,12 +97,13 @@ def scrape(tiny_artifact, tmp_path_factory):
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             client.tokenize(["hello world"])
             client.model_info()
-        text = scrape_text(server)
+        text = server.scrape_text()
         log = server.output()
     finally:
-        server.terminate()
+        server.stop()
     sha = hashlib.sha256((artifact / MANIFEST).read_bytes()).hexdigest()
-    return Scrape(text), log, sha
+    # `export --from DIR` names the model after the directory.
+    return Scrape(text), log, {"model": tiny_checkpoint.name, "sha": sha}
 
 
 def test_requests_counted_by_rpc_and_code(scrape):
@@ -128,8 +131,8 @@ def test_sequence_lengths_bucketed_exactly(scrape):
 
 def test_batch_tokens_real_and_padded(scrape):
     s, _, _ = scrape
-    assert s.value("attnserve_batch_tokens_sum", kind="real") == sum(LENGTHS) == 372
-    assert s.value("attnserve_batch_tokens_sum", kind="padded") == sum(PADDED) == 378
+    assert s.value("attnserve_batch_tokens_sum", kind="real") == sum(LENGTHS) == 4468
+    assert s.value("attnserve_batch_tokens_sum", kind="padded") == sum(PADDED) == 4474
     assert s.value("attnserve_batch_tokens_count", kind="real") == len(REQUESTS)
     assert s.value("attnserve_batch_tokens_count", kind="padded") == len(REQUESTS)
     assert s.value("attnserve_batch_size_count") == len(REQUESTS)
@@ -157,8 +160,9 @@ def test_inference_and_memory_by_bucket_and_attention(scrape):
         predicted = sum(MODEL_A + MODEL_B * p for p in padded)
         assert s.value("attnserve_batch_predicted_memory_bytes_sum", seq_len_bucket=bucket,
                        attention=attention) == predicted
-        assert s.value("attnserve_batch_peak_memory_bytes_sum", seq_len_bucket=bucket,
-                       attention=attention) >= 0
+    # The probe reads a batch's peak with its outputs alive: the big batch's maps are in it.
+    assert s.value("attnserve_batch_peak_memory_bytes_sum", seq_len_bucket="65-128",
+                   attention="true") >= BIG_BATCH_MAPS_BYTES
 
 
 def test_memory_model_loaded_from_artifact(scrape):
@@ -167,7 +171,7 @@ def test_memory_model_loaded_from_artifact(scrape):
 
 
 def test_gauges_and_info(scrape):
-    s, _, sha = scrape
+    s, _, expected = scrape
     used = s.value("attnserve_device_memory_used_bytes", device="cpu")
     total = s.value("attnserve_device_memory_total_bytes", device="cpu")
     assert 0 < used < total
@@ -177,9 +181,8 @@ def test_gauges_and_info(scrape):
     infos = s.label_sets("attnserve_info")
     assert len(infos) == 1
     info = dict(next(iter(infos)))
-    assert info == {"model": info["model"], "provider": "CPUExecutionProvider",
-                    "precision": "fp32", "artifact_sha256": sha}
-    assert info["model"]
+    assert info == {"model": expected["model"], "provider": "CPUExecutionProvider",
+                    "precision": "fp32", "artifact_sha256": expected["sha"]}
     dropped = {labels: v for (name, labels), v in s.samples.items()
                if name == "attnserve_dropped_sequences_total"}
     assert all(v == 0 for v in dropped.values())

@@ -12,8 +12,8 @@ import urllib.request
 import grpc
 import pytest
 
+from attnserve.bench.harness import ServerProcess, free_port
 from attnserve.server.client import EncoderClient
-from tests.conftest import ServerProcess, free_port
 
 PROMETHEUS_START_S = 30
 SCRAPED_WITHIN_S = 30
@@ -107,4 +107,4 @@ def test_prometheus_scrapes_the_request_count(tiny_artifact, tmp_path):
     finally:
         if prometheus is not None:
             prometheus.stop()
-        server.terminate()
+        server.stop()

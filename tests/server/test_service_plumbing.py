@@ -67,4 +67,4 @@ def test_a_nonsensical_flag_is_refused_at_start(tiny_artifact):
                              "--max-batch-size", "0", "--check-config"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "--max-batch-size must be at least 1" in result.stderr and "Traceback" not in result.stderr
+    assert "--max-batch-size: must be at least 1" in result.stderr and "Traceback" not in result.stderr

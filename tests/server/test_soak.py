@@ -3,7 +3,6 @@ requests (texts, token ids, KServe, Tokenize, and a share of invalid ones so the
 paths run too) from a few callers: every one answered as expected, and the server's
 resident memory (VmRSS) and open file descriptors do not grow beyond a stated bound."""
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +13,7 @@ import numpy as np
 from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from tests.server.reliability import MIB, embed_ids, ids_of, infer_request, rss, serve, stub
+from tests.server.reliability import MIB, embed_ids, ids_of, infer_request, serve, stub
 
 CALLERS = 4
 WARM_UP = 400
@@ -63,30 +62,26 @@ def run_requests(server, model: str, count: int, seed: int) -> dict[str, int]:
     return codes
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def test_a_soak_of_small_requests_does_not_grow_the_server(tiny_artifact):
     model = load_artifact(tiny_artifact).manifest.model_name
     server = serve(tiny_artifact)
-    pid = server.proc.pid
     try:
         run_requests(server, model, WARM_UP, seed=1)
         time.sleep(0.5)
-        rss_warm, fds_warm = rss(pid), open_fds(pid)
+        warm = server.status()
         started = time.monotonic()
         codes = run_requests(server, model, SOAK, seed=2)
         took = time.monotonic() - started
         time.sleep(0.5)
-        rss_after, fds_after = rss(pid), open_fds(pid)
+        after = server.status()
     finally:
-        assert server.terminate() == 0
+        assert server.stop() == 0
     assert sum(codes.values()) == SOAK
     assert codes == {"OK": SOAK * 9 // 10, "INVALID_ARGUMENT": SOAK // 10}, codes
-    growth = rss_after - rss_warm
+    growth = after["rss"] - warm["rss"]
     print(f"\nsoak: {SOAK} requests in {took:.1f}s ({SOAK / took:.0f}/s) {codes}; RSS "
-          f"{rss_warm / MIB:.1f} -> {rss_after / MIB:.1f} MiB ({growth / MIB:+.2f}, bound "
-          f"{RSS_GROWTH_BOUND / MIB:.0f}); fds {fds_warm} -> {fds_after}")
+          f"{warm['rss'] / MIB:.1f} -> {after['rss'] / MIB:.1f} MiB ({growth / MIB:+.2f}, bound "
+          f"{RSS_GROWTH_BOUND / MIB:.0f}); open files {warm['open_files']} -> "
+          f"{after['open_files']} (bound +{FD_GROWTH_BOUND})")
     assert growth <= RSS_GROWTH_BOUND
-    assert fds_after - fds_warm <= FD_GROWTH_BOUND
+    assert after["open_files"] - warm["open_files"] <= FD_GROWTH_BOUND

@@ -7,6 +7,7 @@ certificate, and a second CA nobody trusts."""
 import datetime
 import http.client
 import ipaddress
+import ssl
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -20,7 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from attnserve.server.client import EncoderClient
 from tests.conftest import ATTNSERVE, REPO
-from tests.server.reliability import embed_ids, health, scrape, serve, stub
+from tests.server.reliability import embed_ids, health, serve, stub
 
 TIMEOUT_S = 10
 
@@ -93,14 +94,14 @@ def tls_flags(pki, mtls: bool) -> list[str]:
 def tls_server(tiny_artifact, pki):
     server = serve(tiny_artifact, *tls_flags(pki, mtls=False))
     yield server
-    assert server.terminate() == 0
+    assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def mtls_server(tiny_artifact, pki):
     server = serve(tiny_artifact, *tls_flags(pki, mtls=True))
     yield server
-    assert server.terminate() == 0
+    assert server.stop() == 0
 
 
 def embed(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
@@ -151,10 +152,29 @@ def test_mtls_refuses_clients_without_a_trusted_certificate(mtls_server, pki):
 def test_metrics_port_is_bound_on_its_own_in_plain_http(tls_server):
     """The scrape port is separate: plain HTTP there, while the gRPC port speaks only TLS."""
     assert tls_server.metrics_port != tls_server.port
-    samples = scrape(tls_server)
+    samples = tls_server.scrape()
     assert any(name == "attnserve_requests_total" for name, _ in samples)
     with pytest.raises((OSError, http.client.HTTPException)):
         urllib.request.urlopen(f"http://127.0.0.1:{tls_server.port}/metrics", timeout=TIMEOUT_S)
+
+
+def test_http_port_speaks_only_tls_with_the_same_certificates(tls_server, mtls_server, pki, tmp_path):
+    """No plaintext inference port is left open beside the encrypted gRPC one."""
+    trusting = ssl.create_default_context(cadata=pki["ca"].decode())
+    with urllib.request.urlopen(f"https://127.0.0.1:{tls_server.http_port}/health", context=trusting,
+                                timeout=TIMEOUT_S) as response:
+        assert response.status == 200
+    with pytest.raises((OSError, http.client.HTTPException)):
+        urllib.request.urlopen(f"http://127.0.0.1:{tls_server.http_port}/health", timeout=TIMEOUT_S)
+    mtls_url = f"https://127.0.0.1:{mtls_server.http_port}/health"
+    with pytest.raises((OSError, http.client.HTTPException)):  # no client certificate
+        urllib.request.urlopen(mtls_url, context=trusting, timeout=TIMEOUT_S)
+    key, cert = pki["client"]
+    (tmp_path / "client.key").write_bytes(key)
+    (tmp_path / "client.pem").write_bytes(cert)
+    trusting.load_cert_chain(tmp_path / "client.pem", tmp_path / "client.key")
+    with urllib.request.urlopen(mtls_url, context=trusting, timeout=TIMEOUT_S) as response:
+        assert response.status == 200
 
 
 @pytest.mark.parametrize("flags,why", [

@@ -1,0 +1,144 @@
+"""`attnserve serve` as a subprocess on loopback, for the tests and the benchmarks alike.
+
+The server says when it is ready: started with `--ready-file`, it writes its ports and pid
+there once health is SERVING (`server/app.py`), and the harness waits for that file, for a
+bounded time, instead of reading its log."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+ATTNSERVE = [sys.executable, "-m", "attnserve"]
+START_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 60
+
+Samples = dict[tuple[str, frozenset], float]
+"""(sample name, its labels) -> value"""
+
+
+def free_port() -> int:
+    """A loopback port free now: for /metrics, where 0 means "off" rather than "any"."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """One `attnserve serve` on 127.0.0.1, started and ready when constructed: on the CPU,
+    gRPC on a port the OS picks, /metrics and HTTP on free ones. `flags` come after those,
+    so they win. ATTNSERVE_* variables of the caller's environment are not passed on (a
+    stray one would change the server under test); `env` adds variables, those included.
+    `stop()` it, or use it as a context manager."""
+
+    def __init__(self, artifact: Path, *flags: str, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, start_timeout_s: float = START_TIMEOUT_S):
+        self.workdir = Path(tempfile.mkdtemp(prefix="attnserve-"))
+        self.log_path = log_path or self.workdir / "serve.log"
+        self.ready_path = self.workdir / "ready.json"
+        self.args = [*ATTNSERVE, "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
+                     "--port", "0", "--metrics-host", "127.0.0.1",
+                     "--metrics-port", str(free_port()), "--http-port", str(free_port()),
+                     "--device", "cpu",
+                     "--ready-file", str(self.ready_path), *flags]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+        self.env.update(env or {})
+        self._log = self.log_path.open("w")  # a file, not a pipe nobody drains
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+        self.port, self.metrics_port, self.http_port = self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> tuple[int, int, int]:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_path.exists():
+            if self.proc.poll() is not None:
+                self._log.close()
+                raise RuntimeError(f"attnserve serve exited {self.proc.returncode} before it "
+                                   f"was ready:\n{self.output()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"attnserve serve not ready in {timeout_s:.0f}s:"
+                                   f"\n{self.output()[-4000:]}")
+            time.sleep(0.05)
+        ready = json.loads(self.ready_path.read_text())
+        if ready["pid"] != self.proc.pid:
+            self.stop()
+            raise RuntimeError(f"{self.ready_path} was written by pid {ready['pid']}, not by "
+                               f"the server started ({self.proc.pid})")
+        return ready["port"], ready["metrics_port"], ready["http_port"]
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def output(self) -> str:
+        """The server's log so far."""
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM (the server drains), then SIGKILL past `timeout`; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            return self.proc.returncode
+        finally:
+            self._log.close()
+
+    def scrape_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return response.read().decode()
+
+    def scrape(self) -> Samples:
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(self.scrape_text())
+                for s in family.samples}
+
+    def status(self) -> dict[str, float]:
+        """The server's resident set and its high-water mark (bytes), open files, and the
+        CPU seconds it has used."""
+        pid = self.proc.pid
+        text = Path(f"/proc/{pid}/status").read_text()
+        kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return {"rss": kib.get("VmRSS", 0), "hwm": kib.get("VmHWM", 0),
+                "open_files": len(os.listdir(f"/proc/{pid}/fd")), "cpu_s": cpu}
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value, 0 when absent (a labelled counter not yet incremented)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    """How far the samples named `name` whose labels include `labels` moved, summed."""
+    return sum(value - before.get(key, 0.0) for key, value in after.items()
+               if key[0] == name and labels.items() <= dict(key[1]).items())

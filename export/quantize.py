@@ -1,0 +1,333 @@
+"""int8 graphs for the CPU: onnxruntime's dynamic quantization of an already-optimised fp32
+graph, prepared so that it keeps the embeddings, and the parity gate they must pass.
+
+Dynamic quantization gives each activation tensor ONE scale (per tensor, uint8), while the
+weights get one per output channel (int8). On this model that alone keeps too little
+(pooled cosine 0.97 on short texts, worse in padded batches): a few activations dwarf the
+rest, and per-tensor scaling spends the 256 levels on them. Two kinds of outlier, two
+remedies, both exact in fp32:
+
+- A few *channels* of every LayerNorm output (the input of attention's Q/K/V projection and
+  of the feed-forward's first matmul) are large for every token. Those channels are divided
+  by a smoothing factor before quantization and the matching weight rows multiplied by it
+  (SmoothQuant, Xiao et al. 2023). The LayerNorm output also feeds the residual, so the
+  division is a Mul node of its own.
+- At the feed-forward's second matmul of the early layers one token ([CLS]) is many times
+  larger than the rest, in one or two channels. Those channels are taken out of the int8
+  matmul and multiplied in fp32 beside it (LLM.int8()'s decomposition, Dettmers et al.
+  2022). Should that miss the parity gate, those matmuls stay fp32 instead: slower, closer.
+
+The factors and ranges come from calibration texts (int8_texts.CALIBRATION_TEXTS), run one
+at a time and in padded batches, since padding rows are part of every batch served; the
+parity recorded in the manifest is measured on other texts (int8_texts.PARITY_TEXTS).
+"""
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+from onnxruntime.quantization import QuantType, quantize_dynamic
+from onnxruntime.quantization.onnx_model import ONNXModel
+from tokenizers import Tokenizer
+
+from attnserve.artifact import Parity, pooled_output
+from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
+
+log = logging.getLogger("attnserve.export")
+
+INT8_MIN_COSINE = 0.99
+# SmoothQuant's migration strength: 0.5 splits each channel's range evenly between the
+# activation and the weight (measured on MiniLM: 0.3 and 0.7 keep less).
+SMOOTHING_ALPHA = 0.5
+# A matmul whose input has a token this many times the median token's range (max |value|)
+# gets its outlier channels split off. MiniLM: 6.5 to 9.0 at the second feed-forward matmul
+# of layers 0-3 (quantized plainly, each costs 0.005 to 0.03 of pooled cosine), at most 5.1
+# elsewhere.
+MAX_TOKEN_RANGE_RATIO = 6.0
+# Which channels are split off: those reaching this many times the median token's range
+# (MiniLM: 1 to 9 of 1536; measured pooled cosine min 0.9913, against 0.9904 for the 1 or 2
+# channels over MAX_TOKEN_RANGE_RATIO and 0.9919 for a fixed 4). While they are at most
+# MAX_OUTLIER_SHARE of the input's channels; past it the matmul stays fp32.
+OUTLIER_FACTOR = 2.0
+MAX_OUTLIER_SHARE = 0.05
+# Parity is measured one text at a time and in padded batches of this many (texts in their
+# fixed order, so short and long share a batch), as the server batches them.
+PARITY_BATCH = 16
+CALIBRATION_BATCH = 8
+# Inputs of these are smoothed (the op types the transformer optimiser leaves in a graph).
+_LAYER_NORMS = ("LayerNormalization", "SkipLayerNormalization")
+
+
+class Int8ParityError(RuntimeError):
+    """A quantized graph disagrees with fp32 more than the gate allows."""
+
+
+@dataclass(frozen=True)
+class QuantizedGraph:
+    parity: Parity
+    quantized: int
+    """matmuls (and fused Attention nodes) computed in int8"""
+    split: int
+    """of those, how many have outlier channels multiplied in fp32 beside them"""
+    kept_fp32: int
+    """matmuls left in fp32 for their token range"""
+
+
+@dataclass(frozen=True)
+class _Stats:
+    channel_max: np.ndarray
+    """largest |value| of each channel"""
+    token_max: float
+    """largest |value| of any token"""
+    token_median: float
+    """the median over tokens of each token's largest |value|"""
+
+    @property
+    def ratio(self) -> float:
+        return self.token_max / max(self.token_median, 1e-12)
+
+
+def _encode(tokenizer: Path, texts: tuple[str, ...], max_positions: int) -> list[np.ndarray]:
+    # The bundled tokenizer.json pads and truncates to 128 tokens; cut at the model's
+    # positions instead (keeping [SEP]) so long texts reach the lengths served.
+    tok = Tokenizer.from_file(str(tokenizer))
+    tok.no_padding()
+    tok.enable_truncation(max_positions)
+    return [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(list(texts))]
+
+
+def _padded(rows: list[np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
+    length = max(len(r) for r in rows)
+    ids = np.full((len(rows), length), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), length), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _feeds(rows: list[np.ndarray], batch: int, pad_id: int) -> Iterator[dict[str, np.ndarray]]:
+    """Each text alone, then the texts in padded batches."""
+    for r in rows:
+        yield _padded([r], pad_id)
+    for start in range(0, len(rows), batch):
+        yield _padded(rows[start:start + batch], pad_id)
+
+
+def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """What dynamic quantization would turn into int8: fused Attention (its Q/K/V weights)
+    and matmuls whose second input is a weight, not an activation (QKᵀ, probabilities·V)."""
+    weights = {i.name for i in model.graph.initializer}
+    return [n for n in model.graph.node
+            if n.op_type == "Attention" or (n.op_type == "MatMul" and n.input[1] in weights)]
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    existing = {o.name for o in probe.graph.output}
+    for name in names:
+        if name not in existing:
+            probe.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    return probe
+
+
+def _activation_stats(model: onnx.ModelProto, names: list[str], feeds: list[dict]
+                      ) -> dict[str, _Stats]:
+    session = _session(_with_outputs(model, names))
+    channel: dict[str, np.ndarray] = {}
+    tokens: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for feed in feeds:
+        for name, value in zip(names, session.run(names, feed), strict=True):
+            flat = np.abs(value.reshape(-1, value.shape[-1]))
+            top = flat.max(axis=0)
+            channel[name] = np.maximum(channel[name], top) if name in channel else top
+            tokens[name].append(flat.max(axis=1))
+    stats = {}
+    for name, per_token in tokens.items():
+        joined = np.concatenate(per_token)
+        stats[name] = _Stats(channel[name], float(joined.max()), float(np.median(joined)))
+    return stats
+
+
+def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Nodes in topological order (ONNX requires it; inserted nodes go at the end first)."""
+    wrapped = ONNXModel(model)
+    wrapped.topological_sort()
+    return wrapped.model
+
+
+def _smooth(model: onnx.ModelProto, stats: dict[str, _Stats]) -> onnx.ModelProto:
+    """Divide the LayerNorm outputs that feed quantized sites by per-channel factors (one Mul
+    per tensor, shared by its sites) and multiply the sites' weight rows by the same."""
+    model = _with_outputs(model, [])  # a copy
+    graph = model.graph
+    weights = {i.name: i for i in graph.initializer}
+    producer = {out: n for n in graph.node for out in n.output}
+    by_input: dict[str, list[onnx.NodeProto]] = {}
+    for node in _sites(model):
+        source = producer.get(node.input[0])
+        if source is not None and source.op_type in _LAYER_NORMS:
+            by_input.setdefault(node.input[0], []).append(node)
+    muls = []
+    for index, (tensor, sites) in enumerate(by_input.items()):
+        rows = [numpy_helper.to_array(weights[s.input[1]]) for s in sites]
+        factor = _smoothing_factor(stats[tensor].channel_max, np.concatenate(rows, axis=1))
+        inverse, smoothed = f"smooth_{index}_inverse", f"smooth_{index}_output"
+        graph.initializer.append(numpy_helper.from_array(1 / factor, inverse))
+        muls.append(helper.make_node("Mul", [tensor, inverse], [smoothed], name=f"Smooth_{index}"))
+        for site, w in zip(sites, rows, strict=True):
+            scaled = f"{site.input[1]}_smoothed_{index}"
+            graph.initializer.append(numpy_helper.from_array(w * factor[:, None], scaled))
+            site.input[0], site.input[1] = smoothed, scaled
+    graph.node.extend(muls)
+    used = {name for n in graph.node for name in n.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return _sorted(model)
+
+
+def _smoothing_factor(channel_max: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per input channel of `weights` ([in, out]): SmoothQuant's s = max|x|^α / max|w|^(1-α)."""
+    return (np.clip(channel_max, 1e-5, None) ** SMOOTHING_ALPHA
+            / np.clip(np.abs(weights).max(axis=1), 1e-5, None) ** (1 - SMOOTHING_ALPHA)).astype(np.float32)
+
+
+def _split_outliers(model: onnx.ModelProto, outliers: dict[str, np.ndarray], stats: dict[str, _Stats]
+                    ) -> tuple[onnx.ModelProto, list[str]]:
+    """For each matmul named in `outliers`: y = x·W becomes (x/s, those channels zeroed)·(s·W),
+    to be quantized, plus x[..., outliers]·W[outliers], a small fp32 matmul. The smoothing s
+    rides on the mask's Mul, so it costs nothing more. Returns the model and the names of the
+    fp32 matmuls (to keep out of quantization)."""
+    model = _with_outputs(model, [])  # a copy
+    graph = model.graph
+    weights = {i.name: i for i in graph.initializer}
+    added, fp32 = [], []
+    for node in [n for n in graph.node if n.name in outliers]:
+        x, y, w = node.input[0], node.output[0], numpy_helper.to_array(weights[node.input[1]])
+        index = outliers[node.name].astype(np.int64)
+        rest_max = stats[x].channel_max.copy()
+        rest_max[index] = 0
+        factor = _smoothing_factor(rest_max, w)
+        keep = 1 / factor
+        keep[index] = 0
+        tag = f"outliers_{len(fp32)}"
+        graph.initializer.extend([numpy_helper.from_array(keep, f"{tag}_keep"),
+                                  numpy_helper.from_array(w * factor[:, None], f"{tag}_int8_weight"),
+                                  numpy_helper.from_array(index, f"{tag}_index"),
+                                  numpy_helper.from_array(w[index], f"{tag}_weight")])
+        added += [
+            helper.make_node("Mul", [x, f"{tag}_keep"], [f"{tag}_rest"], name=f"{tag}_Mask"),
+            helper.make_node("Gather", [x, f"{tag}_index"], [f"{tag}_x"], axis=-1, name=f"{tag}_Gather"),
+            helper.make_node("MatMul", [f"{tag}_x", f"{tag}_weight"], [f"{tag}_y"], name=f"{tag}_MatMul"),
+            helper.make_node("Add", [f"{tag}_int8_y", f"{tag}_y"], [y], name=f"{tag}_Add"),
+        ]
+        node.input[0], node.input[1], node.output[0] = f"{tag}_rest", f"{tag}_int8_weight", f"{tag}_int8_y"
+        fp32.append(f"{tag}_MatMul")
+    graph.node.extend(added)
+    used = {name for n in graph.node for name in n.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return _sorted(model), fp32
+
+
+def _quantize(model: onnx.ModelProto, target: Path, exclude: list[str]) -> None:
+    # The quantizer warns that the model was not "pre-processed" (shape inference it does not
+    # need here: every quantized weight is a constant of known shape).
+    logging.disable(logging.WARNING)
+    try:
+        quantize_dynamic(
+            model, target,
+            op_types_to_quantize=["MatMul", "Attention"],
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=exclude,
+            # Shape inference cannot type the outputs of com.microsoft ops (fused Attention,
+            # SkipLayerNormalization); they are all float.
+            extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _pooled(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> np.ndarray:
+    (vectors,) = session.run([pooled_output("mean", normalized=True)], feed)
+    return vectors
+
+
+def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
+                   pad_id: int) -> np.ndarray:
+    """Per text of PARITY_TEXTS, the worse of two cosines between the graphs' pooled (mean,
+    L2-normalised) embeddings: the text alone, and in a padded batch (texts in their fixed
+    order, so short and long share one), as the server runs them."""
+    rows = _encode(tokenizer, PARITY_TEXTS, max_positions)
+    reference, quantized = _session(fp32), _session(int8)
+    cosines = np.concatenate([(_pooled(reference, feed) * _pooled(quantized, feed)).sum(axis=1)
+                              for feed in _feeds(rows, PARITY_BATCH, pad_id)])
+    alone, batched = cosines[: len(rows)], cosines[len(rows):]
+    return np.minimum(alone, batched)
+
+
+def quantize_graph(source: Path, reference: Path, target: Path, tokenizer: Path, max_positions: int,
+                   pad_id: int, min_cosine: float = INT8_MIN_COSINE) -> QuantizedGraph:
+    """Write the int8 version of the optimised fp32 graph `source`, or raise Int8ParityError
+    (leaving no `target`) when its pooled cosine against the artifact's fp32 graph
+    `reference` (the same outputs) falls below `min_cosine`."""
+    model = onnx.load(str(source))
+    calibration = list(_feeds(_encode(tokenizer, CALIBRATION_TEXTS, max_positions),
+                              CALIBRATION_BATCH, pad_id))
+    smoothed = _smooth(model, _activation_stats(model, sorted({n.input[0] for n in _sites(model)}),
+                                                calibration))
+    sites = _sites(smoothed)
+    stats = _activation_stats(smoothed, sorted({n.input[0] for n in sites}), calibration)
+    split: dict[str, np.ndarray] = {}
+    fp32: list[str] = []
+    for node in sites:
+        input_stats = stats[node.input[0]]
+        if input_stats.ratio <= MAX_TOKEN_RANGE_RATIO:
+            continue
+        outliers = np.flatnonzero(input_stats.channel_max > OUTLIER_FACTOR * input_stats.token_median)
+        if node.op_type == "MatMul" and len(outliers) <= MAX_OUTLIER_SHARE * len(input_stats.channel_max):
+            split[node.name] = outliers
+        else:
+            fp32.append(node.name)
+
+    def attempt(split: dict[str, np.ndarray], fp32: list[str]) -> np.ndarray:
+        prepared, outlier_matmuls = _split_outliers(smoothed, split, stats)
+        _quantize(prepared, target, fp32 + outlier_matmuls)
+        return pooled_cosines(reference, target, tokenizer, max_positions, pad_id)
+
+    cosines = attempt(split, fp32)
+    if split and cosines.min() < min_cosine:
+        log.warning("event=int8_fallback graph=%s pooled_cosine_min=%.4f reason='outlier split "
+                    "below the gate; those matmuls stay fp32'", target.name, cosines.min())
+        fp32, split = fp32 + list(split), {}
+        cosines = attempt(split, fp32)
+    parity = Parity(reference=reference.name, texts=len(cosines), batch=PARITY_BATCH,
+                    pooled_cosine_min=round(float(cosines.min()), 5),
+                    pooled_cosine_mean=round(float(cosines.mean()), 5), min_cosine=min_cosine)
+    result = QuantizedGraph(parity, len(sites) - len(fp32), len(split), len(fp32))
+    log.info("event=quantized graph=%s int8=%d split=%d fp32=%d pooled_cosine_min=%.4f "
+             "pooled_cosine_mean=%.4f texts=%d", target.name, result.quantized, result.split,
+             result.kept_fp32, parity.pooled_cosine_min, parity.pooled_cosine_mean, parity.texts)
+    if parity.pooled_cosine_min < min_cosine:
+        target.unlink()
+        raise Int8ParityError(
+            f"{target.name}: pooled cosine against {reference.name} is {parity.pooled_cosine_min:.4f} "
+            f"at worst over {parity.texts} texts (one at a time and in batches of {PARITY_BATCH}), "
+            f"below the required {min_cosine}; worst text: "
+            f"{PARITY_TEXTS[int(cosines.argmin())][:60]!r}")
+    return result

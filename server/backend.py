@@ -1,0 +1,91 @@
+"""The seam between the batch loop and whatever runs the model.
+
+The batch loop knows only this interface: it hands a padded batch to `run` with the
+outputs its requests need and gets back those outputs. Which framework, provider, graphs,
+sessions or shape strategy sit behind it (onnxruntime on the CPU or CUDA today:
+`ort_backend.py`, with shape buckets, several sessions and CUDA graphs) is the backend's
+own business, so those can change without touching the queue or the loop.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from attnserve.artifact import HIDDEN_OUTPUT
+from attnserve.server.shapes import Shape
+
+Outputs = frozenset[str]
+"""Graph outputs a batch must bring back: HIDDEN_OUTPUT and the pooled vectors
+(artifact.POOLED_OUTPUTS); attention maps are asked for by layer."""
+HIDDEN_ONLY: Outputs = frozenset({HIDDEN_OUTPUT})
+
+__all__ = ["HIDDEN_ONLY", "Backend", "BatchOutput", "Outputs", "SequenceResult", "Shape"]
+
+
+@dataclass
+class BatchOutput:
+    hidden: np.ndarray | None
+    """(batch, seq, hidden) float32, when asked for"""
+    attentions: dict[int, np.ndarray]
+    """layer -> (batch, heads, seq, seq) float32, only the layers asked for"""
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
+    """pooled output name -> (batch, hidden) float32, only those asked for"""
+    new_shape: bool = False
+    """the first run of this graph at this shape on the session that ran it"""
+
+
+@dataclass
+class SequenceResult:
+    """One sequence's share of a batch's output, handed to the response builder."""
+
+    hidden: np.ndarray | None
+    """(num_tokens, hidden): a view of the batch output, padding trimmed; None unless
+    the request needs token embeddings"""
+    attentions: dict[int, np.ndarray]
+    """layer -> (heads, num_tokens, num_tokens)"""
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
+    """pooled output name -> (hidden,): those the request asked for"""
+
+
+class Backend(Protocol):
+    provider: str
+    """where batches run, e.g. CPUExecutionProvider"""
+    precision: str
+    """fp32, fp16 or int8"""
+    concurrency: int
+    """batches it runs at once, each on its own inference thread"""
+    max_in_flight: int
+    """batches worth having handed over at once: `concurrency` running and the rest
+    formed, padded and waiting, so the device never waits for the next batch to be formed"""
+
+    def release_memory(self) -> None:
+        """Hand back to the OS what earlier batches left allocated (arenas, heap); called
+        on an inference thread when the server goes idle after a large batch."""
+        ...
+
+    def padded_shape(self, batch: int, longest: int) -> Shape:
+        """The (batch, seq) shape a batch of `batch` sequences, the longest `longest`
+        tokens, is run at: at least as large in both axes. Extra rows are all padding."""
+        ...
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+            layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY) -> BatchOutput:
+        """One padded batch, int64 [batch, seq] each: the `outputs` named, and the
+        attention maps of `layers` only. Safe from up to `concurrency` threads at once."""
+        ...
+
+    def bind_thread(self) -> None:
+        """Called once by each inference thread as it starts: the thread keeps the same
+        sessions for its life (CUDA graphs belong to the thread that captured them)."""
+        ...
+
+    def warm_up_shapes(self, max_batch_tokens: int) -> list[Shape]:
+        """The shapes worth running before the first caller, for batches of up to
+        `max_batch_tokens` padded tokens: every shape bucket when buckets are on."""
+        ...
+
+    def warm_up(self, shapes: Iterable[Shape]) -> None:
+        """Run the graphs at each shape on the calling inference thread's sessions."""
+        ...

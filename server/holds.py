@@ -1,0 +1,120 @@
+"""Memory a call holds outside the batches, against the memory budget, until its answer
+has been sent: a big request as received and parsed, texts being tokenized and the ids
+they become, and the response from admission until gRPC has written it to the caller.
+
+Before, a response counted only while its batch ran: a caller that stopped reading held
+every answer it had asked for (40 responses of 63 MiB reached 8.5 GB) and the server
+kept taking more. Now every byte is taken from one ledger before it is allocated, and a
+call that cannot have it is refused at once (RESOURCE_EXHAUSTED). One connection may hold
+only a share of the ledger, so a stalled reader stops itself, not the others.
+"""
+
+import math
+import threading
+
+from attnserve.server.errors import ResourceExhausted
+
+MIB = 1 << 20
+# One connection may hold this share of the ledger (any one call of it may hold more,
+# when nothing else of the connection is held), so a caller that stops reading (zero
+# HTTP/2 window) leaves the rest to the others.
+PER_CONNECTION_SHARE = 0.25
+
+
+class Ledger:
+    """Bytes held outside the batches, in total and per connection, under `limit`.
+    Thread-safe: tokenizing takes and gives back memory from its own thread."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.held = 0
+        self.by_connection: dict[str, int] = {}
+        self.reserve = 0.0
+        """kept free beside what is held: the peak of the largest batch an admitted
+        request still has to run alone (set by the request queue where the batches and
+        the ledger share one budget)"""
+        self.batches = 0.0
+        """kept free too: what the batches in flight hold (set by the batch loop, ditto)"""
+
+    def holds(self, connection: str | None = None) -> "Holds":
+        """A call's holds; `connection` (its peer) is charged its share, None for none."""
+        return Holds(self, connection)
+
+    def connection_limit(self) -> float:
+        return self.limit * PER_CONNECTION_SHARE
+
+    def _take(self, nbytes: int, connection: str | None, what: str, on_top: float,
+              own: int) -> None:
+        """Refuse, or add `nbytes` with `on_top` more still free after it; `own`: what
+        the calling call holds already (its connection's other calls hold the rest)."""
+        if nbytes + on_top > self.limit:
+            raise ResourceExhausted(
+                f"{what}: needs about {nbytes / MIB:.1f} MiB"
+                f"{f' beside {on_top / MIB:.0f} MiB for its batch' if on_top else ''}, more "
+                f"than the whole memory budget of {self.limit / MIB:.0f} MiB")
+        mine = self.by_connection.get(connection, 0) if connection else 0
+        if mine > own and mine + nbytes > self.connection_limit():
+            raise ResourceExhausted(
+                f"{what}: this connection's other calls already hold {(mine - own) / MIB:.1f} "
+                f"MiB of requests and answers not yet sent, and one connection may hold "
+                f"{self.connection_limit() / MIB:.0f} MiB: read the answers already sent, or "
+                "spread calls over more connections")
+        # Batches run in what the ledger leaves: it keeps free what those in flight hold,
+        # and at least what the largest still waiting (or this call's own) needs alone.
+        kept = max(self.reserve, self.batches, on_top)
+        if nbytes > self.limit - self.held - kept:
+            raise ResourceExhausted(
+                f"{what}: needs about {nbytes / MIB:.1f} MiB, but of the memory budget of "
+                f"{self.limit / MIB:.0f} MiB, {self.held / MIB:.0f} MiB is held by requests "
+                f"being parsed or tokenized and answers not yet sent and {kept / MIB:.0f} MiB "
+                "is kept for batches; retry with backoff")
+        self.held += nbytes
+        if connection:
+            self.by_connection[connection] = mine + nbytes
+
+    def _give_back(self, nbytes: int, connection: str | None) -> None:
+        self.held -= nbytes
+        if connection:
+            left = self.by_connection[connection] - nbytes
+            if left:
+                self.by_connection[connection] = left
+            else:
+                del self.by_connection[connection]
+
+
+class Holds:
+    """What one call holds; `release()` gives back all of it, and once released the
+    call can take nothing more (work it left on a thread stops at its next `take`)."""
+
+    def __init__(self, ledger: Ledger, connection: str | None):
+        self.ledger = ledger
+        self.connection = connection
+        self.total = 0
+        self.peak = 0
+        self.released = False
+
+    def take(self, nbytes: float, what: str, on_top: float = 0.0) -> None:
+        """Hold `nbytes` more, or raise ResourceExhausted naming `what`; `on_top`: bytes
+        that must still be free beside it (the call's own batch)."""
+        amount = math.ceil(nbytes)
+        with self.ledger.lock:
+            if self.released:
+                raise ResourceExhausted(f"{what}: the call has ended")
+            self.ledger._take(amount, self.connection, what, on_top, self.total)
+            self.total += amount
+            self.peak = max(self.peak, self.total)
+
+    def give_back(self, nbytes: float) -> None:
+        with self.ledger.lock:
+            amount = min(math.ceil(nbytes), self.total)
+            if amount > 0:
+                self.ledger._give_back(amount, self.connection)
+                self.total -= amount
+
+    def release(self) -> None:
+        with self.ledger.lock:
+            if self.total:
+                self.ledger._give_back(self.total, self.connection)
+            self.total = 0
+            self.released = True

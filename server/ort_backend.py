@@ -1,0 +1,406 @@
+"""The onnxruntime backend: which provider, which graphs, how many sessions, which shapes,
+and one batch through them.
+
+The only module of the server that imports onnxruntime; the batch loop sees it through
+`backend.Backend`. Behind that seam:
+
+* lanes: `sessions` sets of sessions (embeddings graph, attention graph), each running
+  one batch at a time on the inference thread it belongs to, so several batches run on
+  the device at once;
+* shape buckets (`shapes.py`): batches padded to a bounded set of shapes, each run once
+  per lane before serving;
+* outputs: only what the batch's requests need leaves the device (the pooled vectors are
+  graph outputs, so a request for them never copies [batch, seq, hidden] out);
+* CUDA graphs: per shape bucket, over fixed input and output buffers (IO binding).
+"""
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+from attnserve.artifact import (
+    HIDDEN_OUTPUT,
+    INPUT_NAMES,
+    POOLED_OUTPUTS,
+    Artifact,
+    ArtifactError,
+    Graph,
+    attention_output,
+    pooled_output,
+)
+from attnserve.server.backend import HIDDEN_ONLY, BatchOutput, Outputs
+from attnserve.server.config import ConfigError
+from attnserve.server.memory import gpu_present, trim_heap
+from attnserve.server.shapes import Shape, ShapeBuckets
+
+log = logging.getLogger("attnserve.backend")
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+# What onnxruntime raises for a file it cannot load as a graph: the artifact's fault.
+GRAPH_ERRORS = (ort_errors.InvalidProtobuf, ort_errors.InvalidGraph, ort_errors.NoSuchFile,
+                ort_errors.NoModel, ort_errors.NotImplemented, ort_errors.Fail)
+# The pooled output fetched when a batch's requests need no output at all (only token
+# ids back): the smallest there is.
+CHEAPEST_OUTPUT = pooled_output("cls", False)
+# Progress lines while warming up: about this many per lane.
+WARM_UP_LOG_LINES = 10
+
+
+class DeviceError(RuntimeError):
+    """--device cuda was asked for and CUDA cannot be used."""
+
+
+def choose_provider(device: str) -> tuple[str, str]:
+    """(provider, why). `cuda` never falls back: a GPU pod must not run on the CPU silently."""
+    if device == "cpu":
+        return CPU, "--device cpu"
+    present, why = gpu_present()
+    if not present:
+        if device == "cuda":
+            raise DeviceError(f"--device cuda: no usable GPU: {why}")
+        return CPU, f"no GPU: {why}"
+    if CUDA not in ort.get_available_providers():
+        if device == "cuda":
+            raise DeviceError("--device cuda: this onnxruntime build has no CUDA provider "
+                              "(install onnxruntime-gpu)")
+        return CPU, "onnxruntime has no CUDA provider"
+    return CUDA, why
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    # The CPU arena stays on: without it every intermediate tensor of every batch is
+    # faulted in afresh (measured against default options: 1.5x slower at 32x512, 1.1x at
+    # 8x256). It keeps its peak after a long batch; `release_memory` hands that back once
+    # the server is idle.
+    # Memory patterns are planned per input shape and, with shapes that change from batch
+    # to batch, made a small batch after a large one allocate a block sized for the large
+    # one (measured: 60 MiB for 1×16 after 32×128): its peak would depend on what ran
+    # before, past what the memory model can predict.
+    options.enable_mem_pattern = False
+    return options
+
+
+def providers_for(provider: str, cuda_graph: bool = False) -> list:
+    if provider == CUDA:
+        # kSameAsRequested: grow the arena by what is asked, not by doubling, so the
+        # device holds close to the real peak.
+        options = {"arena_extend_strategy": "kSameAsRequested"}
+        if cuda_graph:
+            options["enable_cuda_graph"] = "1"
+        return [(CUDA, options), CPU]
+    return [CPU]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How batches run, as `attnserve serve` flags ask (`auto`s resolved per provider)."""
+
+    shape_buckets: str = "auto"
+    bucket_seq_multiple: int = 32
+    max_batch_size: int = 64
+    sessions: int = 0
+    cuda_graphs: bool = False
+
+
+Results = dict[str, np.ndarray]
+
+
+def _shrink_options() -> ort.RunOptions:
+    """A run that, when it ends, frees every region of the CPU arena nothing lives in."""
+    options = ort.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
+
+
+class PlainRunner:
+    """`session.run` for the outputs asked for: onnxruntime copies only those off the
+    device (a pooled vector is [batch, hidden]; the hidden state it came from stays)."""
+
+    SHRINK = _shrink_options()
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str]) -> Results:
+        values = self.session.run(names, {"input_ids": input_ids, "attention_mask": attention_mask})
+        return dict(zip(names, values, strict=True))
+
+    def warm(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
+        self.run(input_ids, attention_mask, [CHEAPEST_OUTPUT])
+
+    def shrink(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
+        """onnxruntime shrinks an arena only at the end of a run asking for it: a one-token
+        run (about a millisecond) does, after the batch that grew it is long gone."""
+        self.session.run([CHEAPEST_OUTPUT], {"input_ids": input_ids, "attention_mask": attention_mask},
+                         self.SHRINK)
+
+
+@dataclass
+class _Slot:
+    """One shape's fixed buffers, bound once."""
+
+    input_ids: ort.OrtValue
+    attention_mask: ort.OrtValue
+    outputs: dict[str, ort.OrtValue]
+    binding: ort.IOBinding
+    options: ort.RunOptions
+
+
+class BoundRunner:
+    """Fixed input and output buffers per shape, bound once (IO binding), and with CUDA
+    graphs one graph per shape: a replay reads and writes the addresses it was captured
+    with. onnxruntime captures the graph of an id (`gpu_graph_id`, from 1; 0 is its own,
+    -1 means none) on that id's third run, after two ordinary ones, and replays it from
+    then on. Every output is bound (a graph writes them all); only those asked for are
+    copied out."""
+
+    RUNS_TO_CAPTURE = 3
+
+    def __init__(self, session: ort.InferenceSession, device: str, hidden_size: int,
+                 cuda_graph: bool):
+        self.session = session
+        self.device = device
+        self.hidden_size = hidden_size
+        self.cuda_graph = cuda_graph
+        self.slots: dict[Shape, _Slot] = {}
+
+    def _new_slot(self, shape: Shape) -> _Slot:
+        def buffer(dims: tuple[int, ...], dtype: type) -> ort.OrtValue:
+            return ort.OrtValue.ortvalue_from_shape_and_type(dims, dtype, self.device, 0)
+
+        batch, seq = shape
+        binding = self.session.io_binding()
+        ids, mask = buffer(shape, np.int64), buffer(shape, np.int64)
+        binding.bind_ortvalue_input("input_ids", ids)
+        binding.bind_ortvalue_input("attention_mask", mask)
+        outputs = {HIDDEN_OUTPUT: buffer((batch, seq, self.hidden_size), np.float32)}
+        outputs |= {name: buffer((batch, self.hidden_size), np.float32) for name in POOLED_OUTPUTS}
+        for name, value in outputs.items():
+            binding.bind_ortvalue_output(name, value)
+        options = ort.RunOptions()
+        if self.cuda_graph:
+            options.add_run_config_entry("gpu_graph_id", str(len(self.slots) + 1))
+        return _Slot(ids, mask, outputs, binding, options)
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str]) -> Results:
+        shape = input_ids.shape
+        slot = self.slots.get(shape)
+        if slot is None:
+            slot = self.slots[shape] = self._new_slot(shape)
+        slot.input_ids.update_inplace(input_ids)
+        slot.attention_mask.update_inplace(attention_mask)
+        self.session.run_with_iobinding(slot.binding, slot.options)
+        # From the device numpy() copies; on the CPU it is a view of the fixed buffer,
+        # which the next batch of this shape overwrites.
+        copy = self.device == "cpu"
+        return {name: slot.outputs[name].numpy().copy() if copy else slot.outputs[name].numpy()
+                for name in names}
+
+    def warm(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
+        for _ in range(self.RUNS_TO_CAPTURE):
+            self.run(input_ids, attention_mask, [])
+
+
+class Lane:
+    """One session per graph, running one batch at a time."""
+
+    def __init__(self, index: int, embed: PlainRunner | BoundRunner, attend: PlainRunner):
+        self.index = index
+        self.embed = embed
+        self.attend = attend
+        self.lock = threading.Lock()
+        self.seen: set[tuple[bool, Shape]] = set()
+        """(attention graph, shape) run on this lane"""
+
+
+class OrtBackend:
+    """`sessions` lanes of sessions (embeddings only, and with attention maps), one
+    provider, shape buckets and CUDA graphs as the strategy says."""
+
+    def __init__(self, artifact: Artifact, device: str = "auto", precision: str = "auto",
+                 intra_op_threads: int = 0, strategy: Strategy = Strategy()):
+        self.artifact = artifact
+        self.strategy = strategy
+        provider, why = choose_provider(device)
+        manifest = artifact.manifest
+        if precision == "auto":
+            has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
+            precision = "fp16" if provider == CUDA and has_fp16 else "fp32"
+        self.precision = precision
+        self.embed_graph = manifest.graph(attention=False, precision=precision)
+        self.attn_graph = manifest.graph(attention=True, precision=precision)
+        if self.embed_graph is None or self.attn_graph is None:
+            raise ArtifactError(f"{artifact.directory}: no {precision} graphs (export with --{precision})")
+        if precision == "int8" and provider == CUDA:
+            # Their quantized kernels (QAttention, DynamicQuantizeMatMul) are CPU ones.
+            raise ConfigError("precision", "int8 graphs run on the CPU: add --device cpu")
+        try:
+            self._build(provider, intra_op_threads)
+        except (DeviceError, ConfigError):
+            raise
+        except Exception as err:
+            if device == "auto" and provider == CUDA:
+                log.warning("event=cuda_failed reason=%r fallback=cpu", str(err))
+                provider, why = CPU, f"CUDA provider failed to load: {err}"
+                self._build(provider, intra_op_threads)
+            else:
+                raise
+        self._local = threading.local()
+        self._bind_lock = threading.Lock()
+        self._bound = 0
+        log.info("event=provider provider=%s precision=%s threads=%d sessions=%d shape_buckets=%s "
+                 "cuda_graphs=%s reason=%r graphs=%s,%s", provider, precision, self.threads,
+                 self.concurrency, "off" if self.buckets is None else
+                 f"rows_pow2_to_{self.buckets.max_batch_size},seq_multiple_{self.buckets.seq_multiple}",
+                 self.cuda_graphs, why, self.embed_graph.file, self.attn_graph.file)
+
+    def _build(self, provider: str, intra_op_threads: int) -> None:
+        """Resolve the strategy for `provider` and open every lane's sessions."""
+        s, manifest = self.strategy, self.artifact.manifest
+        buckets = s.shape_buckets == "on" or (s.shape_buckets == "auto" and provider == CUDA)
+        self.buckets = (ShapeBuckets(s.bucket_seq_multiple, s.max_batch_size, manifest.max_positions)
+                        if buckets else None)
+        if s.cuda_graphs and self.buckets is None:
+            raise ConfigError("cuda_graphs", "needs shape buckets (one graph per bucket): "
+                                             "add --shape-buckets on")
+        self.cuda_graphs = s.cuda_graphs and provider == CUDA
+        if s.cuda_graphs and provider != CUDA:
+            log.info("event=cuda_graphs provider=%s note='no CUDA: fixed IO-bound buffers per "
+                     "shape bucket, no graph capture'", provider)
+        # On CUDA the intra-op pool only runs the few nodes left on the CPU; threads per
+        # core there would spin against the server's own threads.
+        self.threads = intra_op_threads or (1 if provider == CUDA else len(os.sched_getaffinity(0)))
+        self.concurrency = s.sessions or (2 if provider == CUDA else 1)
+        # One batch running per lane, and one more formed and waiting.
+        self.max_in_flight = self.concurrency + 1
+        device = "cuda" if provider == CUDA else "cpu"
+        self.lanes = []
+        for index in range(self.concurrency):
+            embed_session = self._session(self.embed_graph, provider, s.cuda_graphs)
+            embed = (BoundRunner(embed_session, device, manifest.hidden_size, self.cuda_graphs)
+                     if s.cuda_graphs else PlainRunner(embed_session))
+            attend = PlainRunner(self._session(self.attn_graph, provider, False))
+            self.lanes.append(Lane(index, embed, attend))
+        self.provider = provider
+
+    def _session(self, graph: Graph, provider: str, cuda_graph: bool) -> ort.InferenceSession:
+        path = self.artifact.path(graph.file)
+        try:
+            session = ort.InferenceSession(str(path), session_options(self.threads),
+                                           providers=providers_for(provider, cuda_graph))
+        except GRAPH_ERRORS as err:
+            raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({err})") from err
+        if provider == CUDA and CUDA not in session.get_providers():
+            raise DeviceError(f"{graph.file}: onnxruntime did not place the graph on CUDA")
+        inputs = [i.name for i in session.get_inputs()]
+        if inputs != list(INPUT_NAMES):
+            raise ArtifactError(f"{path}: graph inputs {inputs}, expected {list(INPUT_NAMES)}")
+        for i in session.get_inputs():
+            if i.type != "tensor(int64)" or len(i.shape) != 2:
+                raise ArtifactError(f"{path}: graph input {i.name} is {i.type} {i.shape}, "
+                                    "expected tensor(int64) [batch, seq]")
+        outputs = {o.name for o in session.get_outputs()}
+        wanted = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
+        if graph.attention:
+            wanted += [attention_output(k) for k in range(self.artifact.manifest.num_layers)]
+        missing = [name for name in wanted if name not in outputs]
+        if missing:
+            raise ArtifactError(f"{path}: graph lacks outputs {missing} (exported by an older "
+                                "attnserve? export it again)")
+        return session
+
+    # --- threads -----------------------------------------------------------------------
+
+    def bind_thread(self) -> None:
+        with self._bind_lock:
+            self._local.lane = self.lanes[self._bound % len(self.lanes)]
+            self._bound += 1
+
+    def _lane(self) -> Lane:
+        # A thread that is not an inference thread (a test, a tool) uses the first lane;
+        # the lane's lock keeps it to one batch at a time.
+        return getattr(self._local, "lane", self.lanes[0])
+
+    # --- running -----------------------------------------------------------------------
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+            layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY) -> BatchOutput:
+        """One padded batch. With `layers`, the attention graph runs and returns only
+        those layers' maps, so onnxruntime frees the others as it goes."""
+        names = [HIDDEN_OUTPUT] if HIDDEN_OUTPUT in outputs else []
+        names += [name for name in POOLED_OUTPUTS if name in outputs]
+        names += [attention_output(layer) for layer in layers]
+        lane = self._lane()
+        with lane.lock:
+            key = (bool(layers), input_ids.shape)
+            new_shape = key not in lane.seen
+            lane.seen.add(key)
+            runner = lane.attend if layers else lane.embed
+            got = runner.run(input_ids, attention_mask, names or [CHEAPEST_OUTPUT])
+        return BatchOutput(got.get(HIDDEN_OUTPUT),
+                           {layer: got[attention_output(layer)] for layer in layers},
+                           {name: got[name] for name in POOLED_OUTPUTS if name in outputs},
+                           new_shape)
+
+    def release_memory(self) -> None:
+        """Hand memory a long batch left behind back to the OS: each CPU session's arena
+        shrunk to what is in use, then the heap trimmed (glibc malloc_trim). The batch
+        loop calls it once the server is idle, not after every batch: batch after batch,
+        each would fault its memory in again. CUDA sessions keep their arenas (their
+        IO-bound buffers and captured graphs point into them)."""
+        if self.provider == CPU:
+            ids = np.full((1, 1), self.artifact.manifest.pad_token_id, dtype=np.int64)
+            mask = np.ones((1, 1), dtype=np.int64)
+            for lane in self.lanes:
+                with lane.lock:
+                    for runner in (lane.embed, lane.attend):
+                        if isinstance(runner, PlainRunner):
+                            runner.shrink(ids, mask)
+        trim_heap()
+
+    def padded_shape(self, batch: int, longest: int) -> Shape:
+        return (batch, longest) if self.buckets is None else self.buckets.padded(batch, longest)
+
+    def warm_up_shapes(self, max_batch_tokens: int) -> list[Shape]:
+        """Every bucket a batch may be padded to; without buckets a small shape and, on
+        CUDA, the largest batch the loop may form, so the arena and kernels are ready
+        before the first caller."""
+        if self.buckets is not None:
+            return self.buckets.reachable(max_batch_tokens)
+        shapes = [(1, 8)]
+        if self.provider == CUDA:
+            seq = self.artifact.manifest.max_positions
+            shapes.append((max(1, max_batch_tokens // seq), seq))
+        return shapes
+
+    def warm_up(self, shapes: Iterable[Shape]) -> None:
+        """The embeddings graph at every shape (CUDA graphs captured), the attention
+        graph at the first, on the calling thread's lane, logging progress."""
+        shapes = list(shapes)
+        lane, started = self._lane(), time.perf_counter()
+        every = max(1, len(shapes) // WARM_UP_LOG_LINES)
+        with lane.lock:
+            for done, shape in enumerate(shapes, 1):
+                ids = np.full(shape, self.artifact.manifest.pad_token_id, dtype=np.int64)
+                mask = np.ones(shape, dtype=np.int64)
+                lane.embed.warm(ids, mask)
+                lane.seen.add((False, shape))
+                if done == 1:
+                    lane.attend.warm(ids, mask)
+                    lane.seen.add((True, shape))
+                if done % every == 0 or done == len(shapes):
+                    log.info("event=warm_up lane=%d shapes=%d/%d last=%dx%d seconds=%.2f",
+                             lane.index, done, len(shapes), *shape, time.perf_counter() - started)

@@ -1,0 +1,423 @@
+"""The request queue: admission, the waiting sequences indexed by length, and what leaves
+it (a batch starting, a deadline passing, a caller going away).
+
+Requests queue as sequences of token ids. Admission refuses at once (RESOURCE_EXHAUSTED)
+what would not be served: past the bounds on queued requests or tokens (`admit`, also
+asked before a request's sequences are read, with a lower bound of its tokens), a
+sequence that cannot run alone within the memory budget, or a response too big to build
+beside its batch; the response is then held in the memory ledger (server/holds.py) until
+the call has sent it. The batch loop forms batches from the length index (`oldest`, `neighbours`) and
+`take`s them out of it; a taken sequence still waits, counted against the bounds and
+free to leave at once, until the inference thread `claim`s its batch to run it.
+"""
+
+import asyncio
+import bisect
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from itertools import islice
+
+import numpy as np
+
+from attnserve.server.backend import HIDDEN_ONLY, Outputs, SequenceResult
+from attnserve.server.calls import DEADLINE_SLACK_S
+from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
+from attnserve.server.holds import Holds, Ledger
+from attnserve.server.memory_model import MemoryModel, MemoryModels
+from attnserve.server.metrics import Metrics
+
+# A response is held several times over at its peak: the results, the message,
+# protobuf's growing encode buffer and the bytes handed to gRPC. Measured on MiniLM (a 37
+# MiB response of attention maps), the process rose 4-5 responses over the batch's own
+# peak; a response is held this many times over from admission until it has been sent.
+RESPONSE_COPIES = 4
+MIB = 1 << 20
+# A big request's sequences are queued (and, when its caller leaves, taken out) this many
+# at a time, the event loop serving other calls between slices: 262,144 sequences took
+# 2.5 s to queue at once.
+SUBMIT_SLICE = 2048
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int
+    max_batch_tokens: int
+    max_queue_requests: int
+    max_queue_tokens: int
+    memory_budget_bytes: int
+    max_wait_s: float
+
+
+class MemoryBudget:
+    """Predicted peak memory of a batch, and what requests hold outside the batches (the
+    ledger: requests being parsed or tokenized, responses until sent), against the
+    budget: what admission refuses and what the batch loop lets run together.
+
+    On the CPU both share the one budget: the batch loop runs what fits in the budget
+    less what the ledger holds, and the ledger keeps free the peak of the largest batch
+    an admitted request still has to run alone, so nothing it admitted waits on a caller
+    that does not read. On CUDA the budget is the device's, and the ledger, host memory,
+    has a limit of its own (`host_bytes`)."""
+
+    def __init__(self, model: MemoryModel | MemoryModels, budget_bytes: int, heads: int, hidden: int,
+                 responses_in_budget: bool, host_bytes: int | None = None):
+        self.model = model
+        self.budget = budget_bytes
+        self.heads = heads
+        self.hidden = hidden
+        self.shared = responses_in_budget
+        self.ledger = Ledger(budget_bytes if responses_in_budget or host_bytes is None
+                             else host_bytes)
+        self.response_copies = RESPONSE_COPIES
+
+    def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
+        return self.model.predict(batch, seq, self.heads, layers)
+
+    def room(self) -> float:
+        """What the batches in flight may take together now."""
+        return self.budget - (self.ledger.held if self.shared else 0)
+
+    def keep_free(self, peak: float) -> None:
+        """The largest peak a waiting request needs to run alone: the ledger leaves it."""
+        if self.shared:
+            self.ledger.reserve = peak
+
+    def in_flight(self, held: float) -> None:
+        """What the batches in flight hold now: the ledger leaves it too."""
+        if self.shared:
+            self.ledger.batches = held
+
+    def check(self, longest: int, index: int, layers: int, response_bytes: int) -> float:
+        """Refuse a request that could not run even alone, whatever else is held; its
+        longest sequence (`index`) decides its peak, which is returned."""
+        peak = self.batch_bytes(1, longest, layers)
+        if peak > self.budget:
+            raise ResourceExhausted(self._too_big(index, longest, layers, peak))
+        extra = self.response_copies * response_bytes
+        beside = peak if self.shared else 0.0
+        if extra and beside + extra > self.ledger.limit:
+            raise ResourceExhausted(
+                f"the response, about {response_bytes / MIB:.1f} MiB, takes about "
+                f"{extra / MIB:.0f} MiB to build and send on top of the batch's "
+                f"{beside / MIB:.0f} MiB at peak, over the memory budget of "
+                f"{self.ledger.limit / MIB:.0f} MiB; what fits: a response of up to "
+                f"{max(0.0, self.ledger.limit - beside) / self.response_copies / MIB:.1f} MiB "
+                "(send fewer texts per request, ask for fewer attention layers or heads, set "
+                "average_heads, or use dtype=DTYPE_FLOAT16)")
+        return peak
+
+    def _alone_bytes(self, seq: int, layers: int) -> float:
+        """One sequence alone with its response at the largest (every head, float32 maps,
+        token embeddings): what the alternatives a refusal offers must fit in."""
+        response = 4 * (layers * self.heads * seq * seq + (seq + 1) * self.hidden)
+        return self.batch_bytes(1, seq, layers) + (
+            self.response_copies * response if self.shared else 0)
+
+    def _too_big(self, index: int, length: int, layers: int, need: float) -> str:
+        fits_len = max((n for n in range(1, length) if self._alone_bytes(n, layers) <= self.budget),
+                       default=0)
+        fits_layers = max((k for k in range(layers) if self._alone_bytes(length, k) <= self.budget),
+                          default=0)
+        return (
+            f"sequence {index}: {length} tokens with {layers} attention layer(s) returned needs "
+            f"about {need / MIB:.0f} MiB at peak, over the memory budget of "
+            f"{self.budget / MIB:.0f} MiB; what fits: up to {fits_len} tokens with {layers} "
+            f"layer(s), or {fits_layers} layer(s) at {length} tokens"
+        )
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's sequences, answered together."""
+
+    sequences: list[np.ndarray]
+    layers: tuple[int, ...]
+    deadline: float | None
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+    alone: float = 0.0
+    """its batch's predicted peak were it to run alone: kept free in the budget while it
+    waits"""
+    results: list[SequenceResult | None] = field(default_factory=list)
+    waiting: int = 0
+    """sequences not yet running nor dropped"""
+    unanswered: int = 0
+    """sequences without a result yet"""
+    items: list["Waiting"] = field(default_factory=list)
+    """its sequences queued so far (a big request is queued a slice at a time)"""
+    queued: int = 0
+    """how many of its sequences have been queued, or accounted for as never queued"""
+    outputs: Outputs = HIDDEN_ONLY
+    """the graph outputs its response is built from"""
+    dropping: bool = False
+    """its caller left and its sequences are being taken out a slice at a time"""
+
+
+class State(enum.Enum):
+    QUEUED = "queued"
+    """in the length index"""
+    TAKEN = "taken"
+    """in a batch that is formed and waiting for the inference thread"""
+    CLAIMED = "claimed"
+    """in a batch the inference thread has started"""
+    DROPPED = "dropped"
+
+
+@dataclass(eq=False, slots=True)
+class Waiting:
+    job: Job
+    index: int
+    length: int
+    state: State = State.QUEUED
+
+    @property
+    def sequence(self) -> np.ndarray:
+        return self.job.sequences[self.index]
+
+
+class RequestQueue:
+    def __init__(self, limits: Limits, memory: MemoryBudget, metrics: Metrics):
+        self.limits = limits
+        self.memory = memory
+        self.metrics = metrics
+        # The queue, oldest first, as insertion-ordered dicts used as sets, and the same
+        # sequences indexed by (layers, length) -> oldest first: forming a batch, taking
+        # it out and dropping a request cost the same however long the queue is (a list
+        # scanned and sorted per batch made one request of 50k tiny texts take a minute
+        # and stall the event loop).
+        self.index: dict[Waiting, None] = {}
+        self.by_length: dict[tuple[int, ...], dict[int, dict[Waiting, None]]] = {}
+        self.jobs: dict[Job, None] = {}
+        """jobs with sequences waiting (queued or taken)"""
+        self.waiting_tokens = 0
+        self.unanswered_jobs = 0
+        self.draining = False
+        self.idle = asyncio.Event()
+        """set while every request accepted has been answered"""
+        self.idle.set()
+        self.changed = asyncio.Event()
+        """set when a request arrives or waiting sequences leave (and by the batch loop when
+        a batch ends): the batch loop looks again"""
+        # Taken -> claimed (the inference thread) races taken -> dropped (the event loop).
+        self.claim_lock = threading.Lock()
+        metrics.queue_depth.set_function(lambda: len(self.jobs))
+
+    # --- admission -------------------------------------------------------------------
+
+    def admit(self, tokens: int, at_least: bool = False) -> None:
+        """The cheap bounds, checked before any work on a request's sequences: draining,
+        queued requests, queued tokens (`at_least`: `tokens` is a lower bound)."""
+        if self.draining:
+            raise Unavailable("server is draining: send new work to another replica")
+        if len(self.jobs) + 1 > self.limits.max_queue_requests:
+            raise ResourceExhausted(
+                f"queue full: {len(self.jobs)} requests waiting (limit "
+                f"{self.limits.max_queue_requests}); retry with backoff")
+        if self.waiting_tokens + tokens > self.limits.max_queue_tokens:
+            raise ResourceExhausted(
+                f"queue full: {self.waiting_tokens} tokens waiting, this request adds "
+                f"{'at least ' if at_least else ''}{tokens} (limit "
+                f"{self.limits.max_queue_tokens}); retry with backoff or send fewer texts")
+
+    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
+                     deadline: float | None = None, response_bytes: int = 0,
+                     outputs: Outputs = HIDDEN_ONLY, holds: Holds | None = None,
+                     lengths: np.ndarray | None = None) -> list[SequenceResult]:
+        """Queue a request's sequences and wait for their results (in order).
+        `response_bytes`: the size of the response the results become, held (several
+        times over) in `holds` from now until the call releases it, once sent;
+        `outputs`: the graph outputs the results must carry; `lengths`: the sequences'
+        lengths, when already known. A big request is queued a slice at a time, so the
+        event loop serves other calls in between."""
+        if lengths is None:
+            lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+        tokens = int(lengths.sum())
+        self.admit(tokens)
+        longest = int(lengths.argmax())
+        alone = self.memory.check(int(lengths[longest]), longest, len(layers), response_bytes)
+        if holds is not None and response_bytes:
+            holds.take(self.memory.response_copies * response_bytes, "the response",
+                       on_top=alone if self.memory.shared else 0.0)
+        job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
+                  alone=alone, outputs=outputs)
+        job.results = [None] * len(sequences)
+        job.waiting = job.unanswered = len(sequences)
+        self.jobs[job] = None
+        self.waiting_tokens += tokens
+        self.unanswered_jobs += 1
+        self.idle.clear()
+        self._keep_free()
+        job.future.add_done_callback(self._answered)
+        try:
+            for start in range(0, len(sequences), SUBMIT_SLICE):
+                if start:
+                    await asyncio.sleep(0)
+                    if job.future.done():  # dropped (failed, expired) meanwhile
+                        break
+                self._enqueue(job, start, lengths[start:start + SUBMIT_SLICE].tolist())
+            self._unqueued(job, lengths)
+            return await job.future
+        except asyncio.CancelledError:
+            # The caller went away (or its deadline passed): free its place at once.
+            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+            self._unqueued(job, lengths)
+            await self._drop_in_slices(job, "deadline" if expired else "cancelled")
+            raise
+
+    def _enqueue(self, job: Job, start: int, lengths: list[int]) -> None:
+        by_length = self.by_length.setdefault(job.layers, {})
+        observe = self.metrics.sequence_length.observe
+        for i, length in enumerate(lengths, start):
+            w = Waiting(job, i, length)
+            job.items.append(w)
+            self.index[w] = None
+            by_length.setdefault(length, {})[w] = None
+            observe(length)
+        job.queued += len(lengths)
+        self.changed.set()
+
+    def _unqueued(self, job: Job, lengths: np.ndarray) -> None:
+        """Account for the sequences of a job that left before all of them were queued."""
+        missing = len(lengths) - job.queued
+        if missing:
+            self.waiting_tokens -= int(lengths[job.queued:].sum())
+            job.queued = len(lengths)
+            job.waiting -= missing
+            if job.waiting == 0:
+                self._forget(job)
+
+    def _keep_free(self) -> None:
+        self.memory.keep_free(max((job.alone for job in self.jobs), default=0.0))
+
+    # --- the length index, for the batch loop ------------------------------------------
+
+    def oldest(self) -> Waiting | None:
+        return next(iter(self.index), None)
+
+    def neighbours(self, oldest: Waiting, reach: int) -> list[Waiting]:
+        """The queued sequences with oldest's layers sorted by length, cut to `reach`
+        either side of oldest. Within each length the older sequences sit nearer to
+        oldest, so a batch growing from it takes them first; oldest comes first among its
+        own length, being the oldest of all."""
+        lengths = self.by_length[oldest.job.layers]
+        keys = sorted(lengths)
+        at = bisect.bisect_left(keys, oldest.length)
+        # Nearest length first and, within a length, oldest first: reversed below, the
+        # oldest of the nearest length ends up next to `oldest`.
+        below = islice((w for n in reversed(keys[:at]) for w in lengths[n]), reach)
+        upward = islice((w for n in keys[at:] for w in lengths[n]), reach + 1)
+        return list(below)[::-1] + list(upward)
+
+    def take(self, items: list[Waiting]) -> None:
+        """Out of the index into a formed batch; still waiting until claimed."""
+        for w in items:
+            self._unindex(w)
+            w.state = State.TAKEN
+
+    def claim(self, items: list[Waiting]) -> list[Waiting]:
+        """On the inference thread, as a batch starts: the sequences still to run (the
+        rest were dropped while the batch waited). Call `started` with them next, on the
+        event loop."""
+        with self.claim_lock:
+            claimed = [w for w in items if w.state is State.TAKEN]
+            for w in claimed:
+                w.state = State.CLAIMED
+        return claimed
+
+    def started(self, items: list[Waiting]) -> None:
+        self._leave(items)
+
+    # --- leaving ---------------------------------------------------------------------
+
+    def _unindex(self, w: Waiting) -> None:
+        del self.index[w]
+        lengths = self.by_length[w.job.layers]
+        same = lengths[w.length]
+        del same[w]
+        if not same:
+            del lengths[w.length]
+            if not lengths:
+                del self.by_length[w.job.layers]
+
+    def _leave(self, items: list[Waiting]) -> None:
+        for w in items:
+            job = w.job
+            self.waiting_tokens -= w.length
+            job.waiting -= 1
+            if job.waiting == 0:
+                self._forget(job)
+
+    def _forget(self, job: Job) -> None:
+        """A job none of whose sequences waits any longer."""
+        del self.jobs[job]
+        # Break the cycle job -> items -> job, so the batch outputs its results are views
+        # of are freed once the caller is answered, not at the next garbage collection.
+        job.items = []
+        self.metrics.stage_duration.labels("queue").observe(time.monotonic() - job.enqueued)
+        self._keep_free()
+
+    def drop(self, job: Job, reason: str, error: RequestError | None) -> None:
+        """Take the job's waiting sequences out at once, queued or in a formed batch that
+        has not started; with `error`, answer the job with it."""
+        self._drop_items(job.items, reason)
+        if error is not None and not job.future.done():
+            job.future.set_exception(error)
+
+    async def _drop_in_slices(self, job: Job, reason: str) -> None:
+        """`drop` for a caller that left, a slice at a time: a request of 262,144
+        sequences took 1 s to take out at once, stalling the event loop."""
+        job.dropping = True
+        try:
+            items = job.items
+            for start in range(0, len(items), SUBMIT_SLICE):
+                if start:
+                    await asyncio.sleep(0)
+                self._drop_items(items[start:start + SUBMIT_SLICE], reason)
+        finally:
+            job.dropping = False  # interrupted, `drop_expired` takes the rest
+
+    def _drop_items(self, items: list[Waiting], reason: str) -> None:
+        queued = [w for w in items if w.state is State.QUEUED]
+        for w in queued:
+            self._unindex(w)
+            w.state = State.DROPPED
+        with self.claim_lock:
+            taken = [w for w in items if w.state is State.TAKEN]
+            for w in taken:
+                w.state = State.DROPPED
+        mine = queued + taken
+        if mine:
+            self.metrics.dropped.labels(reason).inc(len(mine))
+            self._leave(mine)
+            self.changed.set()
+
+    def drop_expired(self) -> None:
+        now = time.monotonic()
+        for job in list(self.jobs):
+            if job.dropping:
+                continue
+            if job.future.done():
+                self.drop(job, "cancelled", None)
+            elif job.deadline is not None and now >= job.deadline:
+                self.drop(job, "deadline", DeadlineExceeded(
+                    "deadline passed while queued; the request was not run"))
+
+    def fail_all(self, error: RequestError) -> None:
+        for job in list(self.jobs):
+            self.drop(job, "failed", error)
+
+    def _answered(self, _: asyncio.Future) -> None:
+        self.unanswered_jobs -= 1
+        if self.unanswered_jobs == 0:
+            self.idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new work and wait for what was accepted; True when all of it was answered."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False

@@ -1,0 +1,130 @@
+"""`attnserve export --int8`: quantized graphs listed in the manifest with their parity, the
+parity gate that refuses a graph below it, and manifests of the previous format still read."""
+
+import json
+import shutil
+import subprocess
+
+import onnx
+import pytest
+
+from attnserve.artifact import MANIFEST, TOKENIZER, ArtifactError, attention_output, load_artifact
+from attnserve.export.quantize import pooled_cosines
+from tests.conftest import ATTNSERVE, REPO, export, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    """A tiny random BERT whose weights are large enough (initializer_range 0.5) that int8
+    loses a measurable amount (worst pooled cosine about 0.997 against fp32), so the gate
+    has something to catch."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("int8-checkpoint"), initializer_range=0.5)
+
+
+@pytest.fixture(scope="module")
+def int8_artifact(tmp_path_factory, wide_checkpoint):
+    return load_artifact(export(tmp_path_factory.mktemp("int8-artifact"), wide_checkpoint, "--int8"))
+
+
+def _ops(artifact, file: str) -> set[str]:
+    return {node.op_type for node in onnx.load(artifact.path(file)).graph.node}
+
+
+def test_int8_graphs_are_listed_with_their_parity(int8_artifact):
+    manifest = int8_artifact.manifest
+    assert manifest.format_version == 2
+    embed = manifest.graph(attention=False, precision="int8")
+    attend = manifest.graph(attention=True, precision="int8")
+    assert (embed.file, attend.file) == ("encoder_int8.onnx", "encoder_attn_int8.onnx")
+    assert {embed.file, attend.file} <= set(manifest.files)
+    for graph, reference in ((embed, "encoder_opt.onnx"), (attend, "encoder_attn.onnx")):
+        parity = graph.parity
+        assert parity.reference == reference
+        assert parity.texts >= 50 and parity.min_cosine == 0.99
+        assert 0.99 <= parity.pooled_cosine_min <= parity.pooled_cosine_mean < 1
+    assert attend.outputs[-1] == attention_output(manifest.num_layers - 1)
+    assert all(g.parity is None for g in manifest.graphs if g.precision == "fp32")
+
+
+def test_recorded_parity_is_what_the_graphs_give(int8_artifact):
+    manifest = int8_artifact.manifest
+    graph = manifest.graph(attention=False, precision="int8")
+    cosines = pooled_cosines(int8_artifact.path(graph.parity.reference), int8_artifact.path(graph.file),
+                             int8_artifact.path(TOKENIZER), manifest.max_positions, manifest.pad_token_id)
+    assert len(cosines) == graph.parity.texts
+    assert cosines.min() == pytest.approx(graph.parity.pooled_cosine_min, abs=1e-4)
+
+
+def test_int8_graphs_compute_in_integers_and_keep_the_fused_attention(int8_artifact):
+    embed = _ops(int8_artifact, "encoder_int8.onnx")
+    assert {"QAttention", "MatMulInteger", "DynamicQuantizeLinear"} <= embed
+    assert "Attention" not in embed and "Softmax" not in embed
+    # The attention graph keeps its explicit softmax (its probabilities are outputs) and
+    # quantizes the projections around it.
+    attend = _ops(int8_artifact, "encoder_attn_int8.onnx")
+    assert {"MatMulInteger", "Softmax"} <= attend
+
+
+def test_parity_gate_refuses_the_export_loudly(tmp_path, wide_checkpoint):
+    out = tmp_path / "refused"
+    result = subprocess.run(
+        [*ATTNSERVE, "export", "--out", str(out), "--from", str(wide_checkpoint), "--int8",
+         "--int8-min-cosine", "0.9999"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stderr
+    assert "encoder_int8.onnx: pooled cosine against encoder_opt.onnx is 0.99" in result.stderr
+    assert "below the required 0.9999" in result.stderr
+    assert not (out / MANIFEST).exists() and not (out / "encoder_int8.onnx").exists()
+    with pytest.raises(ArtifactError, match="missing"):
+        load_artifact(out)
+
+
+def _copy_with_manifest(int8_artifact, target, edit) -> None:
+    shutil.copytree(int8_artifact.directory, target)
+    data = json.loads((target / MANIFEST).read_text())
+    edit(data)
+    (target / MANIFEST).write_text(json.dumps(data))
+
+
+def test_a_format_1_manifest_still_loads(tmp_path, int8_artifact):
+    def as_format_1(data):
+        data["format_version"] = 1
+        data["graphs"] = [g for g in data["graphs"] if g["precision"] != "int8"]
+        for graph in data["graphs"]:
+            del graph["parity"]
+
+    _copy_with_manifest(int8_artifact, tmp_path / "v1", as_format_1)
+    manifest = load_artifact(tmp_path / "v1").manifest
+    assert manifest.format_version == 1
+    assert manifest.graph(attention=False, precision="int8") is None
+    assert manifest.graph(attention=False, precision="fp32").parity is None
+
+
+def test_a_newer_format_is_refused_by_name(tmp_path, int8_artifact):
+    _copy_with_manifest(int8_artifact, tmp_path / "v3", lambda data: data.update(format_version=3))
+    with pytest.raises(ArtifactError, match=r"format_version 3, this server reads 1 and 2"):
+        load_artifact(tmp_path / "v3")
+
+
+def test_smoothing_and_outlier_split_leave_fp32_results_unchanged(int8_artifact):
+    """Before quantization both rewrites are exact: only where int8 rounds do they differ."""
+    import numpy as np
+
+    from attnserve.export import quantize
+
+    source = onnx.load(int8_artifact.path("encoder_opt.onnx"))
+    rows = quantize._encode(int8_artifact.path(TOKENIZER), quantize.CALIBRATION_TEXTS[:6],
+                            int8_artifact.manifest.max_positions)
+    feeds = list(quantize._feeds(rows, 3, int8_artifact.manifest.pad_token_id))
+    inputs = sorted({n.input[0] for n in quantize._sites(source)})
+    smoothed = quantize._smooth(source, quantize._activation_stats(source, inputs, feeds))
+    assert sum(n.name.startswith("Smooth_") for n in smoothed.graph.node) >= 2
+    sites = quantize._sites(smoothed)
+    stats = quantize._activation_stats(smoothed, sorted({n.input[0] for n in sites}), feeds)
+    matmuls = [n.name for n in sites if n.op_type == "MatMul"]
+    split, fp32 = quantize._split_outliers(smoothed, {name: np.array([0, 3]) for name in matmuls}, stats)
+    assert len(fp32) == len(matmuls)
+    before, after = quantize._session(source), quantize._session(split)
+    for feed in feeds:
+        (expected,), (got,) = before.run(["last_hidden_state"], feed), after.run(["last_hidden_state"], feed)
+        np.testing.assert_allclose(got, expected, atol=1e-4)

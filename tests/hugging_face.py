@@ -1,0 +1,30 @@
+"""Hugging Face's BertModel on a checkpoint's own weights: a reference that shares no code
+with our model, the export, the graphs or the server, so the end-to-end tests compare what
+a caller gets with an implementation they did not write. Eager attention, so it returns
+its maps (transformers 5.x returns none with its default SDPA attention)."""
+
+from pathlib import Path
+
+import numpy as np
+
+
+class HuggingFace:
+    def __init__(self, checkpoint: Path):
+        import torch
+        from transformers import AutoTokenizer, BertModel
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        self.model = BertModel.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
+
+    def ids(self, text: str) -> list[int]:
+        """The text as the checkpoint's tokenizer turns it into ids, special tokens included."""
+        return self.tokenizer(text, truncation=False)["input_ids"]
+
+    def run(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One unpadded sequence: hidden states (tokens, hidden) and every layer's attention
+        probabilities (layers, heads, tokens, tokens)."""
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([ids]), output_attentions=True)
+        maps = np.stack([layer[0].numpy() for layer in out.attentions])
+        return out.last_hidden_state[0].numpy(), maps

@@ -1,0 +1,283 @@
+"""The request queue and the batch loop in-process, on a real onnxruntime backend over the
+tiny artifact: how batches are formed (caps, padding ratio, oldest first), that the next
+batch is formed and queued for the inference thread while one runs, and that a request
+leaving a formed batch frees its place at once and is never run.
+
+Orders and counters only: a gate in front of the real backend holds a batch running for
+as long as a test needs, so nothing depends on how fast this machine is."""
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnserve.artifact import load_artifact
+from attnserve.server.backend import HIDDEN_ONLY
+from attnserve.server.batch_loop import MAX_PADDING_RATIO, BatchLoop
+from attnserve.server.errors import RequestError
+from attnserve.server.memory import MemoryProbe
+from attnserve.server.memory_model import MemoryModel
+from attnserve.server.metrics import Metrics
+from attnserve.server.ort_backend import OrtBackend
+from attnserve.server.request_queue import Limits, MemoryBudget, RequestQueue, State
+
+WAIT_S = 30  # bound on any wait: a broken loop fails the test instead of hanging it
+# a + b·batch·seq bytes: a batch's predicted memory is its padded tokens plus 1000.
+LINEAR = MemoryModel(a=1000.0, b=1.0, c=0.0, d=0.0, source="test")
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_artifact):
+    return OrtBackend(load_artifact(tiny_artifact), device="cpu", intra_op_threads=1)
+
+
+class Gated:
+    """The real backend, with a record of every batch it ran and, on request, a batch
+    held at the gate (on the inference thread) until the test opens it."""
+
+    def __init__(self, backend: OrtBackend, hold: int | None = None):
+        self.backend = backend
+        self.provider, self.precision = backend.provider, backend.precision
+        self.max_in_flight = backend.max_in_flight
+        self.hold = hold
+        self.held = threading.Event()
+        self.gate = threading.Event()
+        self.runs: list[tuple[int, int]] = []
+        self.fail_at_length: int | None = None
+
+    def padded_shape(self, batch, longest):
+        return self.backend.padded_shape(batch, longest)
+
+    def release_memory(self):
+        self.backend.release_memory()
+
+    def run(self, input_ids, attention_mask, layers=(), outputs=HIDDEN_ONLY):
+        call = len(self.runs)
+        self.runs.append(input_ids.shape)
+        if call == self.hold:
+            self.held.set()
+            assert self.gate.wait(WAIT_S), "the test never opened the gate"
+        if attention_mask.sum(axis=1).max() == self.fail_at_length:
+            raise RuntimeError("this batch fails")
+        return self.backend.run(input_ids, attention_mask, layers, outputs)
+
+
+class Core:
+    """A queue and a batch loop as the server assembles them."""
+
+    def __init__(self, backend, budget: int = 1 << 40, **caps):
+        limits = Limits(**{"max_batch_size": 64, "max_batch_tokens": 16384,
+                           "max_queue_requests": 1024, "max_queue_tokens": 1 << 20,
+                           "memory_budget_bytes": budget, "max_wait_s": 0.0, **caps})
+        self.metrics = Metrics(128)
+        memory = MemoryBudget(LINEAR, budget, heads=4, hidden=32, responses_in_budget=False)
+        self.queue = RequestQueue(limits, memory, self.metrics)
+        self.inference = ThreadPoolExecutor(1, thread_name_prefix="inference")
+        self.loop = BatchLoop(self.queue, backend, self.inference, self.metrics,
+                              MemoryProbe(cuda=False), limits, memory, pad_id=0)
+
+    def submit(self, lengths: list[int], layers: tuple[int, ...] = ()) -> asyncio.Task:
+        sequences = [np.arange(1000, 1000 + n, dtype=np.int64) for n in lengths]
+        return asyncio.get_running_loop().create_task(self.queue.submit(sequences, layers))
+
+    def sample(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def until(condition, what: str) -> None:
+    for _ in range(WAIT_S * 100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def check_rows(backend: OrtBackend, lengths: list[int], results) -> None:
+    """Each result is what the backend gives its sequence run alone."""
+    for n, result in zip(lengths, results, strict=True):
+        ids = np.arange(1000, 1000 + n, dtype=np.int64)[None]
+        alone = backend.run(ids, np.ones_like(ids)).hidden[0]
+        np.testing.assert_allclose(result.hidden, alone, atol=1e-5)
+
+
+# --- forming ---------------------------------------------------------------------------
+
+async def formed(backend, lengths: list[int], **caps) -> tuple[list[int], Core]:
+    """The first batch the loop would form from requests of one sequence each, queued
+    in this order: its lengths, shortest first."""
+    core = Core(backend, **caps)
+    tasks = [core.submit([n]) for n in lengths]
+    await asyncio.sleep(0)  # every submit has queued
+    oldest = core.queue.oldest()
+    batch = core.loop.next_batch(oldest)
+    assert oldest in batch
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return [w.length for w in batch], core
+
+
+def test_a_batch_groups_the_oldest_with_its_nearest_lengths_within_the_caps(backend):
+    async def main():
+        # Padding ratio: 10 and 11 (22 padded for 21 real) fit; 16 would pad 10 to 16.
+        lengths, _ = await formed(backend, [10, 40, 16, 11, 90])
+        assert lengths == [10, 11]
+        # Sequence cap.
+        lengths, _ = await formed(backend, [20] * 9, max_batch_size=4)
+        assert lengths == [20] * 4
+        # Padded-token cap: 3 × 20 = 60 > 50.
+        lengths, _ = await formed(backend, [20] * 5, max_batch_tokens=50)
+        assert lengths == [20, 20]
+        # Memory: each sequence of 20 adds 20 bytes to the model's 1000.
+        lengths, _ = await formed(backend, [20] * 5, budget=1000 + 3 * 20)
+        assert lengths == [20] * 3
+    asyncio.run(main())
+
+
+def test_among_equal_lengths_the_oldest_go_first(backend):
+    async def main():
+        core = Core(backend, max_batch_size=2)
+        tasks = [core.submit([n]) for n in (8, 8, 8, 9)]
+        await asyncio.sleep(0)
+        queued = list(core.queue.index)
+        batch = core.loop.next_batch(core.queue.oldest())
+        assert batch == queued[:2]  # the two oldest 8s, not the newest
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(main())
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 128), min_size=1, max_size=40),
+       max_batch_size=st.integers(1, 16), max_batch_tokens=st.integers(128, 2048))
+def test_every_batch_formed_respects_the_caps_and_the_padding_ratio(
+        backend, lengths, max_batch_size, max_batch_tokens):
+    async def main():
+        batch, _ = await formed(backend, lengths, max_batch_size=max_batch_size,
+                                max_batch_tokens=max_batch_tokens)
+        assert batch[0] <= lengths[0] <= batch[-1]  # the oldest is in it
+        if len(batch) > 1:
+            assert len(batch) <= max_batch_size
+            assert len(batch) * batch[-1] <= max_batch_tokens
+            assert len(batch) * batch[-1] <= MAX_PADDING_RATIO * sum(batch)
+        # Neighbours in length: nothing left out lies strictly between its ends.
+        rest = sorted(lengths)
+        for n in batch:
+            rest.remove(n)
+        assert not [n for n in rest if batch[0] < n < batch[-1]]
+    asyncio.run(main())
+
+
+# --- in flight -------------------------------------------------------------------------
+
+def test_the_next_batch_is_formed_while_one_runs_and_needs_no_event_loop_to_start(backend):
+    async def main():
+        gated = Gated(backend, hold=0)
+        core = Core(gated, max_batch_size=1)
+        first, second = core.submit([12]), core.submit([7])
+        core.loop.start()
+        await until(lambda: gated.held.is_set() and len(core.queue.jobs) == 1,
+                    "the first batch runs")
+        # While the first batch is held running, the second has been formed, padded and
+        # handed to the inference thread, and is still waiting: counted in the queue.
+        assert len(core.loop.in_flight) == 2
+        (waiting,) = [b for b in core.loop.in_flight if b.items[0].state is State.TAKEN]
+        assert waiting.input_ids.shape == (1, 7) and core.queue.waiting_tokens == 7
+        # The inference thread goes on to it while this event loop is blocked: it never
+        # waits for the loop between batches.
+        gated.gate.set()
+        for _ in range(WAIT_S * 100):
+            if len(gated.runs) == 2:
+                break
+            time.sleep(0.01)  # blocks the event loop
+        assert gated.runs == [(1, 12), (1, 7)]
+        check_rows(backend, [12], await first)
+        check_rows(backend, [7], await second)
+        assert core.sample("attnserve_batch_size_count") == 2
+    asyncio.run(main())
+
+
+def test_batches_in_flight_share_the_memory_budget(backend):
+    async def main():
+        gated = Gated(backend, hold=0)
+        # 1000 + 100 bytes each: either fits alone, both do not.
+        core = Core(gated, budget=1500, max_batch_size=1)
+        first, second = core.submit([100]), core.submit([100])
+        core.loop.start()
+        await until(gated.held.is_set, "the first batch runs")
+        # Forming stopped at the first batch, in the same pass: the second waits queued.
+        assert len(core.loop.in_flight) == 1
+        assert [w.state for w in core.queue.index] == [State.QUEUED]
+        gated.gate.set()
+        await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
+        assert gated.runs == [(1, 100), (1, 100)]
+    asyncio.run(main())
+
+
+def test_leaving_a_formed_batch_frees_the_place_at_once_and_skips_the_sequence(backend):
+    async def main():
+        gated = Gated(backend, hold=0)
+        core = Core(gated)
+        running = core.submit([5])
+        # Another layer set: a batch of their own, formed while the first runs.
+        leaving, staying = core.submit([19], (0,)), core.submit([20], (0,))
+        core.loop.start()
+        await until(lambda: gated.held.is_set() and len(core.queue.jobs) == 2,
+                    "the first batch runs")
+        assert [len(b.items) for b in core.loop.in_flight] == [1, 2]
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert len(core.queue.jobs) == 1 and core.queue.waiting_tokens == 20
+        gated.gate.set()
+        check_rows(backend, [5], await running)
+        results = await staying
+        check_rows(backend, [20], results)
+        assert 0 in results[0].attentions
+        # The second batch ran without the cancelled row.
+        assert gated.runs == [(1, 5), (1, 20)]
+        assert core.sample("attnserve_dropped_sequences_total", reason="cancelled") == 1
+        assert core.sample("attnserve_batch_size_count") == 2
+    asyncio.run(main())
+
+
+def test_a_batch_whose_callers_all_left_never_runs(backend):
+    async def main():
+        gated = Gated(backend, hold=0)
+        core = Core(gated)
+        running = core.submit([5])
+        leaving = core.submit([9], (0,))
+        core.loop.start()
+        await until(lambda: len(core.loop.in_flight) == 2, "the second batch formed")
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        # Its slot is free again: a new request gets a batch formed at once.
+        later = core.submit([6], (1,))
+        await until(lambda: any(b.items[0].job.layers == (1,) for b in core.loop.in_flight),
+                    "a batch formed in the freed slot")
+        gated.gate.set()
+        await running
+        check_rows(backend, [6], await later)
+        assert gated.runs == [(1, 5), (1, 6)]
+        assert core.sample("attnserve_batch_size_count") == 2
+    asyncio.run(main())
+
+
+def test_a_failed_batch_fails_only_its_own_requests_and_the_loop_goes_on(backend):
+    async def main():
+        gated = Gated(backend)
+        gated.fail_at_length = 33
+        core = Core(gated)
+        ok, failing = core.submit([4]), core.submit([33], (0,))
+        core.loop.start()
+        check_rows(backend, [4], await asyncio.wait_for(ok, WAIT_S))
+        with pytest.raises(RequestError, match="inference failed: this batch fails"):
+            await asyncio.wait_for(failing, WAIT_S)
+        check_rows(backend, [8], await asyncio.wait_for(core.submit([8]), WAIT_S))
+        assert len(core.queue.jobs) == 0 and not core.loop.in_flight
+    asyncio.run(main())

@@ -1,0 +1,31 @@
+"""The prepared GPU benchmark's CPU dry run, end to end: the command the GPU machine will
+run must not first fail there. Two server configurations, tiny model, small workloads."""
+
+import json
+import os
+import subprocess
+
+from attnserve.bench.harness import REPO
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_its_table(tmp_path, tiny_artifact):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+    env.update(OUT=str(tmp_path), TMPDIR=str(tmp_path), GPU_BENCH_TIMEOUT_S="500")
+    done = subprocess.run([str(REPO / "bench" / "gpu_bench.sh"), "--device", "cpu", "--quick",
+                           "--artifact", str(tiny_artifact), "--configs", "default,CUDA graphs",
+                           "--budget-s", "450"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "| 32x128, one caller, p50 |" in done.stdout
+    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    servers = result["servers"]
+    assert set(servers) == {"default", "CUDA graphs"}
+    for name, server in servers.items():
+        assert "error" not in server, (name, server)
+        assert server["mixed"]["requests"] == result["mixed_distribution"]["count"]
+        assert server["concurrent"]["requests"] == result["plan"]["concurrent_requests"]
+        assert server["min_cosine_vs_raw"] > 0.9999, name
+    # Fixed buffers per bucket, warmed: no batch met a new shape (the CPU default has no buckets).
+    assert servers["CUDA graphs"]["unseen_shape_runs"] == 0
+    assert servers["CUDA graphs"]["warm_up_shapes"] > 1
+    assert result["raw"]["bound"]["fixed_buffers_cpu"]["1x16"]["max_abs_diff_vs_plain"] == 0

@@ -1,0 +1,69 @@
+"""On the CPU onnxruntime's arena stays on (without it a long batch runs about 1.5x slower),
+and the memory a long batch took goes back once the server is idle: the resident set of a
+real server process, read from /proc."""
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from attnserve.server.client import EncoderClient
+from tests.conftest import ServerProcess
+
+MIB = 1 << 20
+# 32 sequences of MiniLM's 512 positions hold about 600 MiB at their peak on the CPU.
+LONG_BATCH = 32
+SETTLE_S = 10.0
+
+
+def resident_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
+
+
+class PeakWatcher:
+    """The highest resident set of `pid` while the block runs, read every 5 ms."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, resident_bytes(self.pid))
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def server(minilm_artifact):
+    with ServerProcess(minilm_artifact) as process:
+        yield process
+
+
+def test_memory_of_a_long_batch_goes_back_once_idle(server):
+    long_text = " ".join(["attention maps show which tokens a model looked at"] * 80)
+    with EncoderClient(server.address) as client:
+        client.embed(["warm up"], timeout=60)
+        time.sleep(1.0)
+        before = resident_bytes(server.proc.pid)
+        with PeakWatcher(server.proc.pid) as watcher:
+            client.embed([long_text] * LONG_BATCH, truncate=True, timeout=300)
+    # The batch did take memory: otherwise the test below could not fail.
+    assert watcher.peak - before > 200 * MIB, (before, watcher.peak)
+    deadline, after = time.monotonic() + SETTLE_S, resident_bytes(server.proc.pid)
+    while after > before + 50 * MIB and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = resident_bytes(server.proc.pid)
+    assert after <= before + 50 * MIB, (
+        f"resident {after / MIB:.0f} MiB {SETTLE_S:.0f} s after the batch, "
+        f"{before / MIB:.0f} MiB before it (peak {watcher.peak / MIB:.0f} MiB)")
