@@ -19,7 +19,10 @@ cd "$ROOT" || exit 2
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# `attnserve` is the repository root: a checkout that was never installed (the GPU
+# machine has no package index) imports only through an entry named attnserve.
+mkdir -p /tmp/pkg && ln -sfn "$ROOT" /tmp/pkg/attnserve
+export PYTHONPATH="/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-$ROOT/bench/results/gpu_check}"
 mkdir -p "$OUT_DIR"
@@ -64,7 +67,7 @@ except Exception as err:
 PY
 
 echo "== check"
-timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-470}" "$PYTHON" -m bench.gpu_check \
+timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-470}" "$PYTHON" -m attnserve.bench.gpu_check \
   --out "$OUT_DIR" --budget-s "${GPU_CHECK_BUDGET_S:-420}" "${args[@]}" \
   2> >(tee "$OUT_DIR/gpu_check.log" >&2)
 status=$?
