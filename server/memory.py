@@ -132,10 +132,11 @@ class _PeakSampler:
                     self._peak = max(self._peak, allocated_bytes())
             time.sleep(SAMPLE_INTERVAL_S)
 
-    def start(self) -> int:
+    def start(self, sample: bool) -> int:
         with self._lock:
             self._peak = before = allocated_bytes()
-            self._running.set()
+            if sample:
+                self._running.set()
         return before
 
     def stop(self) -> int:
@@ -208,13 +209,14 @@ class MemoryProbe:
             return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).free)
         return machine_available_bytes()
 
-    def start_batch(self) -> int:
+    def start_batch(self, sample: bool = True) -> int:
         """Call before a batch, then `batch_peak` after it, from one thread at a time;
-        returns the baseline `batch_peak` measures from."""
+        returns the baseline `batch_peak` measures from. `sample=False` skips the sampling
+        thread: the figure is then what the batch still holds when it ends (its outputs)."""
         if self.nvml is not None:
             return self.device_memory().used
         if self.sampler is not None:
-            return self.sampler.start()
+            return self.sampler.start(sample)
         if self.hwm_resettable:
             _reset_high_water_mark()
         return resident_bytes()

@@ -81,10 +81,12 @@ def session_options(threads: int) -> ort.SessionOptions:
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    # The CPU arena stays on: without it every intermediate tensor of every batch is
-    # faulted in afresh (measured against default options: 1.5x slower at 32x512, 1.1x at
-    # 8x256). It keeps its peak after a long batch; `release_memory` hands that back once
-    # the server is idle.
+    # The CPU arena is off: the per-batch memory figure (mallinfo2, see memory.py) and
+    # the memory model count onnxruntime's own allocations, which an arena hides after
+    # its first growth. It costs speed at long sequences (measured against default
+    # options: 1.5x slower at 32x512, 1.1x at 8x256); turning it back on waits for a
+    # figure that sees through the arena (issue 11 stays open on this).
+    options.enable_cpu_mem_arena = False
     # Memory patterns are planned per input shape and, with shapes that change from batch
     # to batch, made a small batch after a large one allocate a block sized for the large
     # one (measured: 60 MiB for 1×16 after 32×128): its peak would depend on what ran
