@@ -120,18 +120,9 @@ class Strategy:
 Results = dict[str, np.ndarray]
 
 
-def _shrink_options() -> ort.RunOptions:
-    """A run that, when it ends, frees every region of the CPU arena nothing lives in."""
-    options = ort.RunOptions()
-    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-    return options
-
-
 class PlainRunner:
     """`session.run` for the outputs asked for: onnxruntime copies only those off the
     device (a pooled vector is [batch, hidden]; the hidden state it came from stays)."""
-
-    SHRINK = _shrink_options()
 
     def __init__(self, session: ort.InferenceSession):
         self.session = session
@@ -142,12 +133,6 @@ class PlainRunner:
 
     def warm(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
         self.run(input_ids, attention_mask, [CHEAPEST_OUTPUT])
-
-    def shrink(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
-        """onnxruntime shrinks an arena only at the end of a run asking for it: a one-token
-        run (about a millisecond) does, after the batch that grew it is long gone."""
-        self.session.run([CHEAPEST_OUTPUT], {"input_ids": input_ids, "attention_mask": attention_mask},
-                         self.SHRINK)
 
 
 @dataclass
@@ -358,19 +343,11 @@ class OrtBackend:
                            new_shape)
 
     def release_memory(self) -> None:
-        """Hand memory a long batch left behind back to the OS: each CPU session's arena
-        shrunk to what is in use, then the heap trimmed (glibc malloc_trim). The batch
-        loop calls it once the server is idle, not after every batch: batch after batch,
-        each would fault its memory in again. CUDA sessions keep their arenas (their
-        IO-bound buffers and captured graphs point into them)."""
-        if self.provider == CPU:
-            ids = np.full((1, 1), self.artifact.manifest.pad_token_id, dtype=np.int64)
-            mask = np.ones((1, 1), dtype=np.int64)
-            for lane in self.lanes:
-                with lane.lock:
-                    for runner in (lane.embed, lane.attend):
-                        if isinstance(runner, PlainRunner):
-                            runner.shrink(ids, mask)
+        """Hand memory a long batch left behind back to the OS (glibc malloc_trim). The
+        batch loop calls it once the server is idle, not after every batch: batch after
+        batch, each would fault its memory in again. The CPU sessions run without an arena
+        (see session_options); CUDA sessions keep theirs (their IO-bound buffers and
+        captured graphs point into them)."""
         trim_heap()
 
     def padded_shape(self, batch: int, longest: int) -> Shape:
