@@ -11,17 +11,7 @@
 # Environment: PYTHON (default .venv/bin/python, else python3), GPU_BENCH_BUDGET_S (330: the
 # Python part stops starting phases past it), GPU_BENCH_TIMEOUT_S (hard stop, 360).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT" || exit 2
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-# `attnserve` is the repository root: a plain checkout imports only through an entry of
-# that name on sys.path. First on the path, so this checkout (its generated stubs included)
-# wins over any copy unpack.sh may have installed.
-mkdir -p /tmp/pkg && ln -sfn "$ROOT" /tmp/pkg/attnserve
-export PYTHONPATH="/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 [[ -f server/_proto/attnserve/v1/encoder_pb2.py ]] || { echo "gpu_bench: server/_proto missing (make proto, or carry it)" >&2; exit 2; }
 timeout --kill-after=10 "${GPU_BENCH_TIMEOUT_S:-360}" "$PYTHON" -m attnserve.bench.gpu_bench \
   --budget-s "${GPU_BENCH_BUDGET_S:-330}" "$@"

@@ -14,16 +14,7 @@
 # (hard stop, default 470).
 set -uo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT" || exit 2
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
-# `attnserve` is the repository root: a checkout that was never installed (the GPU
-# machine has no package index) imports only through an entry named attnserve.
-mkdir -p /tmp/pkg && ln -sfn "$ROOT" /tmp/pkg/attnserve
-export PYTHONPATH="/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 OUT_DIR="${OUT:-$ROOT/bench/results/gpu_check}"
 mkdir -p "$OUT_DIR"
 
