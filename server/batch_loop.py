@@ -89,6 +89,8 @@ class Ran:
     """as run, padding included"""
     seconds: float
     peak: int
+    predicted: float
+    """the memory model's peak for the shape as run"""
 
 
 class BatchLoop:
@@ -189,7 +191,7 @@ class BatchLoop:
             self.backend.release_memory()
         else:
             self.trim_pending |= peak >= TRIM_AFTER_BYTES
-        return Ran(items, out, ids.shape, seconds, peak)
+        return Ran(items, out, ids.shape, seconds, peak, predicted)
 
     def _trim_when_idle(self) -> None:
         if self.trim_pending:
@@ -249,8 +251,7 @@ class BatchLoop:
         m.stage_duration.labels("inference").observe(ran.seconds)
         m.inference_duration.labels(bucket, attention).observe(ran.seconds)
         m.batch_peak_memory.labels(bucket, attention).observe(ran.peak)
-        m.batch_predicted_memory.labels(bucket, attention).observe(
-            self.memory.batch_bytes(rows, seq, len(layers)))
+        m.batch_predicted_memory.labels(bucket, attention).observe(ran.predicted)
         if ran.output.new_shape:
             m.unseen_shape_runs.labels("attention" if layers else "embeddings").inc()
 
