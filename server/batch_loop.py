@@ -13,6 +13,7 @@ need (the union of theirs): pooled vectors alone, unless someone asked for more.
 """
 
 import asyncio
+import itertools
 import logging
 import time
 from concurrent.futures import Executor
@@ -42,11 +43,15 @@ MAX_PADDING_RATIO = 1.1
 TRIM_AFTER_BYTES = 16 << 20
 IDLE_TRIM_S = 0.05
 TRIM_NOW_BUDGET_SHARE = 0.25
-# The memory probe's sampling thread wakes every millisecond while a batch runs: on two
-# cores beside onnxruntime's two spinning threads it made 1×16 calls 35 % slower and
-# 8×128 15 % (server A/B, alternating calls). Only batches predicted to take this much
-# are sampled; smaller ones record what they still hold when they end.
-SAMPLE_FROM_BYTES = 64 << 20
+# Measuring a batch's memory is not free: the probe's sampling thread wakes every
+# millisecond while it runs (on two cores beside onnxruntime's two threads that made 1×16
+# calls 35 % slower and 8×128 15 %), and reading glibc's count before and after took
+# 0.5 ms of a 1×16 call's 7. Every batch predicted to take this much is measured; of the
+# smaller ones, the first of each length bucket (with or without maps) and every
+# SMALL_MEASURE_EVERY-th after it: enough for the dashboard's measured/predicted panel,
+# which compares the same batches.
+MEASURE_ALL_FROM_BYTES = 64 << 20
+SMALL_MEASURE_EVERY = 16
 
 
 def pad(sequences: list[np.ndarray], shape: Shape, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -88,7 +93,8 @@ class Ran:
     shape: Shape
     """as run, padding included"""
     seconds: float
-    peak: int
+    peak: int | None
+    """bytes it added at its peak; None when not measured (see MEASURE_ALL_FROM_BYTES)"""
     predicted: float
     """the memory model's peak for the shape as run"""
 
@@ -107,6 +113,7 @@ class BatchLoop:
         self.pad_id = pad_id
         self.in_flight: dict[Batch, asyncio.Task] = {}
         self.trim_pending = False
+        self.small_batches: dict[tuple[str, bool], itertools.count] = {}
         self.idle_trim: asyncio.TimerHandle | None = None
         self.task: asyncio.Task | None = None
 
@@ -183,14 +190,19 @@ class BatchLoop:
             ids, mask = pad([w.sequence for w in items], shape, self.pad_id)
         rows, seq = ids.shape
         predicted = self.memory.batch_bytes(rows, seq, len(batch.layers))
-        baseline = self.probe.start_batch(sample=predicted >= SAMPLE_FROM_BYTES)
+        measure = predicted >= MEASURE_ALL_FROM_BYTES or next(self.small_batches.setdefault(
+            (self.metrics.bucket(seq), bool(batch.layers)), itertools.count())) % SMALL_MEASURE_EVERY == 0
+        if measure:
+            baseline = self.probe.start_batch()
         started = time.perf_counter()
         out = self.backend.run(ids, mask, batch.layers, batch.outputs)
-        seconds, peak = time.perf_counter() - started, self.probe.batch_peak(baseline)
-        if peak >= TRIM_NOW_BUDGET_SHARE * self.memory.budget:
+        seconds = time.perf_counter() - started
+        peak = self.probe.batch_peak(baseline) if measure else None
+        took = predicted if peak is None else peak
+        if took >= TRIM_NOW_BUDGET_SHARE * self.memory.budget:
             self.backend.release_memory()
         else:
-            self.trim_pending |= peak >= TRIM_AFTER_BYTES
+            self.trim_pending |= took >= TRIM_AFTER_BYTES
         return Ran(items, out, ids.shape, seconds, peak, predicted)
 
     def _trim_when_idle(self) -> None:
@@ -250,8 +262,9 @@ class BatchLoop:
         m.batch_tokens.labels("padded").observe(rows * seq)
         m.stage_duration.labels("inference").observe(ran.seconds)
         m.inference_duration.labels(bucket, attention).observe(ran.seconds)
-        m.batch_peak_memory.labels(bucket, attention).observe(ran.peak)
-        m.batch_predicted_memory.labels(bucket, attention).observe(ran.predicted)
+        if ran.peak is not None:
+            m.batch_peak_memory.labels(bucket, attention).observe(ran.peak)
+            m.batch_predicted_memory.labels(bucket, attention).observe(ran.predicted)
         if ran.output.new_shape:
             m.unseen_shape_runs.labels("attention" if layers else "embeddings").inc()
 

@@ -132,17 +132,40 @@ class _PeakSampler:
                     self._peak = max(self._peak, allocated_bytes())
             time.sleep(SAMPLE_INTERVAL_S)
 
-    def start(self, sample: bool) -> int:
+    def start(self) -> int:
         with self._lock:
             self._peak = before = allocated_bytes()
-            if sample:
-                self._running.set()
+            self._running.set()
         return before
 
     def stop(self) -> int:
         with self._lock:
             self._running.clear()
             return max(self._peak, allocated_bytes())
+
+
+_MALLOPT = _libc_function("mallopt")
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc keep what onnxruntime frees until `trim_heap` hands it back, instead of
+    returning each large block to the OS at once.
+
+    The CPU sessions run without onnxruntime's arena (so that `allocated_bytes` sees each
+    batch's own allocations), which makes every tensor a malloc and a free. By default
+    glibc maps a block over 32 MiB on its own and unmaps it when freed, and a thread other
+    than the main one gets a heap of at most 64 MiB that cannot hold such blocks at all:
+    each batch faulted its large tensors in afresh (32x512 ran 1.44x slower than with the
+    arena). One heap for every thread, grown and trimmed only on request, keeps those
+    pages for the next batch (measured: as fast as the arena), and the batch loop gives
+    them back once the server is idle (`trim_heap`). Process-wide, so called before the
+    inference threads first allocate."""
+    if _MALLOPT is None:
+        return False
+    return all(_MALLOPT(param, value) == 1 for param, value in (
+        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
 def trim_heap() -> bool:
@@ -209,14 +232,13 @@ class MemoryProbe:
             return int(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).free)
         return machine_available_bytes()
 
-    def start_batch(self, sample: bool = True) -> int:
+    def start_batch(self) -> int:
         """Call before a batch, then `batch_peak` after it, from one thread at a time;
-        returns the baseline `batch_peak` measures from. `sample=False` skips the sampling
-        thread: the figure is then what the batch still holds when it ends (its outputs)."""
+        returns the baseline `batch_peak` measures from."""
         if self.nvml is not None:
             return self.device_memory().used
         if self.sampler is not None:
-            return self.sampler.start(sample)
+            return self.sampler.start()
         if self.hwm_resettable:
             _reset_high_water_mark()
         return resident_bytes()

@@ -37,7 +37,7 @@ from attnserve.artifact import (
 )
 from attnserve.server.backend import HIDDEN_ONLY, BatchOutput, Outputs
 from attnserve.server.config import ConfigError
-from attnserve.server.memory import gpu_present, trim_heap
+from attnserve.server.memory import gpu_present, keep_freed_memory, trim_heap
 from attnserve.server.shapes import Shape, ShapeBuckets
 
 log = logging.getLogger("attnserve.backend")
@@ -83,15 +83,17 @@ def session_options(threads: int) -> ort.SessionOptions:
     options.log_severity_level = 3
     # The CPU arena is off: the per-batch memory figure (mallinfo2, see memory.py) and
     # the memory model count onnxruntime's own allocations, which an arena hides after
-    # its first growth. It costs speed at long sequences (measured against default
-    # options: 1.5x slower at 32x512, 1.1x at 8x256); turning it back on waits for a
-    # figure that sees through the arena (issue 11 stays open on this).
+    # its first growth, and what a long batch took goes back to the OS once idle. The
+    # speed the arena gave comes from glibc keeping freed pages instead
+    # (keep_freed_memory, set when a CPU backend is built).
     options.enable_cpu_mem_arena = False
     # Memory patterns are planned per input shape and, with shapes that change from batch
     # to batch, made a small batch after a large one allocate a block sized for the large
     # one (measured: 60 MiB for 1×16 after 32×128): its peak would depend on what ran
     # before, past what the memory model can predict.
     options.enable_mem_pattern = False
+    if os.environ.get('EXP_SPIN') is not None:
+        options.add_session_config_entry('session.intra_op.allow_spinning', os.environ['EXP_SPIN'])
     return options
 
 
@@ -274,6 +276,8 @@ class OrtBackend:
         # One batch running per lane, and one more formed and waiting.
         self.max_in_flight = self.concurrency + 1
         device = "cuda" if provider == CUDA else "cpu"
+        if provider == CPU:
+            keep_freed_memory()
         self.lanes = []
         for index in range(self.concurrency):
             embed_session = self._session(self.embed_graph, provider, s.cuda_graphs)
@@ -346,7 +350,7 @@ class OrtBackend:
         """Hand memory a long batch left behind back to the OS (glibc malloc_trim). The
         batch loop calls it once the server is idle, not after every batch: batch after
         batch, each would fault its memory in again. The CPU sessions run without an arena
-        (see session_options); CUDA sessions keep theirs (their IO-bound buffers and
+        (see session_options and keep_freed_memory); CUDA sessions keep theirs (their IO-bound buffers and
         captured graphs point into them)."""
         trim_heap()
 

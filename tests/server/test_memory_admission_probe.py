@@ -72,7 +72,9 @@ def test_memory_freed_and_reused_counts_again(attention_session):
         peaks.append(probe.batch_peak(baseline))
         del out
     assert min(peaks) >= maps, peaks
-    assert max(peaks) - min(peaks) <= 0.03 * max(peaks), peaks
+    # Every run counts its maps again; a transient peak under the sampler's millisecond
+    # (here one intermediate of 2 MiB, once in a few runs) may be missed.
+    assert max(peaks) - min(peaks) <= 0.03 * max(peaks) + 2.5 * MIB, peaks
 
 
 def test_allocated_bytes_sees_an_allocation_and_its_release():
