@@ -1,11 +1,13 @@
-"""The raw session and attnserve over gRPC, measured in alternating blocks.
+"""The raw sessions and attnserve, measured in alternating blocks.
 
-A raw worker (`python -m bench.phases worker`, onnxruntime only) and the server
-(`attnserve serve`) are both up; this process drives one at a time, never both at once:
-for each shape, a block of calls to the raw session, a block to the server, and again, for
-a few rounds (the order flips every round). Whatever else the machine is doing then
-weighs on both sides alike, which a raw phase followed by a server phase cannot promise
-on a shared machine.
+Raw workers (`python -m bench.phases worker`, onnxruntime only, one process each: the
+server's own backend, onnxruntime at its default options, and the int8 backend when the
+artifact has int8 graphs) and the servers (`attnserve serve`, fp32 and int8) are all up;
+this process drives one at a time, never two at once: for each shape, a block of calls to
+each raw session, a block to each served API (gRPC, HTTP /v1/embeddings, gRPC int8), and
+again, for a few rounds (the order flips every round). Whatever else the machine is doing
+then weighs on every side alike, which a raw phase followed by a server phase cannot
+promise on a shared machine.
 """
 
 import asyncio
@@ -17,7 +19,13 @@ from pathlib import Path
 
 from attnserve.bench.harness import REPO, ServerProcess
 from attnserve.bench.measure import shape_row, time_calls, workload_row
-from attnserve.bench.serving import Measured, bench_server, measure_attention, run_callers
+from attnserve.bench.serving import (
+    HttpEmbedder,
+    Measured,
+    bench_server,
+    measure_attention,
+    run_callers,
+)
 from attnserve.bench.workloads import Workload
 from attnserve.server.client import EncoderClient
 
@@ -66,82 +74,127 @@ def _block(first_call_s: float, block_s: float) -> int:
     return max(1, min(50, round(block_s / max(first_call_s, 1e-4))))
 
 
+def _worker(spec_path: Path, work: Path, engine: str) -> RawWorker:
+    path = work / f"worker-{engine}.spec.json"
+    path.write_text(json.dumps({**json.loads(spec_path.read_text()), "engine": engine}))
+    return RawWorker(path, work / f"raw-worker-{engine}.log")
+
+
 def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
                server_extra: list[str], threads: int, num_layers: int, quick: bool,
-               reps: dict) -> tuple[dict, dict]:
+               reps: dict, model_name: str, int8: bool) -> tuple[dict, dict]:
     rounds, block_s = (2, 0.5) if quick else (3, 1.5)
-    worker = RawWorker(spec_path, work / "raw-worker.log")
-    raw: dict = {**worker.info, "shapes": {}, "plain_shapes": {}, "rounds": rounds}
-    graphs = ["opt"] + (["plain"] if "plain_graph" in worker.info else [])
-    server = None
+    workers: dict[str, RawWorker] = {}
+    servers: dict[str, ServerProcess] = {}
     try:
-        server = bench_server(artifact, work / "server.log", server_extra, threads)
+        for engine in ("server", "default", *(("int8",) if int8 else ())):
+            workers[engine] = _worker(spec_path, work, engine)
+        worker = workers["server"]
+        raw: dict = {**worker.info, "default_graph": workers["default"].info["graph"],
+                     "shapes": {}, "plain_shapes": {}, "default_shapes": {}, "int8_shapes": {},
+                     "rounds": rounds}
+        graphs = ["opt"] + (["plain"] if "plain_graph" in worker.info else [])
+        servers["fp32"] = server = bench_server(artifact, work / "server.log", server_extra,
+                                                threads)
+        if int8:
+            servers["int8"] = bench_server(artifact, work / "server-int8.log",
+                                           [*server_extra, "--precision", "int8"], threads)
         grpc_out: dict = {"args": server.args[2:], "idle_rss_bytes": server.status()["rss"],
-                          "shapes": {}, "concurrency": {}, "rounds": rounds}
-        with EncoderClient(server.address) as client:
+                          "shapes": {}, "http_shapes": {}, "int8_shapes": {}, "concurrency": {},
+                          "rounds": rounds}
+        clients = {name: EncoderClient(s.address) for name, s in servers.items()}
+        http = HttpEmbedder(server, model_name)
+        try:
             for shape in workload.shapes:
-                texts = shape.inputs.texts
-                first = worker.call("shape", name=shape.name, graph="opt", calls=1,
-                                    warmup=1)["seconds"][0]
-                for graph in graphs[1:]:
-                    worker.call("shape", name=shape.name, graph=graph, calls=0, warmup=1)
-                client.embed(texts)
-                calls = _block(first, block_s)
-                samples: dict[str, list[float]] = {g: [] for g in graphs}
-                served: list[float] = []
-                breakdowns = []
-                for round_ in range(rounds):
-                    for side in _order(round_):
-                        if side == "raw":
-                            for graph in graphs:
-                                samples[graph] += worker.call("shape", name=shape.name,
-                                                              graph=graph, calls=calls)["seconds"]
-                        else:
-                            with Measured(server) as m:
-                                served.extend(time_calls(
-                                    lambda texts=texts: client.embed(texts), calls))
-                            breakdowns.append(m.summary())
-                raw["shapes"][shape.name] = shape_row(samples["opt"], shape.batch, shape.seq)
-                if "plain" in samples:
-                    raw["plain_shapes"][shape.name] = shape_row(samples["plain"], shape.batch,
-                                                                shape.seq)
-                row = shape_row(served, shape.batch, shape.seq)
-                row["server"] = Measured.merge(breakdowns)
-                grpc_out["shapes"][shape.name] = row
-                log.info("phase=paired shape=%s raw_tokens_per_s=%.0f grpc_tokens_per_s=%.0f "
-                         "ratio=%.2f", shape.name, raw["shapes"][shape.name]["tokens_per_s"],
-                         row["tokens_per_s"],
-                         row["tokens_per_s"] / raw["shapes"][shape.name]["tokens_per_s"])
-        _mixed(worker, server, workload, graphs, rounds, raw, grpc_out)
+                _shape(shape, workers, graphs, clients, http, server, rounds, block_s, raw,
+                       grpc_out)
+        finally:
+            http.close()
+            for client in clients.values():
+                client.close()
+        _mixed(workers, server, workload, graphs, rounds, raw, grpc_out)
+        _short(workers, server, workload, rounds, raw, grpc_out)
         raw["attention"] = worker.call("attention", quick=quick)
         grpc_out["attention"] = measure_attention(server, workload, reps["attention"], num_layers)
         grpc_out["final_rss_bytes"] = server.status()["rss"]
     finally:
-        if server is not None:
-            server.stop()
-        worker.close()
+        for s in servers.values():
+            s.stop()
+        for w in workers.values():
+            w.close()
     return raw, grpc_out
 
 
-def _mixed(worker: RawWorker, server: ServerProcess, workload: Workload, graphs: list[str],
-           rounds: int, raw: dict, grpc_out: dict) -> None:
-    """Rounds of: the raw session on ideal batches (each graph) and one text at a time,
-    then the server with 1, 8 and 64 concurrent callers (order flipped every round)."""
+def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dict,
+           http: HttpEmbedder, server: ServerProcess, rounds: int, block_s: float, raw: dict,
+           grpc_out: dict) -> None:
+    """One fixed shape: every raw session and every served API, in alternating blocks."""
+    texts = shape.inputs.texts
+    worker = workers["server"]
+    first = worker.call("shape", name=shape.name, graph="opt", calls=1, warmup=1)["seconds"][0]
+    raw_sides = {graph: (worker, graph) for graph in graphs}
+    raw_sides |= {engine: (workers[engine], "opt") for engine in ("default", "int8")
+                  if engine in workers}
+    for key, (w, graph) in raw_sides.items():
+        if key != "opt":
+            w.call("shape", name=shape.name, graph=graph, calls=0, warmup=1)
+    served_sides = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts)}
+    if "int8" in clients:
+        served_sides["grpc_int8"] = lambda: clients["int8"].embed(texts)
+    for call in served_sides.values():
+        call()
+    calls = _block(first, block_s)
+    samples: dict[str, list[float]] = {key: [] for key in [*raw_sides, *served_sides]}
+    breakdowns = []
+    for round_ in range(rounds):
+        for side in _order(round_):
+            if side == "raw":
+                for key, (w, graph) in raw_sides.items():
+                    samples[key] += w.call("shape", name=shape.name, graph=graph,
+                                           calls=calls)["seconds"]
+                continue
+            for key, call in served_sides.items():
+                if key == "grpc":  # the server's own breakdown, for the gRPC rows
+                    with Measured(server) as m:
+                        samples[key].extend(time_calls(call, calls))
+                    breakdowns.append(m.summary())
+                else:
+                    samples[key].extend(time_calls(call, calls))
+    for key, out in (("opt", raw["shapes"]), ("plain", raw["plain_shapes"]),
+                     ("default", raw["default_shapes"]), ("int8", raw["int8_shapes"]),
+                     ("grpc", grpc_out["shapes"]), ("http", grpc_out["http_shapes"]),
+                     ("grpc_int8", grpc_out["int8_shapes"])):
+        if key in samples:
+            out[shape.name] = shape_row(samples[key], shape.batch, shape.seq)
+    grpc_out["shapes"][shape.name]["server"] = Measured.merge(breakdowns)
+    log.info("phase=paired shape=%s %s", shape.name, " ".join(
+        f"{key}_tokens_per_s={shape_row(v, shape.batch, shape.seq)['tokens_per_s']:.0f}"
+        for key, v in samples.items()))
+
+
+def _mixed(workers: dict[str, RawWorker], server: ServerProcess, workload: Workload,
+           graphs: list[str], rounds: int, raw: dict, grpc_out: dict) -> None:
+    """Rounds of: the raw sessions on ideal batches (each graph, and onnxruntime at its
+    defaults) and one text at a time, then the server with 1, 8 and 64 concurrent callers
+    (order flipped every round)."""
+    worker, default = workers["server"], workers["default"]
     texts, tokens = workload.mixed.texts, sum(workload.mixed.lengths)
     runs: dict[str, list[float]] = {}
     latencies: dict[str, list[float]] = {}
     breakdowns: dict[int, list[dict]] = {c: [] for c in CONCURRENCY}
     padded = 0
     worker.call("mixed", kind="ideal", graph="opt")  # warm-up
+    default.call("mixed", kind="ideal", graph="opt")
     asyncio.run(run_callers(server.address, texts[:64], 8))
     paired_ratios = []
     for round_ in range(rounds):
         for side in _order(round_):
             if side == "raw":
-                for graph in graphs:
-                    r = worker.call("mixed", kind="ideal", graph=graph)
-                    runs.setdefault(f"ideal_{graph}", []).append(r["run_seconds"])
-                    latencies.setdefault(f"ideal_{graph}", []).extend(r["latencies"])
+                ideal = [(f"ideal_{graph}", worker, graph) for graph in graphs]
+                for key, w, graph in [*ideal, ("ideal_default", default, "opt")]:
+                    r = w.call("mixed", kind="ideal", graph=graph)
+                    runs.setdefault(key, []).append(r["run_seconds"])
+                    latencies.setdefault(key, []).extend(r["latencies"])
                     padded = r["padded_tokens"]
                 r = worker.call("mixed", kind="one", graph="opt")
                 runs.setdefault("one", []).append(r["run_seconds"])
@@ -159,15 +212,57 @@ def _mixed(worker: RawWorker, server: ServerProcess, workload: Workload, graphs:
     if "ideal_plain" in runs:
         raw["plain_mixed_ideal"] = workload_row(runs["ideal_plain"], latencies["ideal_plain"],
                                                 tokens)
+    raw["default_mixed_ideal"] = workload_row(runs["ideal_default"], latencies["ideal_default"],
+                                              tokens)
     raw["mixed_one"] = workload_row(runs["one"], latencies["one"], tokens)
     for count in CONCURRENCY:
-        row = workload_row(runs[f"callers_{count}"], latencies[f"callers_{count}"], tokens)
-        row["callers"] = count
-        row["server"] = s = Measured.merge(breakdowns[count])
-        row["padded_over_real"] = s["padded_tokens"] / s["real_tokens"] if s["real_tokens"] else None
-        row["mean_batch_size"] = s["sequences"] / s["batches"] if s["batches"] else None
+        row = _callers_row(runs[f"callers_{count}"], latencies[f"callers_{count}"], tokens,
+                           count, breakdowns[count])
         grpc_out["concurrency"][str(count)] = row
         log.info("phase=paired callers=%d tokens_per_s=%.0f padded_over_real=%.3f "
                  "mean_batch=%.1f", count, row["tokens_per_s"], row["padded_over_real"] or 0,
                  row["mean_batch_size"] or 0)
     grpc_out["concurrency"]["64"]["paired_ratios_to_raw_ideal"] = paired_ratios
+
+
+def _short(workers: dict[str, RawWorker], server: ServerProcess, workload: Workload,
+           rounds: int, raw: dict, grpc_out: dict) -> None:
+    """Short texts: the raw sessions on their ideal batches against 64 callers of one
+    text each (order flipped every round)."""
+    texts, tokens = workload.short.texts, sum(workload.short.lengths)
+    sides = {"ideal": workers["server"], "ideal_default": workers["default"]}
+    for w in sides.values():  # warm-up
+        w.call("mixed", kind="ideal", graph="opt", texts="short")
+    runs: dict[str, list[float]] = {}
+    latencies: dict[str, list[float]] = {}
+    breakdowns = []
+    for round_ in range(rounds):
+        for side in _order(round_):
+            if side == "raw":
+                for key, w in sides.items():
+                    r = w.call("mixed", kind="ideal", graph="opt", texts="short")
+                    runs.setdefault(key, []).append(r["run_seconds"])
+                    latencies.setdefault(key, []).extend(r["latencies"])
+                continue
+            with Measured(server) as m:
+                seconds, lat = asyncio.run(run_callers(server.address, texts, 64))
+            breakdowns.append(m.summary())
+            runs.setdefault("callers", []).append(seconds)
+            latencies.setdefault("callers", []).extend(lat)
+    raw["short_ideal"] = workload_row(runs["ideal"], latencies["ideal"], tokens)
+    raw["default_short_ideal"] = workload_row(runs["ideal_default"], latencies["ideal_default"],
+                                              tokens)
+    grpc_out["short_callers"] = row = _callers_row(runs["callers"], latencies["callers"], tokens,
+                                                   64, breakdowns)
+    log.info("phase=paired short callers=64 tokens_per_s=%.0f raw_ideal=%.0f",
+             row["tokens_per_s"], raw["short_ideal"]["tokens_per_s"])
+
+
+def _callers_row(runs: list[float], latencies: list[float], tokens: int, callers: int,
+                 breakdowns: list[dict]) -> dict:
+    row = workload_row(runs, latencies, tokens)
+    row["callers"] = callers
+    row["server"] = s = Measured.merge(breakdowns)
+    row["padded_over_real"] = s["padded_tokens"] / s["real_tokens"] if s["real_tokens"] else None
+    row["mean_batch_size"] = s["sequences"] / s["batches"] if s["batches"] else None
+    return row

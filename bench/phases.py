@@ -75,29 +75,50 @@ def _rss_probe():
 
 
 class RawEngine:
-    """The server's own OrtBackend (same graph file, same session options), in-process, and
-    optionally the unfused graph with the same options."""
+    """One engine of the raw side, in-process, by `spec["engine"]`:
+
+    - `server`: the server's own OrtBackend (same graph file, same session options, the
+      same process-wide malloc settings), and optionally the unfused graph with them;
+    - `default`: what a user gets calling onnxruntime themselves, `InferenceSession(path)`
+      at its default options, on the server's fp32 graph, in a process of its own;
+    - `int8`: the server's OrtBackend serving the int8 graphs (`export --int8`)."""
 
     def __init__(self, spec: dict):
+        import onnxruntime as ort
+
         from attnserve.artifact import load_artifact
         from attnserve.server.ort_backend import CPU, OrtBackend
 
         self.workload = Workload.load(spec["workload"])
         self.artifact = load_artifact(spec["artifact"])
-        self.runtime = OrtBackend(self.artifact, device="cpu", intra_op_threads=spec["threads"])
+        engine = spec.get("engine", "server")
         self.pad = self.artifact.manifest.pad_token_id
-        self.sessions = {"opt": self.runtime.lanes[0].embed.session}
-        self.info = {"graph": self.runtime.embed_graph.file,
-                     "attention_graph": self.runtime.attn_graph.file, "threads": spec["threads"]}
+        self.info = {"engine": engine, "threads": spec["threads"]}
+        if engine == "default":
+            graph = self.artifact.manifest.graph(attention=False, precision="fp32")
+            self.runtime = None
+            self.sessions = {"opt": ort.InferenceSession(str(self.artifact.path(graph.file)),
+                                                         providers=[CPU])}
+            self.info["graph"] = graph.file
+        else:
+            self.runtime = OrtBackend(self.artifact, device="cpu",
+                                      precision="int8" if engine == "int8" else "fp32",
+                                      intra_op_threads=spec["threads"])
+            self.sessions = {"opt": self.runtime.lanes[0].embed.session}
+            self.info.update(graph=self.runtime.embed_graph.file,
+                             attention_graph=self.runtime.attn_graph.file)
         plain = next((g for g in self.artifact.manifest.graphs
                       if not g.attention and g.precision == "fp32" and not g.optimized), None)
-        if (spec.get("plain_graph") and plain is not None
+        if (engine == "server" and spec.get("plain_graph") and plain is not None
                 and plain.file != self.runtime.embed_graph.file):
             self.sessions["plain"] = self.runtime._session(plain, CPU, cuda_graph=False)
             self.info["plain_graph"] = plain.file
         self.shapes = {s.name: padded_batch(s.inputs.ids, self.pad) for s in self.workload.shapes}
-        self.batches = [padded_batch([self.workload.mixed.ids[i] for i in b], self.pad)
-                        for b in self.workload.ideal_batches]
+        self.batches = {
+            "mixed": [padded_batch([self.workload.mixed.ids[i] for i in b], self.pad)
+                      for b in self.workload.ideal_batches],
+            "short": [padded_batch([self.workload.short.ids[i] for i in b], self.pad)
+                      for b in self.workload.short_batches]}
         self.singles = [padded_batch([r], self.pad) for r in self.workload.mixed.ids]
 
     def run(self, graph: str, ids: np.ndarray, mask: np.ndarray):
@@ -109,9 +130,9 @@ class RawEngine:
         return {"seconds": time_calls(lambda: self.run(graph, ids, mask),
                                       Reps(calls, calls, 0.0, warmup=warmup))}
 
-    def mixed(self, kind: str, graph: str) -> dict:
-        """One pass over the mixed texts: ideal batches, or one text at a time."""
-        inputs = self.batches if kind == "ideal" else self.singles
+    def mixed(self, kind: str, graph: str, texts: str = "mixed") -> dict:
+        """One pass over the mixed (or short) texts: ideal batches, or one text at a time."""
+        inputs = self.batches[texts] if kind == "ideal" else self.singles
         latencies = time_each(lambda batch: self.run(graph, *batch), inputs)
         return {"run_seconds": sum(latencies), "latencies": latencies,
                 "padded_tokens": int(sum(ids.size for ids, _ in inputs))}

@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                      "mixed_distribution": workload.mixed_distribution,
                      "ideal_batches": {"max_size": IDEAL_BATCH, "max_padding": IDEAL_PADDING,
                                        "count": len(workload.ideal_batches)},
-                     "attention_shape": workload.attention.name},
+                     "attention_shape": workload.attention.name,
+                     "short_lengths": workload.short.lengths,
+                     "short_count": len(workload.short.lengths)},
     }
     blas = {k: str(args.threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                            "MKL_NUM_THREADS")}
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("event=phase_start phase=paired")
     result["raw"], result["grpc"] = run_paired(
         args.artifact, workload, spec_path, work, args.server_arg, args.threads,
-        manifest.num_layers, args.quick, reps)
+        manifest.num_layers, args.quick, reps, manifest.model_name,
+        int8=manifest.graph(attention=False, precision="int8") is not None)
     result["grpc"]["phase_seconds"] = time.perf_counter() - started_paired
     result["grpc"]["other_load_cores"] = other.stop()
     result["grpc"]["load_before_cores"] = quiet
@@ -190,14 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(result, rows, verdicts)
     (work / "bench.md").write_text(table + "\n")
     (work / "bench.json").write_text(json.dumps(result, indent=1))
-    plot(result, rows, work / "bench.png")
-    for name in ("bench.md", "bench.json", "bench.png"):
+    written = ["bench.md", "bench.json"]
+    try:
+        plot(result, rows, work / "bench.png")
+        written.append("bench.png")
+    except ImportError:
+        print("attnserve bench: no plot (matplotlib is missing): pip install 'attnserve[plot]'",
+              file=sys.stderr)
+    for name in written:
         shutil.copyfile(work / name, args.out_dir / name)
-    if args.plot_out:
+    if args.plot_out and "bench.png" in written:
         args.plot_out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(work / "bench.png", args.plot_out)
     print(table)
-    print(f"\nwritten: {args.out_dir / 'bench.json'}, {args.out_dir / 'bench.png'}, "
-          f"{args.out_dir / 'bench.md'} (this run: {work}); "
-          f"{result['seconds']:.0f} s in all")
+    print(f"\nwritten: {', '.join(str(args.out_dir / name) for name in written)} "
+          f"(this run: {work}); {result['seconds']:.0f} s in all")
     return 0

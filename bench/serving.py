@@ -3,6 +3,8 @@ client here (grpc only: no torch, no onnxruntime in this process), /metrics scra
 around each measurement."""
 
 import asyncio
+import http.client
+import json
 import logging
 import time
 from collections import defaultdict
@@ -30,6 +32,27 @@ def bench_server(artifact: Path, log_path: Path, extra: list[str], threads: int)
     messages large enough for every attention map, then `extra`."""
     return ServerProcess(artifact, "--intra-op-threads", str(threads),
                          "--max-message-bytes", str(MAX_MESSAGE_BYTES), *extra, log_path=log_path)
+
+
+class HttpEmbedder:
+    """POST /v1/embeddings on one kept-alive connection, the body an OpenAI client sends."""
+
+    def __init__(self, server: ServerProcess, model: str):
+        self.connection = http.client.HTTPConnection("127.0.0.1", server.http_port)
+        self.model = model
+
+    def embed(self, texts: list[str]) -> dict:
+        self.connection.request("POST", "/v1/embeddings",
+                                json.dumps({"input": texts, "model": self.model}),
+                                {"Content-Type": "application/json"})
+        response = self.connection.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"/v1/embeddings: HTTP {response.status}: {body[:300]!r}")
+        return json.loads(body)
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 def server_breakdown(before: Samples, after: Samples) -> dict:

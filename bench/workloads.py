@@ -7,7 +7,7 @@ session, the server's tokenizer, our PyTorch model and sentence-transformers' to
 
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,8 @@ MIXED_MEDIAN, MIXED_SIGMA, MIXED_MIN, MIXED_MAX = 48, 0.75, 8, 256
 IDEAL_BATCH = 32
 IDEAL_PADDING = 1.1
 ATTENTION_SHAPE = (8, 256)
+# Short texts (queries, titles, chat turns): where the per-request cost shows most.
+SHORT_MIN, SHORT_MAX = 8, 32
 
 
 @dataclass
@@ -54,7 +56,11 @@ class Workload:
     ideal_batches: list[list[int]]
     """indexes into mixed, each batch sorted by length"""
     attention: Shape
-    mixed_distribution: dict = field(default_factory=dict)
+    short: Texts
+    """SHORT_MIN..SHORT_MAX tokens, uniform"""
+    short_batches: list[list[int]]
+    """ideal batches of `short`, as ideal_batches of mixed"""
+    mixed_distribution: dict
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -64,7 +70,8 @@ class Workload:
         data = json.loads(Path(path).read_text())
         shape = lambda s: Shape(s["name"], s["batch"], s["seq"], Texts(**s["inputs"]))  # noqa: E731
         return cls(data["seed"], [shape(s) for s in data["shapes"]], Texts(**data["mixed"]),
-                   data["ideal_batches"], shape(data["attention"]), data["mixed_distribution"])
+                   data["ideal_batches"], shape(data["attention"]), Texts(**data["short"]),
+                   data["short_batches"], data["mixed_distribution"])
 
 
 def shape_name(batch: int, seq: int) -> str:
@@ -134,7 +141,10 @@ def build(tokenizer_path: Path, *, quick: bool, mixed_count: int, seed: int = 0,
         "p10": float(np.percentile(array, 10)), "p50": float(np.percentile(array, 50)),
         "p90": float(np.percentile(array, 90)), "max": int(array.max()),
     }
-    return Workload(seed, shapes, mixed, ideal_batches(lengths), attention, distribution)
+    short_lengths = [int(n) for n in np.random.default_rng(seed + 1).integers(
+        SHORT_MIN, SHORT_MAX + 1, mixed_count * 2)]
+    return Workload(seed, shapes, mixed, ideal_batches(lengths), attention,
+                    maker.make(short_lengths), ideal_batches(short_lengths), distribution)
 
 
 def padded_batch(rows: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -153,7 +153,8 @@ class Server:
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(kserve, self.grpc)
         # The HTTP port takes the same calls (embed, infer) to the same queue and metrics.
         self.http = HttpServers(config, self.metrics, encoder.embed, kserve, lambda: self.serving,
-                                self.executors.respond, self.executors.scrape)
+                                self.executors.respond, self.executors.scrape,
+                                self.queue.memory.ledger)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)

@@ -37,6 +37,14 @@ TRIM_AFTER_BYTES = 16 << 20
 TRIM_DELAY_S = 0.05
 
 
+def trim_after(holds: Holds, pool: Executor, loop: asyncio.AbstractEventLoop) -> None:
+    """Once a call that held much is over (its memory given back, but kept by the heap),
+    hand the heap's free pages back to the OS, after a moment for the sender to free
+    what it sent. Safe from any thread."""
+    if holds.peak >= TRIM_AFTER_BYTES:
+        loop.call_soon_threadsafe(loop.call_later, TRIM_DELAY_S, pool.submit, trim_heap)
+
+
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     """The caller's deadline on the monotonic clock, or None."""
     remaining = context.time_remaining()
@@ -177,10 +185,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
             def over(_) -> None:
                 holds.release()
-                if holds.peak >= TRIM_AFTER_BYTES:
-                    # What the call held is free now, but the heap keeps it: hand it back.
-                    loop.call_soon_threadsafe(loop.call_later, TRIM_DELAY_S, self.pool.submit,
-                                              trim_heap)
+                trim_after(holds, self.pool, loop)
 
             context.add_done_callback(over)
             return holds

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from attnserve.server.config import ServeConfig
+from attnserve.server.holds import Ledger
 from attnserve.server.http_calls import HttpCalls
 from attnserve.server.kserve_http import KServeHttp
 from attnserve.server.kserve_service import KServeService
@@ -92,10 +93,10 @@ class HttpServers:
     """The HTTP port and the metrics port of one server, each off when its port is 0."""
 
     def __init__(self, config: ServeConfig, metrics: Metrics, embed: Embed, kserve: KServeService,
-                 ready: Callable[[], bool], respond: Executor, scrape: Executor):
+                 ready: Callable[[], bool], respond: Executor, scrape: Executor, ledger: Ledger):
         self.config = config
         self.listeners: list[Listener] = []
-        self.calls = HttpCalls(metrics, respond, config.http_max_body_bytes, ready)
+        self.calls = HttpCalls(metrics, respond, config.http_max_body_bytes, ready, ledger)
         model = kserve.manifest
         self.api = api_app(self.calls, OpenAIEmbeddings(self.calls, embed, model.model_name,
                                                         model.hidden_size), KServeHttp(self.calls, kserve))

@@ -17,7 +17,9 @@ import grpc
 import numpy as np
 from aiohttp import web
 
+from attnserve.server.calls import REQUEST_COPIES, UNCOUNTED_REQUEST_BYTES, trim_after
 from attnserve.server.errors import InvalidArgument, RequestError, ResourceExhausted, Unavailable
+from attnserve.server.holds import Holds, Ledger
 from attnserve.server.metrics import Metrics
 
 log = logging.getLogger("attnserve.http")
@@ -60,15 +62,23 @@ def _loads(body: bytes):
         raise InvalidArgument("body", f"not valid JSON ({err})") from err
 
 
+def _peer(request: web.Request) -> str | None:
+    """The connection a call came in on, for its share of the memory ledger."""
+    address = request.transport.get_extra_info("peername") if request.transport else None
+    return None if not address else f"http:{address[0]}:{address[1]}"
+
+
 class HttpCalls:
-    """Shared by the routes of one server: its metrics, limits and worker threads."""
+    """Shared by the routes of one server: its metrics, limits, memory ledger and worker
+    threads."""
 
     def __init__(self, metrics: Metrics, executor: Executor, max_body_bytes: int,
-                 ready: Callable[[], bool]):
+                 ready: Callable[[], bool], ledger: Ledger):
         self.metrics = metrics
         self.executor = executor
         self.max_body_bytes = max_body_bytes
         self.ready = ready  # () -> bool: loaded, warmed up and not draining
+        self.ledger = ledger
 
     def refuse_unless_ready(self) -> None:
         """The cheapest refusal first: a starting or draining server reads no body."""
@@ -79,18 +89,25 @@ class HttpCalls:
     async def off_loop(self, work: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, work, *args)
 
-    async def body(self, request: web.Request) -> bytes:
+    async def body(self, request: web.Request, holds: Holds) -> bytes:
         """The whole body, refused (413) past the limit before it is read when the client
-        says its length, and as soon as it passes the limit when it does not."""
-        limit = self.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise BodyTooLarge(f"body: {request.content_length} bytes, over the server's "
+        says its length, and as soon as it passes the limit when it does not. A big body
+        is held (as received, parsed and converted, as gRPC's requests are) from before
+        it is read, when its length is known, until the answer has been sent."""
+        limit, length = self.max_body_bytes, request.content_length
+        if length is not None and length > limit:
+            raise BodyTooLarge(f"body: {length} bytes, over the server's "
                                f"{limit}-byte limit (--http-max-body-bytes)")
+        if length is not None and length > UNCOUNTED_REQUEST_BYTES:
+            holds.take(REQUEST_COPIES * length, "request")
         try:
-            return await request.read()
+            body = await request.read()
         except web.HTTPRequestEntityTooLarge as err:
             raise BodyTooLarge(f"body: over the server's {limit}-byte limit "
                                "(--http-max-body-bytes)") from err
+        if length is None and len(body) > UNCOUNTED_REQUEST_BYTES:
+            holds.take(REQUEST_COPIES * len(body), "request")
+        return body
 
     async def decode(self, body: bytes, convert: Callable[[object], T]) -> T:
         """`convert(the parsed JSON)`, on a thread when the body is big: parsing and
@@ -99,28 +116,43 @@ class HttpCalls:
             return convert(_loads(body))
         return work() if len(body) <= INLINE_JSON_BYTES else await self.off_loop(work)
 
-    async def answer(self, rpc: str, handler: Callable[[], Awaitable[web.StreamResponse]],
+    async def answer(self, rpc: str, request: web.Request,
+                     handler: Callable[[Holds], Awaitable[web.StreamResponse]],
                      refusal: Callable[[RequestError, int], web.StreamResponse]) -> web.StreamResponse:
-        """Run `handler`, record the call as the gRPC calls are recorded, and answer a
-        RequestError with `refusal(error, http_status)` in the route's own error shape."""
+        """Run `handler` with the call's memory holds, send its response, and record the
+        call as the gRPC calls are recorded; a RequestError is answered with
+        `refusal(error, http_status)` in the route's own error shape.
+
+        The response is written here rather than by aiohttp once the handler returns: the
+        call's memory (its body, its answer) stays held in the ledger until the answer has
+        gone to the socket, so a client that stops reading holds it, inside the budget,
+        and its connection's share of it, as a gRPC caller does."""
         started = time.perf_counter()
         self.metrics.inflight.inc()
         code = grpc.StatusCode.OK
+        holds = self.ledger.holds(_peer(request))
         try:
-            response = await handler()
-        except RequestError as err:
-            code = err.code
-            response = refusal(err, http_status(err))
-        except asyncio.CancelledError:  # the client went away
+            try:
+                response = await handler(holds)
+            except RequestError as err:
+                code = err.code
+                response = refusal(err, http_status(err))
+            except Exception as err:
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("event=internal_error rpc=%s", rpc)
+                response = refusal(RequestError(f"internal error: {err.__class__.__name__}"), 500)
+            if not self.ready():
+                response.force_close()  # a draining server sends keep-alive clients elsewhere
+            await response.prepare(request)
+            await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
             code = grpc.StatusCode.CANCELLED
             raise
-        except Exception as err:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("event=internal_error rpc=%s", rpc)
-            response = refusal(RequestError(f"internal error: {err.__class__.__name__}"), 500)
         finally:
+            holds.release()
+            trim_after(holds, self.executor, asyncio.get_running_loop())
             self.metrics.inflight.dec()
             self.metrics.answered(rpc, code.name, time.perf_counter() - started)
-        if not self.ready():
-            response.force_close()  # a draining server sends keep-alive clients elsewhere
-        return response

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server.errors import InvalidArgument, RequestError
+from attnserve.server.holds import Holds
 from attnserve.server.http_calls import HttpCalls, float32_json
 from attnserve.server.kserve_service import SERVER_NAME, SERVER_VERSION, KServeService
 from attnserve.server.respond import JSON_FLOAT_BYTES
@@ -75,6 +76,9 @@ class InferCall:
             if wants.get("binary_data", every_binary) is True:
                 self.binary.add(name)
         self.every_binary = every_binary and not self.request.outputs
+        self.all_binary = (all(o.name in self.binary for o in self.request.outputs)
+                           if self.request.outputs else every_binary)
+        """no output travels as JSON, so the size limit counts raw bytes"""
         timeout = parameters.get("timeout")
         if timeout is not None and (type(timeout) is not int or timeout <= 0):
             raise InvalidArgument("parameters.timeout", f"{timeout!r}; expected microseconds > 0")
@@ -160,25 +164,25 @@ class KServeHttp:
                                   "extensions": [BINARY_EXTENSION]})
 
     async def model_metadata(self, request: web.Request) -> web.StreamResponse:
-        async def handle() -> web.Response:
+        async def handle(holds: Holds) -> web.Response:
             meta = self.service.metadata(request.match_info["name"])
             tensors = {kind: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
                               for t in getattr(meta, kind)] for kind in ("inputs", "outputs")}
             return web.json_response({"name": meta.name, "versions": list(meta.versions),
                                       "platform": meta.platform, **tensors})
-        return await self.calls.answer("http:/v2/metadata", handle, refusal)
+        return await self.calls.answer("http:/v2/metadata", request, handle, refusal)
 
     async def model_ready(self, request: web.Request) -> web.StreamResponse:
-        async def handle() -> web.Response:
+        async def handle(holds: Holds) -> web.Response:
             self.service.check_model(request.match_info["name"])
             return _health(self.calls.ready())
-        return await self.calls.answer("http:/v2/ready", handle, refusal)
+        return await self.calls.answer("http:/v2/ready", request, handle, refusal)
 
-    async def _infer(self, request: web.Request) -> web.Response:
+    async def _infer(self, request: web.Request, holds: Holds) -> web.Response:
         self.calls.refuse_unless_ready()
         model = request.match_info["name"]
         self.service.check_model(model)
-        body = await self.calls.body(request)
+        body = await self.calls.body(request, holds)
         length = request.headers.get(HEADER_LENGTH)
         if length is None:
             header, binary = body, b""
@@ -188,8 +192,8 @@ class KServeHttp:
             header, binary = body[:int(length)], body[int(length):]
         call = await self.calls.decode(header, lambda parsed: InferCall(model, parsed, binary))
         # The size limit counts the floats as this body carries them (JSON unless binary).
-        response = await self.service.infer(call.request, call.deadline, None,
-                                            None if call.every_binary else JSON_FLOAT_BYTES)
+        response = await self.service.infer(call.request, call.deadline, holds,
+                                            None if call.all_binary else JSON_FLOAT_BYTES)
         if call.cheap(response):
             payload, header_length = call.respond(response)
         else:
@@ -200,7 +204,8 @@ class KServeHttp:
                             headers={HEADER_LENGTH: str(header_length)})
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        return await self.calls.answer("http:/v2/infer", lambda: self._infer(request), refusal)
+        return await self.calls.answer("http:/v2/infer", request,
+                                       lambda holds: self._infer(request, holds), refusal)
 
 
 def refusal(err: RequestError, status: int) -> web.Response:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server.errors import InvalidArgument, NotFound, RequestError
+from attnserve.server.holds import Holds
 from attnserve.server.http_calls import HttpCalls, float32_json
 from attnserve.server.respond import BASE64_FLOAT_BYTES, JSON_FLOAT_BYTES
 
@@ -118,13 +119,13 @@ class OpenAIEmbeddings:
                           separators=(",", ":"))
         return ('{"object":"list","data":[' + ",".join(items) + "]," + tail[1:]).encode()
 
-    async def _embed(self, request: web.Request) -> web.Response:
+    async def _embed(self, request: web.Request, holds: Holds) -> web.Response:
         self.calls.refuse_unless_ready()
-        body = await self.calls.body(request)
+        body = await self.calls.body(request, holds)
         embed_request, encoding, single = await self.calls.decode(body, self.parse)
         try:
             # The size limit counts the floats as this body carries them.
-            response = await self.embed(embed_request, None, None, JSON_FLOAT_BYTES
+            response = await self.embed(embed_request, None, holds, JSON_FLOAT_BYTES
                                         if encoding == "float" else BASE64_FLOAT_BYTES)
         except InvalidArgument as err:
             raise InvalidArgument(openai_names(err.field, single),
@@ -136,7 +137,8 @@ class OpenAIEmbeddings:
         return web.Response(body=payload, content_type="application/json")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        return await self.calls.answer(RPC, lambda: self._embed(request), refusal)
+        return await self.calls.answer(RPC, request, lambda holds: self._embed(request, holds),
+                                       refusal)
 
 
 def refusal(err: RequestError, status: int) -> web.Response:

@@ -14,13 +14,16 @@ pulls no more requests until it is read. A connection may open 1,000 streams at 
 ones it opened carry is held against its share of the budget.
 """
 
+import json
+import socket
 import time
 
 import grpc
 import numpy as np
 import pytest
 
-from attnserve.bench.harness import delta
+from attnserve.artifact import load_artifact
+from attnserve.bench.harness import delta, sample
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from tests.server.reliability import (
     BIG,
@@ -147,3 +150,64 @@ def test_one_connection_may_open_1000_streams_and_no_more(server):
     assert refusals.count(REFUSED_STREAM) >= 50, refusals
     with grpc.insecure_channel(server.address) as channel:
         stub(channel).Embed(pb.EmbedRequest(texts=["still serving"]), timeout=60)
+
+
+def _stalled_http_infer(server, model: str, ids: list[int]) -> socket.socket:
+    """One KServe infer over HTTP asking for every layer's maps as binary (a 63 MiB
+    answer), on a socket with a 4 KiB receive buffer that is never read."""
+    body = json.dumps({
+        "inputs": [{"name": name, "shape": [1, len(ids)], "datatype": "INT64", "data": data}
+                   for name, data in (("input_ids", ids), ("attention_mask", [1] * len(ids)))],
+        "outputs": [{"name": "attentions", "parameters": {"binary_data": True}}]}).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.http_port))
+    sock.sendall(f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                 + body)
+    return sock
+
+
+def test_http_callers_that_stop_reading_hold_their_answers_in_the_budget(server,
+                                                                         minilm_artifact):
+    """The HTTP port keeps the same promise: an answer is held in the memory budget until
+    it has been written to the socket, so callers that never read (six connections, each
+    one 63 MiB answer) fill the budget and the rest are refused (429), not the server's
+    memory; once they hang up, the memory is given back."""
+    rng = np.random.default_rng(43)
+    model = load_artifact(minilm_artifact).manifest.model_name
+    before = server.scrape()
+    peak = Peak(server)
+    sockets = []
+    try:
+        with HealthProbe(server.address, deadline_s=1.0) as probe:
+            for _ in range(6):
+                sockets.append(_stalled_http_infer(server, model, ids_of(rng, 480)))
+
+            def settled() -> bool:
+                now = server.scrape()
+                refused = delta(before, now, "attnserve_requests_total", rpc="http:/v2/infer",
+                                code="RESOURCE_EXHAUSTED")
+                return refused + sample(now, "attnserve_inflight_requests") >= 6
+            assert wait_for(settled, timeout=120)
+            during = server.scrape()
+            stalled_rss = server.status()["rss"]
+            with grpc.insecure_channel(server.address) as channel:
+                stub(channel).Embed(pb.EmbedRequest(texts=["still serving"]), timeout=60)
+    finally:
+        for sock in sockets:
+            sock.close()
+    refused = delta(before, during, "attnserve_requests_total", rpc="http:/v2/infer",
+                    code="RESOURCE_EXHAUSTED")
+    stalled = sample(during, "attnserve_inflight_requests")
+    gone = wait_for(lambda: sample(server.scrape(), "attnserve_inflight_requests") == 0,
+                    timeout=20)
+    given_back = wait_for(lambda: server.status()["rss"] <= stalled_rss - ANSWER // 2, timeout=20)
+    highest = peak.close()
+    assert stalled >= 1 and refused >= 3, (stalled, refused)
+    assert probe.failed == [], str(probe)
+    assert highest <= server.baseline + BUDGET + SLACK, (highest - server.baseline) / MIB
+    assert gone and given_back, (gone, (stalled_rss - server.status()["rss"]) / MIB)
+    print(f"\nstalled HTTP readers: 6 infers of 63 MiB answers: {stalled:.0f} held unsent, "
+          f"{refused:.0f} refused (429); peak {(highest - server.baseline) / MIB:.0f} MiB over "
+          f"idle (budget {BUDGET / MIB:.0f} MiB); {probe}")
