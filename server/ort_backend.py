@@ -92,8 +92,6 @@ def session_options(threads: int) -> ort.SessionOptions:
     # one (measured: 60 MiB for 1×16 after 32×128): its peak would depend on what ran
     # before, past what the memory model can predict.
     options.enable_mem_pattern = False
-    if os.environ.get('EXP_SPIN') is not None:
-        options.add_session_config_entry('session.intra_op.allow_spinning', os.environ['EXP_SPIN'])
     return options
 
 

@@ -2,6 +2,7 @@
 event loop unless the response is small. Pooled vectors come pooled from the graph."""
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -114,7 +115,7 @@ def field_bytes(payload: int) -> int:
 
 def tensor_bytes(shape: tuple[int, ...], value_bytes: float) -> int:
     """A pb.Tensor: its packed shape, its dtype, its data."""
-    data = int(np.ceil(np.prod(shape, dtype=np.float64) * value_bytes))
+    data = math.ceil(math.prod(shape) * value_bytes)
     return field_bytes(sum(varint_bytes(d) for d in shape)) + 2 + field_bytes(data)
 
 
