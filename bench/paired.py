@@ -15,6 +15,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from attnserve.bench.harness import REPO, ServerProcess
@@ -32,6 +33,7 @@ from attnserve.server.client import EncoderClient
 log = logging.getLogger("bench.paired")
 
 CONCURRENCY = (1, 8, 64)
+IDLE_S = 1.0
 
 
 class RawWorker:
@@ -141,6 +143,7 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
     served_sides = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts)}
     if "int8" in clients:
         served_sides["grpc_int8"] = lambda: clients["int8"].embed(texts)
+    rss_before = server.status()["rss"]
     for call in served_sides.values():
         call()
     calls = _block(first, block_s)
@@ -167,6 +170,10 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
         if key in samples:
             out[shape.name] = shape_row(samples[key], shape.batch, shape.seq)
     grpc_out["shapes"][shape.name]["server"] = Measured.merge(breakdowns)
+    # What the fp32 server gives back once idle (its batch loop trims the heap then).
+    time.sleep(IDLE_S)
+    grpc_out["shapes"][shape.name].update(rss_before=rss_before,
+                                          rss_after_idle=server.status()["rss"])
     log.info("phase=paired shape=%s %s", shape.name, " ".join(
         f"{key}_tokens_per_s={shape_row(v, shape.batch, shape.seq)['tokens_per_s']:.0f}"
         for key, v in samples.items()))

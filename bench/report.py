@@ -143,6 +143,18 @@ def targets(result: dict, rows: list[dict]) -> list[dict]:
         if i8 and r:
             add(f"{name}: int8 ≥ {limit:.1f}× fp32 (raw, the server's backend)", i8["x_raw"], limit,
                 True, f"{i8['tokens_per_s']:.0f} vs {r['tokens_per_s']:.0f} tokens/s")
+    longest = max(result["workload"]["shapes"], key=lambda x: x["batch"] * x["seq"])["name"]
+    r, d = _find(rows, longest, RAW), _find(rows, longest, DEFAULT)
+    if r and d:
+        add(f"{longest}: the server's session (arena off) ≥ 0.95× onnxruntime at default options",
+            r["tokens_per_s"] / d["tokens_per_s"], 0.95, True,
+            f"{r['tokens_per_s']:.0f} vs {d['tokens_per_s']:.0f} tokens/s")
+    served = result.get("grpc", {}).get("shapes", {}).get(longest, {})
+    if "rss_after_idle" in served:
+        back = (served["rss_after_idle"] - served["rss_before"]) / 2**20
+        add(f"{longest}: the server's resident set 1 s after it ≤ 50 MiB over before it", back,
+            50, False, f"{served['rss_before'] / 2**20:.0f} MiB before, "
+            f"{served['rss_after_idle'] / 2**20:.0f} MiB after")
     g8, st = _find(rows, "32x128", GRPC_INT8), _find(rows, "32x128", ST)
     if g8 and st:
         add("32x128: gRPC int8 ≥ 1.5× sentence-transformers", g8["tokens_per_s"] / st["tokens_per_s"],
