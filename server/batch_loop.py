@@ -43,14 +43,14 @@ MAX_PADDING_RATIO = 1.1
 TRIM_AFTER_BYTES = 16 << 20
 IDLE_TRIM_S = 0.05
 TRIM_NOW_BUDGET_SHARE = 0.25
-# Measuring a batch's memory is not free: the probe's sampling thread wakes every
-# millisecond while it runs (on two cores beside onnxruntime's two threads that made 1×16
-# calls 35 % slower and 8×128 15 %), and reading glibc's count before and after took
-# 0.5 ms of a 1×16 call's 7. Every batch predicted to take this much is measured; of the
-# smaller ones, the first of each length bucket (with or without maps) and every
-# SMALL_MEASURE_EVERY-th after it: enough for the dashboard's measured/predicted panel,
-# which compares the same batches.
-MEASURE_ALL_FROM_BYTES = 64 << 20
+# Measuring a batch's memory is not free: reading glibc's count before and after it took
+# 0.5 ms of a 1×16 call's 7, and the probe's sampling thread reads while it runs (see
+# memory.SAMPLE_MAX_SHARE). A batch predicted to take this much runs for about 0.1 s or
+# more on the CPU (1×512: 16 MiB, 0.11 s), so measuring it costs under 1 %: every such
+# batch is measured. Of the smaller ones, the first of each length bucket (with or
+# without maps) and every SMALL_MEASURE_EVERY-th after it: enough for the dashboard's
+# measured/predicted panel, which compares the same batches.
+MEASURE_ALL_FROM_BYTES = 16 << 20
 SMALL_MEASURE_EVERY = 16
 
 
