@@ -81,7 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attnserve.server.config import add_serve_arguments
+    from attnserve.server.config import CHOICES, add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder for memory_profile.{csv,json,png}")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="as for serve")
-    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16"))
+    p.add_argument("--precision", default="auto", choices=CHOICES["precision"])
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads; 0: all")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each shape; the largest peak counts (on the CPU a rerun "

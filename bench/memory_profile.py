@@ -139,7 +139,8 @@ class PeakMeter:
         for kind in GRAPH_KINDS:
             graph = self.manifest.graph(attention=kind == ATTENTION, precision=precision)
             if graph is None:
-                raise SystemExit(f"{self.artifact.directory}: no {precision} graphs (export with --fp16)")
+                raise SystemExit(f"{self.artifact.directory}: no {precision} graphs (export with "
+                                 f"--{precision})")
             self.graphs[kind] = graph.file
         # On the CPU one session per graph serves every shape: memray's count does not
         # depend on what ran before. On CUDA each shape gets a session of its own.

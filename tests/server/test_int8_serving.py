@@ -1,6 +1,8 @@
 """`attnserve serve --precision int8`: the CPU's quantized graphs, served beside fp32 with the
 embeddings they promise, and refused with a reason where they cannot be."""
 
+import json
+import shutil
 import subprocess
 
 import numpy as np
@@ -48,3 +50,23 @@ def test_int8_without_int8_graphs_is_refused_at_start(tiny_artifact):
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "no int8 graphs (export with --int8)" in result.stderr
+
+
+def test_memory_profile_fits_the_int8_graphs_and_the_int8_server_uses_the_fit(int8_artifact,
+                                                                               tmp_path):
+    """Without a fit of its own the int8 server admits on the analytic bound, which is
+    far above what its graphs take."""
+    artifact = tmp_path / "artifact"
+    shutil.copytree(int8_artifact, artifact)
+    out = tmp_path / "profile"
+    done = subprocess.run(
+        [*ATTNSERVE, "memory-profile", "--artifact", str(artifact), "--out", str(out),
+         "--seq-lens", "16,64", "--batch-sizes", "1,8", "--attention", "--device", "cpu",
+         "--precision", "int8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "memory_profile.json").read_text())
+    assert report["precision"] == "int8"
+    assert all(row["peak_bytes"] > 0 for row in report["rows"])
+    with ServerProcess(artifact, "--precision", "int8") as server:
+        log = server.output()
+    assert "fitted on CPUExecutionProvider int8 (encoder_int8.onnx)" in log, log[-2000:]
