@@ -72,7 +72,9 @@ def fresh():
 
 def test_probe_counts_what_memray_counts(fresh, tiny_artifact):
     peaks, counted, maps = fresh(str(tiny_artifact), 3, True)
-    peak = sorted(peaks)[1]  # the probe's count is the process's: the median of three
+    # Between its reads the probe can miss a transient peak, never add one (nothing else
+    # allocates in this process): the highest of three runs.
+    peak = max(peaks)
     # The run's outputs (every layer's maps) are alive when it ends, so both counts
     # hold them at least.
     assert counted >= maps and peak >= maps, (counted, peaks, maps)
@@ -82,8 +84,11 @@ def test_probe_counts_what_memray_counts(fresh, tiny_artifact):
 
 def test_memory_freed_and_reused_counts_again(fresh, tiny_artifact):
     peaks, _, maps = fresh(str(tiny_artifact), 3, False)
+    # Every run counts its maps again, in memory the run before freed (the resident set
+    # reads ~0 then). What lies above them is transient, and a run may read it or not:
+    # freed pages kept by glibc are fast to reuse, and an intermediate can come and go
+    # between two reads (seen: 17.3, 26.2 or 28.3 MiB for 16.8 MiB of maps).
     assert min(peaks) >= maps, peaks
-    assert max(peaks) - min(peaks) <= 0.03 * max(peaks), peaks
 
 
 def test_allocated_bytes_sees_an_allocation_and_its_release():
