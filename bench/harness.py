@@ -22,9 +22,14 @@ REPO = Path(__file__).resolve().parents[1]
 ATTNSERVE = [sys.executable, "-m", "attnserve"]
 START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 60
+PORT_ATTEMPTS = 3
 
 Samples = dict[tuple[str, frozenset], float]
 """(sample name, its labels) -> value"""
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind a port the harness picked for it."""
 
 
 def free_port() -> int:
@@ -46,25 +51,35 @@ class ServerProcess:
         self.workdir = Path(tempfile.mkdtemp(prefix="attnserve-"))
         self.log_path = log_path or self.workdir / "serve.log"
         self.ready_path = self.workdir / "ready.json"
-        self.args = [*ATTNSERVE, "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
-                     "--port", "0", "--metrics-host", "127.0.0.1",
-                     "--metrics-port", str(free_port()), "--http-port", str(free_port()),
-                     "--device", "cpu",
-                     "--ready-file", str(self.ready_path), *flags]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
         self.env.update(env or {})
-        self._log = self.log_path.open("w")  # a file, not a pipe nobody drains
-        self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
-        self.port, self.metrics_port, self.http_port = self._wait_ready(start_timeout_s)
+        # A port free when picked can be taken by another process before the server binds
+        # it (seen in CI: "address already in use"); then the start is tried again on
+        # other ports.
+        for attempt in range(PORT_ATTEMPTS):
+            self.args = [*ATTNSERVE, "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
+                         "--port", "0", "--metrics-host", "127.0.0.1",
+                         "--metrics-port", str(free_port()), "--http-port", str(free_port()),
+                         "--device", "cpu",
+                         "--ready-file", str(self.ready_path), *flags]
+            self._log = self.log_path.open("w")  # a file, not a pipe nobody drains
+            self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log,
+                                         stderr=subprocess.STDOUT)
+            try:
+                self.port, self.metrics_port, self.http_port = self._wait_ready(start_timeout_s)
+                return
+            except PortTaken:
+                if attempt + 1 == PORT_ATTEMPTS:
+                    raise
 
     def _wait_ready(self, timeout_s: float) -> tuple[int, int, int]:
         deadline = time.monotonic() + timeout_s
         while not self.ready_path.exists():
             if self.proc.poll() is not None:
                 self._log.close()
-                raise RuntimeError(f"attnserve serve exited {self.proc.returncode} before it "
-                                   f"was ready:\n{self.output()[-4000:]}")
+                error = PortTaken if "address already in use" in self.output() else RuntimeError
+                raise error(f"attnserve serve exited {self.proc.returncode} before it "
+                            f"was ready:\n{self.output()[-4000:]}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"attnserve serve not ready in {timeout_s:.0f}s:"

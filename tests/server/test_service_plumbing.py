@@ -1,5 +1,6 @@
 """Health, reflection, start-up checks and the `attnserve embed` command line."""
 
+import socket
 import subprocess
 
 import grpc
@@ -7,6 +8,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from attnserve.bench import harness
 from tests.conftest import ATTNSERVE, REPO
 
 
@@ -68,3 +70,22 @@ def test_a_nonsensical_flag_is_refused_at_start(tiny_artifact):
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--max-batch-size: must be at least 1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_port_taken_before_the_server_binds_it_is_tried_again(tiny_artifact, monkeypatch):
+    """The harness picks /metrics and HTTP ports that are free when picked; another
+    process can take one before the server binds it (it happened in CI). The server then
+    exits on "address already in use" and the harness starts it again on other ports."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        picks = iter([port])
+        real = harness.free_port
+        monkeypatch.setattr(harness, "free_port", lambda: next(picks, None) or real())
+        with harness.ServerProcess(tiny_artifact) as server, \
+                grpc.insecure_channel(server.address) as channel:
+            assert port not in (server.metrics_port, server.http_port)
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                              timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
