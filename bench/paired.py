@@ -163,20 +163,20 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
                     breakdowns.append(m.summary())
                 else:
                     samples[key].extend(time_calls(call, calls))
+    rows = {key: shape_row(seconds, shape.batch, shape.seq) for key, seconds in samples.items()}
     for key, out in (("opt", raw["shapes"]), ("plain", raw["plain_shapes"]),
                      ("default", raw["default_shapes"]), ("int8", raw["int8_shapes"]),
                      ("grpc", grpc_out["shapes"]), ("http", grpc_out["http_shapes"]),
                      ("grpc_int8", grpc_out["int8_shapes"])):
-        if key in samples:
-            out[shape.name] = shape_row(samples[key], shape.batch, shape.seq)
+        if key in rows:
+            out[shape.name] = rows[key]
     grpc_out["shapes"][shape.name]["server"] = Measured.merge(breakdowns)
     # What the fp32 server gives back once idle (its batch loop trims the heap then).
     time.sleep(IDLE_S)
     grpc_out["shapes"][shape.name].update(rss_before=rss_before,
                                           rss_after_idle=server.status()["rss"])
     log.info("phase=paired shape=%s %s", shape.name, " ".join(
-        f"{key}_tokens_per_s={shape_row(v, shape.batch, shape.seq)['tokens_per_s']:.0f}"
-        for key, v in samples.items()))
+        f"{key}_tokens_per_s={row['tokens_per_s']:.0f}" for key, row in rows.items()))
 
 
 def _mixed(workers: dict[str, RawWorker], server: ServerProcess, workload: Workload,

@@ -65,6 +65,28 @@ def test_optimised_graph_fuses_every_attention_block(minilm):
     assert "Softmax" not in ops
 
 
+def worst_errors(session: ort.InferenceSession, reference: HuggingFace, rng: np.random.Generator,
+                 rows: int, seqs: tuple[int, ...]) -> tuple[float, float, int]:
+    """A graph run on padded batches of `rows` rows (the second row padded from its
+    middle) at each length in `seqs`, against `reference` on each row alone: the largest
+    difference in hidden states and in attention maps, and how many layers' maps it gave."""
+    names = [o.name for o in session.get_outputs() if o.name not in POOLED_OUTPUTS]
+    worst_hidden = worst_maps = 0.0
+    for seq in seqs:
+        ids = rng.integers(1000, 30000, (rows, seq))
+        mask = np.ones_like(ids)
+        mask[1, max(1, seq // 2):] = 0
+        hidden, *maps = session.run(names, {"input_ids": ids, "attention_mask": mask})
+        for row in range(rows):
+            n = int(mask[row].sum())
+            want_hidden, want_maps = reference.run(ids[row, :n].tolist())
+            worst_hidden = max(worst_hidden, float(np.abs(hidden[row, :n] - want_hidden).max()))
+            for layer, got in enumerate(maps):
+                worst_maps = max(worst_maps, float(np.abs(got[row, :, :n, :n]
+                                                          - want_maps[layer]).max()))
+    return worst_hidden, worst_maps, len(maps)
+
+
 @pytest.fixture(scope="module")
 def minilm_hf():
     return HuggingFace(minilm_dir())
@@ -76,22 +98,9 @@ def test_onnx_matches_hugging_face_at_untraced_shapes(minilm, minilm_hf, file):
     saw (1 to the model's 512), against Hugging Face's BertModel on each row alone: hidden
     states and, from the attention graph, every layer's maps in its place."""
     session = ort.InferenceSession(str(minilm.path(file)), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs() if o.name not in POOLED_OUTPUTS]
-    rng = np.random.default_rng(2)
-    worst_hidden = worst_maps = 0.0
-    for seq in (1, 2, 17, 128, 512):
-        ids = rng.integers(1000, 30000, (2, seq))
-        mask = np.ones_like(ids)
-        mask[1, max(1, seq // 2):] = 0
-        hidden, *maps = session.run(names, {"input_ids": ids, "attention_mask": mask})
-        assert len(maps) == (6 if file == "encoder_attn.onnx" else 0)
-        for row in range(2):
-            n = int(mask[row].sum())
-            want_hidden, want_maps = minilm_hf.run(ids[row, :n].tolist())
-            worst_hidden = max(worst_hidden, float(np.abs(hidden[row, :n] - want_hidden).max()))
-            for layer, got in enumerate(maps):
-                worst_maps = max(worst_maps, float(np.abs(got[row, :, :n, :n]
-                                                          - want_maps[layer]).max()))
+    worst_hidden, worst_maps, layers = worst_errors(session, minilm_hf, np.random.default_rng(2),
+                                                    rows=2, seqs=(1, 2, 17, 128, 512))
+    assert layers == (6 if file == "encoder_attn.onnx" else 0)
     assert worst_hidden <= FP32_HIDDEN_ATOL, worst_hidden
     assert worst_maps <= FP32_MAPS_ATOL, worst_maps
 
@@ -127,22 +136,10 @@ def test_fp16_graphs_stay_near_their_measured_error(tiny_fp16_artifact, tiny_che
         assert any(init.data_type == onnx.TensorProto.FLOAT16 for init in initializers)
         assert file in artifact.manifest.files
         session = ort.InferenceSession(str(artifact.path(file)), providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs() if o.name not in POOLED_OUTPUTS]
-        worst_hidden = worst_maps = 0.0
-        for seq in (5, 17, 64, 128):
-            ids = rng.integers(1000, 30000, (3, seq))
-            mask = np.ones_like(ids)
-            mask[1, seq // 2:] = 0
-            hidden, *maps = session.run(names, {"input_ids": ids, "attention_mask": mask})
-            for row in range(3):
-                n = int(mask[row].sum())
-                want_hidden, want_maps = hf.run(ids[row, :n].tolist())
-                worst_hidden = max(worst_hidden, float(np.abs(hidden[row, :n] - want_hidden).max()))
-                for layer, got in enumerate(maps):
-                    worst_maps = max(worst_maps, float(np.abs(got[row, :, :n, :n]
-                                                              - want_maps[layer]).max()))
+        worst_hidden, worst_maps, layers = worst_errors(session, hf, rng, rows=3,
+                                                        seqs=(5, 17, 64, 128))
         assert worst_hidden <= FP16_HIDDEN_ATOL, (file, worst_hidden)
-        assert len(maps) == (artifact.manifest.num_layers if attention else 0)
+        assert layers == (artifact.manifest.num_layers if attention else 0)
         assert worst_maps <= FP16_MAPS_ATOL, (file, worst_maps)
 
 
