@@ -60,9 +60,7 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
     try:
         return await handler()
     except RequestError as err:
-        code = err.code
-        status = err.status()
-        await context.abort(status.code, status.details, status.trailing_metadata)
+        code, refusal = err.code, err
     except asyncio.CancelledError:
         remaining = context.time_remaining()
         expired = remaining is not None and remaining <= DEADLINE_SLACK_S
@@ -73,10 +71,13 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
             raise
         code = grpc.StatusCode.INTERNAL
         log.exception("event=internal_error rpc=%s", rpc)
-        await context.abort(code, f"internal error: {err.__class__.__name__}")
+        refusal = RequestError(f"internal error: {err.__class__.__name__}")
     finally:
         metrics.inflight.dec()
         metrics.answered(rpc, code.name, time.perf_counter() - started)
+    # Sent once counted, so a caller that sees the refusal finds it in /metrics.
+    status = refusal.status()
+    await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 class Undecodable:
