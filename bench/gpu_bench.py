@@ -155,7 +155,7 @@ def raw_phase(artifact_dir: Path, device: str, plan: Plan, texts: Texts, budget:
     threads = 1 if device == "cuda" else len(os.sched_getaffinity(0))
 
     def session(cuda_graph: bool = False) -> ort.InferenceSession:
-        made = ort.InferenceSession(str(artifact.path(graph.file)), session_options(threads),
+        made = ort.InferenceSession(str(artifact.path(graph.file)), session_options(threads, provider),
                                     providers=providers_for(provider, cuda_graph))
         if provider not in made.get_providers():
             raise RuntimeError(f"{graph.file}: not placed on {provider}")

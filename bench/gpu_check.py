@@ -135,7 +135,8 @@ def ort_sessions(artifact_dir: Path, provider: str, precision: str, threads: int
         graph = manifest.graph(attention=attention, precision=precision)
         if graph is None:
             return None, manifest
-        session = ort.InferenceSession(str(artifact.path(graph.file)), session_options(threads),
+        session = ort.InferenceSession(str(artifact.path(graph.file)),
+                                       session_options(threads, provider),
                                        providers=providers_for(provider))
         if provider not in session.get_providers():
             raise RuntimeError(f"{graph.file}: onnxruntime did not place it on {provider}")

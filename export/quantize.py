@@ -60,7 +60,7 @@ MAX_OUTLIER_SHARE = 0.05
 PARITY_BATCH = 16
 CALIBRATION_BATCH = 8
 # Inputs of these are smoothed (the op types the transformer optimiser leaves in a graph).
-_LAYER_NORMS = ("LayerNormalization", "SkipLayerNormalization")
+_LAYER_NORMS = ("LayerNormalization",)
 
 
 class Int8ParityError(RuntimeError):
@@ -256,7 +256,7 @@ def _quantize(model: onnx.ModelProto, target: Path, exclude: list[str]) -> None:
             weight_type=QuantType.QInt8,
             nodes_to_exclude=exclude,
             # Shape inference cannot type the outputs of com.microsoft ops (fused Attention,
-            # SkipLayerNormalization); they are all float.
+            # BiasGelu); they are all float.
             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
         )
     finally:

@@ -30,12 +30,12 @@ def _peaks(artifact_dir: str, runs: int, with_memray: bool) -> tuple[list[int], 
 
     from attnserve.artifact import load_artifact
     from attnserve.server.memory import MemoryProbe
-    from attnserve.server.ort_backend import session_options
+    from attnserve.server.ort_backend import CPU, session_options
 
     artifact = load_artifact(Path(artifact_dir))
     graph = artifact.manifest.graph(attention=True, precision="fp32")
-    session = ort.InferenceSession(str(artifact.path(graph.file)), session_options(1),
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(artifact.path(graph.file)), session_options(1, CPU),
+                                   providers=[CPU])
     layers = artifact.manifest.num_layers
     names = ["last_hidden_state"] + [f"attentions.{i}" for i in range(layers)]
     ids = np.random.default_rng(0).integers(1000, 20000, size=(BATCH, SEQ), dtype=np.int64)
