@@ -93,7 +93,8 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
             workers[engine] = _worker(spec_path, work, engine)
         worker = workers["server"]
         raw: dict = {**worker.info, "default_graph": workers["default"].info["graph"],
-                     "shapes": {}, "plain_shapes": {}, "default_shapes": {}, "int8_shapes": {},
+                     "shapes": {}, "plain_shapes": {}, "default_shapes": {},
+                     "default_texts_shapes": {}, "int8_shapes": {},
                      "rounds": rounds}
         graphs = ["opt"] + (["plain"] if "plain_graph" in worker.info else [])
         servers["fp32"] = server = bench_server(artifact, work / "server.log", server_extra,
@@ -134,12 +135,14 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
     texts = shape.inputs.texts
     worker = workers["server"]
     first = worker.call("shape", name=shape.name, graph="opt", calls=1, warmup=1)["seconds"][0]
-    raw_sides = {graph: (worker, graph) for graph in graphs}
-    raw_sides |= {engine: (workers[engine], "opt") for engine in ("default", "int8")
+    # key: (worker, graph, tokenize)
+    raw_sides = {graph: (worker, graph, False) for graph in graphs}
+    raw_sides |= {engine: (workers[engine], "opt", False) for engine in ("default", "int8")
                   if engine in workers}
-    for key, (w, graph) in raw_sides.items():
+    raw_sides["default_texts"] = (workers["default"], "opt", True)
+    for key, (w, graph, tokenize) in raw_sides.items():
         if key != "opt":
-            w.call("shape", name=shape.name, graph=graph, calls=0, warmup=1)
+            w.call("shape", name=shape.name, graph=graph, calls=0, warmup=1, tokenize=tokenize)
     served_sides = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts)}
     if "int8" in clients:
         served_sides["grpc_int8"] = lambda: clients["int8"].embed(texts)
@@ -152,9 +155,9 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
     for round_ in range(rounds):
         for side in _order(round_):
             if side == "raw":
-                for key, (w, graph) in raw_sides.items():
-                    samples[key] += w.call("shape", name=shape.name, graph=graph,
-                                           calls=calls)["seconds"]
+                for key, (w, graph, tokenize) in raw_sides.items():
+                    samples[key] += w.call("shape", name=shape.name, graph=graph, calls=calls,
+                                           tokenize=tokenize)["seconds"]
                 continue
             for key, call in served_sides.items():
                 if key == "grpc":  # the server's own breakdown, for the gRPC rows
@@ -165,7 +168,8 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
                     samples[key].extend(time_calls(call, calls))
     rows = {key: shape_row(seconds, shape.batch, shape.seq) for key, seconds in samples.items()}
     for key, out in (("opt", raw["shapes"]), ("plain", raw["plain_shapes"]),
-                     ("default", raw["default_shapes"]), ("int8", raw["int8_shapes"]),
+                     ("default", raw["default_shapes"]),
+                     ("default_texts", raw["default_texts_shapes"]), ("int8", raw["int8_shapes"]),
                      ("grpc", grpc_out["shapes"]), ("http", grpc_out["http_shapes"]),
                      ("grpc_int8", grpc_out["int8_shapes"])):
         if key in rows:

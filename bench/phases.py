@@ -80,7 +80,9 @@ class RawEngine:
     - `server`: the server's own OrtBackend (same graph file, same session options, the
       same process-wide malloc settings), and optionally the unfused graph with them;
     - `default`: what a user gets calling onnxruntime themselves, `InferenceSession(path)`
-      at its default options, on the server's fp32 graph, in a process of its own;
+      at its default options, on the server's fp32 graph, in a process of its own; also
+      with the artifact's tokenizer in front of it (`tokenize=True`: texts in, as the server
+      gets them, padded to the longest as a user's script would);
     - `int8`: the server's OrtBackend serving the int8 graphs (`export --int8`)."""
 
     def __init__(self, spec: dict):
@@ -95,8 +97,15 @@ class RawEngine:
         self.pad = self.artifact.manifest.pad_token_id
         self.info = {"engine": engine, "threads": spec["threads"]}
         if engine == "default":
+            from tokenizers import Tokenizer
+
+            from attnserve.artifact import TOKENIZER
+
             graph = self.artifact.manifest.graph(attention=False, precision="fp32")
             self.runtime = None
+            self.tokenizer = Tokenizer.from_file(str(self.artifact.path(TOKENIZER)))
+            self.tokenizer.enable_padding(pad_id=self.pad)
+            self.tokenizer.enable_truncation(self.artifact.manifest.max_positions)
             self.sessions = {"opt": ort.InferenceSession(str(self.artifact.path(graph.file)),
                                                          providers=[CPU])}
             self.info["graph"] = graph.file
@@ -114,6 +123,7 @@ class RawEngine:
             self.sessions["plain"] = self.runtime._session(plain, CPU, cuda_graph=False)
             self.info["plain_graph"] = plain.file
         self.shapes = {s.name: padded_batch(s.inputs.ids, self.pad) for s in self.workload.shapes}
+        self.texts = {s.name: s.inputs.texts for s in self.workload.shapes}
         self.batches = {
             "mixed": [padded_batch([self.workload.mixed.ids[i] for i in b], self.pad)
                       for b in self.workload.ideal_batches],
@@ -125,10 +135,24 @@ class RawEngine:
         return self.sessions[graph].run(["last_hidden_state"],
                                         {"input_ids": ids, "attention_mask": mask})
 
-    def shape(self, name: str, graph: str, calls: int, warmup: int = 0) -> dict:
-        ids, mask = self.shapes[name]
-        return {"seconds": time_calls(lambda: self.run(graph, ids, mask),
-                                      Reps(calls, calls, 0.0, warmup=warmup))}
+    def shape(self, name: str, graph: str, calls: int, warmup: int = 0,
+              tokenize: bool = False) -> dict:
+        if tokenize:
+            texts = self.texts[name]
+
+            def call():
+                return self.run(graph, *self._tokenized(texts))
+        else:
+            ids, mask = self.shapes[name]
+
+            def call():
+                return self.run(graph, ids, mask)
+        return {"seconds": time_calls(call, Reps(calls, calls, 0.0, warmup=warmup))}
+
+    def _tokenized(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        encoded = self.tokenizer.encode_batch(texts)
+        return (np.array([e.ids for e in encoded], dtype=np.int64),
+                np.array([e.attention_mask for e in encoded], dtype=np.int64))
 
     def mixed(self, kind: str, graph: str, texts: str = "mixed") -> dict:
         """One pass over the mixed (or short) texts: ideal batches, or one text at a time."""
