@@ -6,7 +6,7 @@ ARTIFACT ?= artifacts/all-MiniLM-L6-v2
 PROTO_OUT := server/_proto
 PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
 
-.PHONY: serve test proto export lint tools lint-deps
+.PHONY: serve test proto alloc-hook export lint tools lint-deps
 
 # The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
 # downloads a multi-GB CUDA build), every extra the tests and export need.
@@ -28,12 +28,21 @@ $(PROTO_OUT)/.stamp: $(PROTOS) $(BIN)/attnserve
 
 proto: $(PROTO_OUT)/.stamp
 
+# The allocation hook `attnserve serve` preloads on the CPU to measure each batch's memory
+# exactly (server/alloc_peak.c). Without a C compiler the server samples instead.
+ALLOC_HOOK := server/_alloc_peak.so
+$(ALLOC_HOOK): server/alloc_peak.c
+	if command -v cc >/dev/null; then cc -O2 -Wall -shared -fPIC -o $@ $<; \
+	else echo "no C compiler: the server will sample each batch's memory instead"; fi
+
+alloc-hook: $(ALLOC_HOOK)
+
 $(ARTIFACT)/manifest.json: | $(PROTO_OUT)/.stamp
 	$(BIN)/attnserve export --out $(ARTIFACT)
 
 export: $(ARTIFACT)/manifest.json
 
-serve: $(ARTIFACT)/manifest.json
+serve: $(ARTIFACT)/manifest.json $(ALLOC_HOOK)
 	$(BIN)/attnserve serve --artifact $(ARTIFACT)
 
 # promtool and prometheus (Debian's `prometheus` package) for the metrics and rules tests;
@@ -49,7 +58,7 @@ lint-deps: .venv-lint/bin/checkov
 	$(PYTHON) -m venv .venv-lint
 	.venv-lint/bin/pip install --quiet 'checkov==3.3.30'
 
-test: $(PROTO_OUT)/.stamp tools lint-deps
+test: $(PROTO_OUT)/.stamp $(ALLOC_HOOK) tools lint-deps
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/attnserve

@@ -38,12 +38,15 @@ def _cosine(text: str) -> float:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from attnserve.artifact import ArtifactError
+    from attnserve.server import alloc_hook
     from attnserve.server.app import Server, run
     from attnserve.server.config import config_from_args
     from attnserve.server.ort_backend import DeviceError
 
     try:
         config = config_from_args(args)
+        if config.device != "cuda":  # on CUDA the probe reads the device (NVML) instead
+            alloc_hook.start_with_hook()
         logging.getLogger().setLevel(config.log_level.upper())
         if args.check_config:
             server = Server(config)

@@ -43,7 +43,8 @@ MAX_PADDING_RATIO = 1.1
 TRIM_AFTER_BYTES = 16 << 20
 IDLE_TRIM_S = 0.05
 TRIM_NOW_BUDGET_SHARE = 0.25
-# Measuring a batch's memory is not free: reading glibc's count before and after it took
+# Without the allocation hook (memory.MemoryProbe.exact: every batch measured), measuring a
+# batch's memory is not free: reading glibc's count before and after it took
 # 0.5 ms of a 1×16 call's 7, and the probe's sampling thread reads while it runs (see
 # memory.SAMPLE_MAX_SHARE). A batch predicted to take this much runs for about 0.1 s or
 # more on the CPU (1×512: 16 MiB, 0.11 s), so measuring it costs under 1 %: every such
@@ -190,8 +191,10 @@ class BatchLoop:
             ids, mask = pad([w.sequence for w in items], shape, self.pad_id)
         rows, seq = ids.shape
         predicted = self.memory.batch_bytes(rows, seq, len(batch.layers))
-        measure = predicted >= MEASURE_ALL_FROM_BYTES or next(self.small_batches.setdefault(
-            (self.metrics.bucket(seq), bool(batch.layers)), itertools.count())) % SMALL_MEASURE_EVERY == 0
+        measure = (self.probe.exact or predicted >= MEASURE_ALL_FROM_BYTES
+                   or next(self.small_batches.setdefault(
+                       (self.metrics.bucket(seq), bool(batch.layers)), itertools.count()))
+                   % SMALL_MEASURE_EVERY == 0)
         if measure:
             baseline = self.probe.start_batch()
         started = time.perf_counter()

@@ -2,8 +2,8 @@
 command works from what was installed, not from this checkout.
 
 The wheel is built from a copy of the tree (the files git would carry, plus the generated
-gRPC stubs, which `make proto` writes and the wheel carries as package data), so the
-build writes nothing into the checkout."""
+gRPC stubs and the allocation hook, which `make` writes and the wheel carries as package
+data), so the build writes nothing into the checkout."""
 
 import os
 import shutil
@@ -15,6 +15,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 STUBS = REPO / "server" / "_proto"
+HOOK = REPO / "server" / "_alloc_peak.so"  # `make alloc-hook`, where there is a C compiler
 
 
 def source_copy(target: Path) -> Path:
@@ -28,6 +29,8 @@ def source_copy(target: Path) -> Path:
             shutil.copy2(REPO / name, target / name)
     shutil.copytree(STUBS, target / "server" / "_proto",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    if HOOK.is_file():
+        shutil.copy2(HOOK, target / "server" / HOOK.name)
     return target
 
 
@@ -43,6 +46,7 @@ def test_the_wheel_installs_one_top_level_package_that_works(tmp_path):
     assert {name.split("/", 1)[0] for name in names} == {"attnserve", wheel.name.split("-py")[0]
                                                          + ".dist-info"}
     assert "attnserve/server/_proto/attnserve/v1/encoder_pb2.py" in names
+    assert ("attnserve/server/_alloc_peak.so" in names) == HOOK.is_file()
     assert not any(name.startswith(("attnserve/tests/", "attnserve/deploy/")) for name in names)
 
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}

@@ -69,13 +69,15 @@ def test_build_stage_generates_stubs_bakes_artifact_and_builds_wheel(device):
         "download.pytorch.org/whl/cpu",
         "'.[export]'",
         "make proto",
+        # the CPU image measures memory with the allocation hook (the GPU's reads NVML)
+        *(["alloc-hook"] if device == "cpu" else []),
         "attnserve export --out /artifact",
         "pip wheel --no-deps --wheel-dir /wheels .",
     ]
     positions = [build.find(step) for step in steps]
     assert -1 not in positions, dict(zip(steps, positions, strict=True))
     # The Makefile's proto target needs .venv/bin/attnserve (the install) first;
-    # the wheel must come after the stubs so that it carries them.
+    # the wheel must come after the stubs and the hook so that it carries them.
     assert positions == sorted(positions), dict(zip(steps, positions, strict=True))
 
 
