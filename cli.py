@@ -45,7 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        if config.device != "cuda":  # on CUDA the probe reads the device (NVML) instead
+        # Serving only (on CUDA the probe reads the device instead); a check starts nothing.
+        if config.device != "cuda" and not args.check_config:
             alloc_hook.start_with_hook()
         logging.getLogger().setLevel(config.log_level.upper())
         if args.check_config:
