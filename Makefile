@@ -29,11 +29,12 @@ $(PROTO_OUT)/.stamp: $(PROTOS) $(BIN)/attnserve
 proto: $(PROTO_OUT)/.stamp
 
 # The allocation hook `attnserve serve` preloads on the CPU to measure each batch's memory
-# exactly (server/alloc_peak.c). Without a C compiler the server samples instead.
+# exactly (server/alloc_peak.c; glibc only: -z defs refuses a build against another libc).
+# Without it the server samples instead.
 ALLOC_HOOK := server/_alloc_peak.so
 $(ALLOC_HOOK): server/alloc_peak.c
-	if command -v cc >/dev/null; then cc -O2 -Wall -shared -fPIC -o $@ $<; \
-	else echo "no C compiler: the server will sample each batch's memory instead"; fi
+	cc -O2 -Wall -shared -fPIC -Wl,-z,defs -o $@ $< || \
+		echo "no allocation hook (no C compiler, or not glibc): the server samples memory instead"
 
 alloc-hook: $(ALLOC_HOOK)
 

@@ -37,17 +37,26 @@ def _cosine(text: str) -> float:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from attnserve.artifact import ArtifactError
     from attnserve.server import alloc_hook
-    from attnserve.server.app import Server, run
     from attnserve.server.config import config_from_args
-    from attnserve.server.ort_backend import DeviceError
+    from attnserve.server.memory import gpu_present
 
     try:
         config = config_from_args(args)
-        # Serving only (on CUDA the probe reads the device instead); a check starts nothing.
-        if config.device != "cuda" and not args.check_config:
-            alloc_hook.start_with_hook()
+    except ValueError as err:
+        return _startup_failed(err)
+    # Before the heavy imports, which the new process would pay again. Only a server this
+    # command line started (not `main([...])` inside another program, not a check), and
+    # not on CUDA, where the probe reads the device instead.
+    if args.own_process and not args.check_config and (
+            config.device == "cpu" or (config.device == "auto" and not gpu_present()[0])):
+        alloc_hook.start_with_hook()
+
+    from attnserve.artifact import ArtifactError
+    from attnserve.server.app import Server, run
+    from attnserve.server.ort_backend import DeviceError
+
+    try:
         logging.getLogger().setLevel(config.log_level.upper())
         if args.check_config:
             server = Server(config)
@@ -58,10 +67,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 0
         asyncio.run(run(config))
     except (ArtifactError, DeviceError, ValueError, OSError) as err:
-        logging.getLogger("attnserve").error("event=startup_failed error=%r", str(err))
-        print(f"attnserve serve: {err}", file=sys.stderr)
-        return 2
+        return _startup_failed(err)
     return 0
+
+
+def _startup_failed(err: Exception) -> int:
+    logging.getLogger("attnserve").error("event=startup_failed error=%r", str(err))
+    print(f"attnserve serve: {err}", file=sys.stderr)
+    return 2
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -168,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
+    args.own_process = argv is None  # this process's command line, not a caller's list
     # `serve` sets its own level once --log-level (or its twin) has been checked.
     setup_logging()
     return args.func(args)

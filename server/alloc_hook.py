@@ -39,16 +39,25 @@ def loaded() -> bool:
 
 def start_with_hook() -> None:
     """Replace this process by itself with the hook preloaded, when it is built, not loaded
-    yet, and not tried already; otherwise return."""
-    if loaded() or not LIBRARY.is_file() or os.environ.get(_TRIED):
-        if os.environ.get(_TRIED) and not loaded():
-            log.warning("event=alloc_hook_not_loaded library=%s", LIBRARY)
+    yet, and not tried already; otherwise (or when that fails) return, and the server
+    samples instead.
+
+    Not beside another preloaded library: an allocator preloaded by the operator (jemalloc,
+    tcmalloc) would serve the memory while the hook measured it with glibc's sizes."""
+    if loaded() or not LIBRARY.is_file():
         return
-    env = dict(os.environ, **{_TRIED: "1"})
-    env["LD_PRELOAD"] = " ".join(filter(None, [str(LIBRARY), env.get("LD_PRELOAD", "")]))
+    if os.environ.get(_TRIED) or os.environ.get("LD_PRELOAD"):
+        log.warning("event=alloc_hook_not_loaded library=%s reason=%r", LIBRARY,
+                    "LD_PRELOAD already set" if os.environ.get("LD_PRELOAD") and not
+                    os.environ.get(_TRIED) else "the loader did not preload it")
+        return
+    env = dict(os.environ, **{_TRIED: "1", "LD_PRELOAD": str(LIBRARY)})
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError as err:
+        log.warning("event=alloc_hook_not_loaded library=%s reason=%r", LIBRARY, str(err))
 
 
 def reset() -> None:

@@ -87,7 +87,7 @@ def session_options(threads: int, provider: str) -> ort.SessionOptions:
         # into the kernel that made them 8-37 % slower (32x16: 58 vs 76 ms).
         options.add_session_config_entry("optimization.disable_specified_optimizers",
                                          "SkipLayerNormFusion")
-    # The CPU arena is off: the per-batch memory figure (mallinfo2, see memory.py) and
+    # The CPU arena is off: the per-batch memory figure (see memory.py) and
     # the memory model count onnxruntime's own allocations, which an arena hides after
     # its first growth, and what a long batch took goes back to the OS once idle. The
     # speed the arena gave comes from glibc keeping freed pages instead

@@ -65,6 +65,33 @@ def test_int8_graphs_compute_in_integers_and_keep_the_fused_attention(int8_artif
     assert {"MatMulInteger", "Softmax"} <= attend
 
 
+def test_cpu_sessions_keep_layer_norms_unfused(int8_artifact):
+    """onnxruntime's CPU SkipLayerNormalization kernel is 2.5x slower than the Add and the
+    LayerNormalization it replaces: the graphs leave them apart, and the server's CPU
+    sessions keep onnxruntime from fusing them again at load (at its defaults it does)."""
+    import json as json_
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from attnserve.server.ort_backend import CPU, session_options
+
+    path = str(int8_artifact.path("encoder_int8.onnx"))
+    assert "SkipLayerNormalization" not in _ops(int8_artifact, "encoder_int8.onnx")
+    assert "SkipLayerNormalization" not in _ops(int8_artifact, "encoder_opt.onnx")
+    ran = {}
+    for name, options in (("default", ort.SessionOptions()), ("server", session_options(1, CPU))):
+        options.enable_profiling = True
+        session = ort.InferenceSession(path, options, providers=[CPU])
+        ids = np.full((2, 8), 1000, dtype=np.int64)
+        session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+        profile = json_.loads(open(session.end_profiling()).read())
+        ran[name] = {e["args"]["op_name"] for e in profile
+                     if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
+    assert "SkipLayerNormalization" in ran["default"]
+    assert "SkipLayerNormalization" not in ran["server"] and "LayerNormalization" in ran["server"]
+
+
 def test_parity_gate_refuses_the_export_loudly(tmp_path, wide_checkpoint):
     out = tmp_path / "refused"
     result = subprocess.run(
