@@ -22,6 +22,15 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None,
 MIB = 1 << 20
 
 
+def with_hook(script: str) -> list[int]:
+    """The numbers `script` prints, run in a Python with the hook preloaded."""
+    env = dict(os.environ, LD_PRELOAD=str(alloc_hook.LIBRARY))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return [int(line) for line in done.stdout.split()]
+
+
 def test_built_where_there_is_a_compiler():
     assert alloc_hook.LIBRARY.is_file(), "make builds server/_alloc_peak.so (make alloc-hook)"
 
@@ -43,11 +52,7 @@ def test_a_threads_peak_is_its_own_allocations_exactly():
         alloc_hook.reset()
         print(alloc_hook.peak(), flush=True)
     """)
-    env = dict(os.environ, LD_PRELOAD=str(alloc_hook.LIBRARY))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    peak, after_reset = (int(line) for line in done.stdout.split())
+    peak, after_reset = with_hook(script)
     # 3 MiB held + 10 MiB at once, plus malloc's few bytes of rounding and the interpreter's
     # own small allocations between the two reads.
     assert 13 * MIB <= peak < 13 * MIB + 64 * 1024, peak
@@ -93,11 +98,7 @@ def test_every_allocation_path_is_counted_and_counted_back_when_freed():
         libc.free(libc.malloc(3 * n))
         print(alloc_hook.peak(), flush=True)
     """)
-    env = dict(os.environ, LD_PRELOAD=str(alloc_hook.LIBRARY))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    all_at_once, one_at_a_time = (int(line) for line in done.stdout.split())
+    all_at_once, one_at_a_time = with_hook(script)
     slack = 64 * 1024  # malloc's rounding and the interpreter's own small allocations
     # seven blocks of 1 MiB, and the last path's 2 MiB before it shrinks to 1
     assert 9 * MIB <= all_at_once < 9 * MIB + slack, all_at_once
