@@ -89,14 +89,20 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
     workers: dict[str, RawWorker] = {}
     servers: dict[str, ServerProcess] = {}
     try:
-        for engine in ("server", "default", *(("int8",) if int8 else ())):
+        plain = json.loads(spec_path.read_text()).get("plain_graph")
+        for engine in ("server", "default", *(("plain",) if plain else ()),
+                       *(("int8",) if int8 else ())):
             workers[engine] = _worker(spec_path, work, engine)
         worker = workers["server"]
         raw: dict = {**worker.info, "default_graph": workers["default"].info["graph"],
                      "shapes": {}, "plain_shapes": {}, "default_shapes": {},
                      "default_texts_shapes": {}, "int8_shapes": {},
                      "rounds": rounds}
-        graphs = ["opt"] + (["plain"] if "plain_graph" in worker.info else [])
+        # The raw sessions on the server's options: key -> (worker, session name).
+        graphs = {"opt": (worker, "opt")}
+        if "plain" in workers and "plain_graph" in workers["plain"].info:
+            graphs["plain"] = (workers["plain"], "plain")
+            raw["plain_graph"] = workers["plain"].info["plain_graph"]
         servers["fp32"] = server = bench_server(artifact, work / "server.log", server_extra,
                                                 threads)
         if int8:
@@ -128,7 +134,7 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
     return raw, grpc_out
 
 
-def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dict,
+def _shape(shape, workers: dict[str, RawWorker], graphs: dict, clients: dict,
            http: HttpEmbedder, server: ServerProcess, rounds: int, block_s: float, raw: dict,
            grpc_out: dict) -> None:
     """One fixed shape: every raw session and every served API, in alternating blocks."""
@@ -136,7 +142,7 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
     worker = workers["server"]
     first = worker.call("shape", name=shape.name, graph="opt", calls=1, warmup=1)["seconds"][0]
     # key: (worker, graph, tokenize)
-    raw_sides = {graph: (worker, graph, False) for graph in graphs}
+    raw_sides = {key: (w, graph, False) for key, (w, graph) in graphs.items()}
     raw_sides |= {engine: (workers[engine], "opt", False) for engine in ("default", "int8")
                   if engine in workers}
     raw_sides["default_texts"] = (workers["default"], "opt", True)
@@ -184,7 +190,7 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: list[str], clients: dic
 
 
 def _mixed(workers: dict[str, RawWorker], server: ServerProcess, workload: Workload,
-           graphs: list[str], rounds: int, raw: dict, grpc_out: dict) -> None:
+           graphs: dict, rounds: int, raw: dict, grpc_out: dict) -> None:
     """Rounds of: the raw sessions on ideal batches (each graph, and onnxruntime at its
     defaults) and one text at a time, then the server with 1, 8 and 64 concurrent callers
     (order flipped every round)."""
@@ -194,14 +200,14 @@ def _mixed(workers: dict[str, RawWorker], server: ServerProcess, workload: Workl
     latencies: dict[str, list[float]] = {}
     breakdowns: dict[int, list[dict]] = {c: [] for c in CONCURRENCY}
     padded = 0
-    worker.call("mixed", kind="ideal", graph="opt")  # warm-up
-    default.call("mixed", kind="ideal", graph="opt")
+    for w, graph in [*graphs.values(), (default, "opt")]:  # warm-up
+        w.call("mixed", kind="ideal", graph=graph)
     asyncio.run(run_callers(server.address, texts[:64], 8))
     paired_ratios = []
     for round_ in range(rounds):
         for side in _order(round_):
             if side == "raw":
-                ideal = [(f"ideal_{graph}", worker, graph) for graph in graphs]
+                ideal = [(f"ideal_{key}", w, graph) for key, (w, graph) in graphs.items()]
                 for key, w, graph in [*ideal, ("ideal_default", default, "opt")]:
                     r = w.call("mixed", kind="ideal", graph=graph)
                     runs.setdefault(key, []).append(r["run_seconds"])

@@ -78,7 +78,9 @@ class RawEngine:
     """One engine of the raw side, in-process, by `spec["engine"]`:
 
     - `server`: the server's own OrtBackend (same graph file, same session options, the
-      same process-wide malloc settings), and optionally the unfused graph with them;
+      same process-wide malloc settings);
+    - `plain`: the unfused graph with them, in a process of its own (a second busy session
+      beside the server's would share its cores' time);
     - `default`: what a user gets calling onnxruntime themselves, `InferenceSession(path)`
       at its default options, on the server's fp32 graph, in a process of its own; also
       with the artifact's tokenizer in front of it (`tokenize=True`: texts in, as the server
@@ -118,9 +120,8 @@ class RawEngine:
                              attention_graph=self.runtime.attn_graph.file)
         plain = next((g for g in self.artifact.manifest.graphs
                       if not g.attention and g.precision == "fp32" and not g.optimized), None)
-        if (engine == "server" and spec.get("plain_graph") and plain is not None
-                and plain.file != self.runtime.embed_graph.file):
-            self.sessions["plain"] = self.runtime._session(plain, CPU, cuda_graph=False)
+        if engine == "plain" and plain is not None and plain.file != self.runtime.embed_graph.file:
+            self.sessions = {"plain": self.runtime._session(plain, CPU, cuda_graph=False)}
             self.info["plain_graph"] = plain.file
         self.shapes = {s.name: padded_batch(s.inputs.ids, self.pad) for s in self.workload.shapes}
         self.texts = {s.name: s.inputs.texts for s in self.workload.shapes}
