@@ -46,10 +46,10 @@ def start_with_hook() -> None:
     tcmalloc) would serve the memory while the hook measured it with glibc's sizes."""
     if loaded() or not LIBRARY.is_file():
         return
-    if os.environ.get(_TRIED) or os.environ.get("LD_PRELOAD"):
-        log.warning("event=alloc_hook_not_loaded library=%s reason=%r", LIBRARY,
-                    "LD_PRELOAD already set" if os.environ.get("LD_PRELOAD") and not
-                    os.environ.get(_TRIED) else "the loader did not preload it")
+    refused = ("the loader did not preload it" if os.environ.get(_TRIED) else
+               "LD_PRELOAD already set" if os.environ.get("LD_PRELOAD") else None)
+    if refused:
+        log.warning("event=alloc_hook_not_loaded library=%s reason=%r", LIBRARY, refused)
         return
     env = dict(os.environ, **{_TRIED: "1", "LD_PRELOAD": str(LIBRARY)})
     sys.stdout.flush()

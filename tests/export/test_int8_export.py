@@ -65,7 +65,7 @@ def test_int8_graphs_compute_in_integers_and_keep_the_fused_attention(int8_artif
     assert {"MatMulInteger", "Softmax"} <= attend
 
 
-def test_cpu_sessions_keep_layer_norms_unfused(int8_artifact):
+def test_cpu_sessions_keep_layer_norms_unfused(int8_artifact, tmp_path):
     """onnxruntime's CPU SkipLayerNormalization kernel is 2.5x slower than the Add and the
     LayerNormalization it replaces: the graphs leave them apart, and the server's CPU
     sessions keep onnxruntime from fusing them again at load (at its defaults it does)."""
@@ -82,6 +82,7 @@ def test_cpu_sessions_keep_layer_norms_unfused(int8_artifact):
     ran = {}
     for name, options in (("default", ort.SessionOptions()), ("server", session_options(1, CPU))):
         options.enable_profiling = True
+        options.profile_file_prefix = str(tmp_path / name)
         session = ort.InferenceSession(path, options, providers=[CPU])
         ids = np.full((2, 8), 1000, dtype=np.int64)
         session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
