@@ -37,6 +37,7 @@ from tokenizers import Tokenizer
 
 from attnserve.artifact import Parity, pooled_output
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
+from attnserve.server.ort_backend import CPU, session_options
 
 log = logging.getLogger("attnserve.export")
 
@@ -119,10 +120,12 @@ def _feeds(rows: list[np.ndarray], batch: int, pad_id: int) -> Iterator[dict[str
 
 
 def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
+    # The server's own CPU session options, so the parity recorded is what it serves: among
+    # them the exact integer arithmetic it asks for on CPUs without VNNI (onnxruntime's
+    # default there saturates), which makes the figure the same on every x86 CPU.
+    options = session_options(0, CPU)  # 0: onnxruntime's default thread count
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(source, options, providers=[CPU])
 
 
 def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:

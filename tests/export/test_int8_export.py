@@ -93,6 +93,35 @@ def test_cpu_sessions_keep_layer_norms_unfused(int8_artifact, tmp_path):
     assert "SkipLayerNormalization" not in ran["server"] and "LayerNormalization" in ran["server"]
 
 
+def test_cpu_sessions_multiply_int8_exactly():
+    """uint8 activations times int8 weights at their extremes: on an x86 CPU without VNNI
+    onnxruntime's fast kernel adds pairs of products in 16 bits (255·127·2 > 32767) and
+    saturates, which took MiniLM's int8 pooled cosine from 0.990 to 0.970 on an AVX2 EPYC.
+    The server's CPU sessions, and the export's parity gate with them, get the exact sums
+    on every CPU."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from attnserve.server.ort_backend import CPU, session_options
+
+    depth = 64
+    weights = np.full((depth, 2), 127, dtype=np.int8)
+    weights[:, 1] = -128
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["x", "w"], ["y"])], "extremes",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, [None, depth])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [None, 2])],
+        [numpy_helper.from_array(weights, "w")])
+    # IR 8: what onnxruntime reads, whichever onnx release wrote the model.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = np.full((4, depth), 255, dtype=np.uint8)
+    session = ort.InferenceSession(model.SerializeToString(), session_options(1, CPU),
+                                   providers=[CPU])
+    (y,) = session.run(None, {"x": x})
+    np.testing.assert_array_equal(y, x.astype(np.int32) @ weights.astype(np.int32))
+
+
 def test_parity_gate_refuses_the_export_loudly(tmp_path, wide_checkpoint):
     out = tmp_path / "refused"
     result = subprocess.run(
