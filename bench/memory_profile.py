@@ -151,7 +151,7 @@ class PeakMeter:
 
         from attnserve.server.ort_backend import providers_for, session_options
 
-        options = session_options(self.threads, self.provider)
+        options = session_options(self.threads, self.provider, self.precision)
         options.enable_cpu_mem_arena = False
         session = ort.InferenceSession(str(self.artifact.path(self.graphs[kind])), options,
                                        providers=providers_for(self.provider))

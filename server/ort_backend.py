@@ -75,7 +75,8 @@ def choose_provider(device: str) -> tuple[str, str]:
     return CUDA, why
 
 
-def session_options(threads: int, provider: str) -> ort.SessionOptions:
+def session_options(threads: int, provider: str, precision: str = "fp32") -> ort.SessionOptions:
+    """The server's options for a session of `provider` running a graph of `precision`."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -87,12 +88,13 @@ def session_options(threads: int, provider: str) -> ort.SessionOptions:
         # into the kernel that made them 8-37 % slower (32x16: 58 vs 76 ms).
         options.add_session_config_entry("optimization.disable_specified_optimizers",
                                          "SkipLayerNormFusion")
+    if provider == CPU and precision == "int8":
         # The int8 graphs' matmuls multiply uint8 activations by int8 weights. On an x86 CPU
         # without VNNI (AVX2, AVX-512 before Cascade Lake, AMD before Zen 4) onnxruntime's
         # fast kernel for that adds pairs of products in 16 bits, which saturate: pooled
-        # cosine against fp32 fell to 0.970 on an AVX2 EPYC, from 0.990 computed exactly.
-        # This makes onnxruntime compute them exactly there (uint8 weights, as the parity
-        # gate measured them) and changes nothing on a CPU with VNNI or for fp32 graphs.
+        # cosine against fp32 fell to 0.970 on an AVX2 EPYC, from 0.992 computed exactly.
+        # This makes onnxruntime compute them exactly there (as uint8 × uint8), so the
+        # parity the export recorded holds on every x86 CPU; with VNNI it changes nothing.
         options.add_session_config_entry("session.x64quantprecision", "1")
     # The CPU arena is off: the per-batch memory figure (see memory.py) and
     # the memory model count onnxruntime's own allocations, which an arena hides after
@@ -301,7 +303,8 @@ class OrtBackend:
     def _session(self, graph: Graph, provider: str, cuda_graph: bool) -> ort.InferenceSession:
         path = self.artifact.path(graph.file)
         try:
-            session = ort.InferenceSession(str(path), session_options(self.threads, provider),
+            session = ort.InferenceSession(str(path), session_options(self.threads, provider,
+                                                                      graph.precision),
                                            providers=providers_for(provider, cuda_graph))
         except GRAPH_ERRORS as err:
             raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({err})") from err

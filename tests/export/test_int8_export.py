@@ -80,7 +80,8 @@ def test_cpu_sessions_keep_layer_norms_unfused(int8_artifact, tmp_path):
     assert "SkipLayerNormalization" not in _ops(int8_artifact, "encoder_int8.onnx")
     assert "SkipLayerNormalization" not in _ops(int8_artifact, "encoder_opt.onnx")
     ran = {}
-    for name, options in (("default", ort.SessionOptions()), ("server", session_options(1, CPU))):
+    for name, options in (("default", ort.SessionOptions()),
+                          ("server", session_options(1, CPU, "int8"))):
         options.enable_profiling = True
         options.profile_file_prefix = str(tmp_path / name)
         session = ort.InferenceSession(path, options, providers=[CPU])
@@ -97,8 +98,8 @@ def test_cpu_sessions_multiply_int8_exactly():
     """uint8 activations times int8 weights at their extremes: on an x86 CPU without VNNI
     onnxruntime's fast kernel adds pairs of products in 16 bits (255·127·2 > 32767) and
     saturates, which took MiniLM's int8 pooled cosine from 0.990 to 0.970 on an AVX2 EPYC.
-    The server's CPU sessions, and the export's parity gate with them, get the exact sums
-    on every CPU."""
+    The server's CPU sessions for int8 graphs, and the export's parity gate with them, get
+    the exact sums on every CPU."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -116,7 +117,7 @@ def test_cpu_sessions_multiply_int8_exactly():
     # IR 8: what onnxruntime reads, whichever onnx release wrote the model.
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     x = np.full((4, depth), 255, dtype=np.uint8)
-    session = ort.InferenceSession(model.SerializeToString(), session_options(1, CPU),
+    session = ort.InferenceSession(model.SerializeToString(), session_options(1, CPU, "int8"),
                                    providers=[CPU])
     (y,) = session.run(None, {"x": x})
     np.testing.assert_array_equal(y, x.astype(np.int32) @ weights.astype(np.int32))
