@@ -108,7 +108,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
                                        config.pad_token_id,
                                        INT8_MIN_COSINE if int8_min_cosine is None else int8_min_cosine)
             check_onnx(out / file)
-            error = max_abs_error(out / file, encoder, outputs)
+            error = max_abs_error(out / file, encoder, outputs, "int8")
             graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity))
             step("event=verified", graph=file, max_abs_error=f"{error:.2e}",
                  pooled_cosine_min=quantized.parity.pooled_cosine_min,

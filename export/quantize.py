@@ -119,11 +119,11 @@ def _feeds(rows: list[np.ndarray], batch: int, pad_id: int) -> Iterator[dict[str
         yield _padded(rows[start:start + batch], pad_id)
 
 
-def _session(model: onnx.ModelProto | Path, precision: str = "fp32") -> ort.InferenceSession:
+def _session(model: onnx.ModelProto | Path, precision: str) -> ort.InferenceSession:
     # The server's own CPU session options, so the parity recorded is what it serves: for
     # int8 among them the exact integer arithmetic it asks for on CPUs without VNNI
-    # (onnxruntime's default there saturates), which makes the figure the same on every
-    # x86 CPU.
+    # (onnxruntime's default there saturates), so the integer products are the same on
+    # every x86 CPU.
     options = session_options(0, CPU, precision)  # 0: onnxruntime's default thread count
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(source, options, providers=[CPU])
@@ -149,7 +149,7 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def _activation_stats(model: onnx.ModelProto, names: list[str], feeds: list[dict]
                       ) -> dict[str, _Stats]:
-    session = _session(_with_outputs(model, names))
+    session = _session(_with_outputs(model, names), "fp32")
     channel: dict[str, np.ndarray] = {}
     tokens: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in feeds:
@@ -278,7 +278,7 @@ def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
     L2-normalised) embeddings: the text alone, and in a padded batch (texts in their fixed
     order, so short and long share one), as the server runs them."""
     rows = _encode(tokenizer, PARITY_TEXTS, max_positions)
-    reference, quantized = _session(fp32), _session(int8, "int8")
+    reference, quantized = _session(fp32, "fp32"), _session(int8, "int8")
     cosines = np.concatenate([(_pooled(reference, feed) * _pooled(quantized, feed)).sum(axis=1)
                               for feed in _feeds(rows, PARITY_BATCH, pad_id)])
     alone, batched = cosines[: len(rows)], cosines[len(rows):]

@@ -11,6 +11,7 @@ import torch
 
 from attnserve.export.onnx_graphs import GraphOutputs, output_names
 from attnserve.model import Encoder
+from attnserve.server.ort_backend import CPU, session_options
 
 # Lengths other than the tracing length (7), including 1 and the model's maximum, so a
 # graph that baked a shape in fails here.
@@ -39,13 +40,16 @@ def parity_inputs(vocab_size: int, max_positions: int, seed: int = 0) -> Iterato
             yield {"input_ids": ids, "attention_mask": mask}
 
 
-def session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+def session(path: Path, precision: str = "fp32") -> ort.InferenceSession:
+    # An int8 graph as the server runs it: with the exact integer arithmetic it asks for
+    # where onnxruntime's default kernel would saturate.
+    options = session_options(0, CPU, precision) if precision == "int8" else ort.SessionOptions()
+    return ort.InferenceSession(str(path), options, providers=[CPU])
 
 
-def max_abs_error(path: Path, encoder: Encoder, outputs: list[str]) -> float:
+def max_abs_error(path: Path, encoder: Encoder, outputs: list[str], precision: str = "fp32") -> float:
     """Worst absolute difference between onnxruntime and PyTorch over the parity shapes."""
-    sess = session(path)
+    sess = session(path, precision)
     attention = any(name.startswith("attentions.") for name in outputs)
     # The module that was traced: every output, pooled vectors included, in its place.
     reference = GraphOutputs(encoder, attention).eval()
