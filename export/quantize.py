@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 
 from attnserve.artifact import Parity, pooled_output
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
-from attnserve.server.ort_backend import CPU, session_options
+from attnserve.export.verify import session
 
 log = logging.getLogger("attnserve.export")
 
@@ -119,16 +119,6 @@ def _feeds(rows: list[np.ndarray], batch: int, pad_id: int) -> Iterator[dict[str
         yield _padded(rows[start:start + batch], pad_id)
 
 
-def _session(model: onnx.ModelProto | Path, precision: str) -> ort.InferenceSession:
-    # The server's own CPU session options, so the parity recorded is what it serves: for
-    # int8 among them the exact integer arithmetic it asks for on CPUs without VNNI
-    # (onnxruntime's default there saturates), so the integer products are the same on
-    # every x86 CPU.
-    options = session_options(0, CPU, precision)  # 0: onnxruntime's default thread count
-    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(source, options, providers=[CPU])
-
-
 def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """What dynamic quantization would turn into int8: fused Attention (its Q/K/V weights)
     and matmuls whose second input is a weight, not an activation (QKᵀ, probabilities·V)."""
@@ -149,11 +139,11 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def _activation_stats(model: onnx.ModelProto, names: list[str], feeds: list[dict]
                       ) -> dict[str, _Stats]:
-    session = _session(_with_outputs(model, names), "fp32")
+    runner = session(_with_outputs(model, names))
     channel: dict[str, np.ndarray] = {}
     tokens: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in feeds:
-        for name, value in zip(names, session.run(names, feed), strict=True):
+        for name, value in zip(names, runner.run(names, feed), strict=True):
             flat = np.abs(value.reshape(-1, value.shape[-1]))
             top = flat.max(axis=0)
             channel[name] = np.maximum(channel[name], top) if name in channel else top
@@ -278,7 +268,7 @@ def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
     L2-normalised) embeddings: the text alone, and in a padded batch (texts in their fixed
     order, so short and long share one), as the server runs them."""
     rows = _encode(tokenizer, PARITY_TEXTS, max_positions)
-    reference, quantized = _session(fp32, "fp32"), _session(int8, "int8")
+    reference, quantized = session(fp32), session(int8, "int8")
     cosines = np.concatenate([(_pooled(reference, feed) * _pooled(quantized, feed)).sum(axis=1)
                               for feed in _feeds(rows, PARITY_BATCH, pad_id)])
     alone, batched = cosines[: len(rows)], cosines[len(rows):]

@@ -9,9 +9,9 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from attnserve.artifact import cpu_session_config
 from attnserve.export.onnx_graphs import GraphOutputs, output_names
 from attnserve.model import Encoder
-from attnserve.server.ort_backend import CPU, session_options
 
 # Lengths other than the tracing length (7), including 1 and the model's maximum, so a
 # graph that baked a shape in fails here.
@@ -40,11 +40,15 @@ def parity_inputs(vocab_size: int, max_positions: int, seed: int = 0) -> Iterato
             yield {"input_ids": ids, "attention_mask": mask}
 
 
-def session(path: Path, precision: str = "fp32") -> ort.InferenceSession:
-    # An int8 graph as the server runs it: with the exact integer arithmetic it asks for
-    # where onnxruntime's default kernel would saturate.
-    options = session_options(0, CPU, precision) if precision == "int8" else ort.SessionOptions()
-    return ort.InferenceSession(str(path), options, providers=[CPU])
+def session(model: onnx.ModelProto | Path, precision: str = "fp32") -> ort.InferenceSession:
+    """A CPU session with the config the server runs a graph of `precision` with
+    (artifact.cpu_session_config: for int8, its exact integer arithmetic)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    for key, value in cpu_session_config(precision).items():
+        options.add_session_config_entry(key, value)
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 def max_abs_error(path: Path, encoder: Encoder, outputs: list[str], precision: str = "fp32") -> float:

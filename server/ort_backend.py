@@ -14,10 +14,8 @@ The only module of the server that imports onnxruntime; the batch loop sees it t
 * CUDA graphs: per shape bucket, over fixed input and output buffers (IO binding).
 """
 
-import functools
 import logging
 import os
-import platform
 import threading
 import time
 from collections.abc import Iterable
@@ -35,6 +33,7 @@ from attnserve.artifact import (
     ArtifactError,
     Graph,
     attention_output,
+    cpu_session_config,
     pooled_output,
 )
 from attnserve.server.backend import HIDDEN_ONLY, BatchOutput, Outputs
@@ -77,28 +76,6 @@ def choose_provider(device: str) -> tuple[str, str]:
     return CUDA, why
 
 
-# CPU flags (/proc/cpuinfo) with which onnxruntime's uint8 x int8 matmul kernels sum the
-# products in 32 bits: VNNI (AVX-512 or AVX), AMX.
-_EXACT_INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-@functools.cache
-def int8_products_saturate() -> bool:
-    """Whether onnxruntime's fast uint8 x int8 matmul kernel on this CPU adds pairs of
-    products in 16 bits, which saturate: x86 without VNNI. Where /proc/cpuinfo cannot be
-    read on x86, assumed so (the exact arithmetic costs speed there, never accuracy)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return not _EXACT_INT8_FLAGS & set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return True
-
-
 def session_options(threads: int, provider: str, precision: str = "fp32") -> ort.SessionOptions:
     """The server's options for a session of `provider` running a graph of `precision`."""
     options = ort.SessionOptions()
@@ -107,20 +84,8 @@ def session_options(threads: int, provider: str, precision: str = "fp32") -> ort
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     if provider == CPU:
-        # The exporter leaves Add + LayerNormalization unfused for the CPU (see
-        # export/optimize.py); onnxruntime would fuse them again when it loads the int8 graphs,
-        # into the kernel that made them 8-37 % slower (32x16: 58 vs 76 ms).
-        options.add_session_config_entry("optimization.disable_specified_optimizers",
-                                         "SkipLayerNormFusion")
-    if provider == CPU and precision == "int8" and int8_products_saturate():
-        # The int8 graphs' matmuls multiply uint8 activations by int8 weights. On an x86 CPU
-        # without VNNI (AVX2, AVX-512 before Cascade Lake, AMD before Zen 4) onnxruntime's
-        # fast kernel for that adds pairs of products in 16 bits, which saturate: pooled
-        # cosine against fp32 fell to 0.970 on an AVX2 EPYC, from 0.992 computed exactly.
-        # This makes onnxruntime compute them exactly (as uint8 x uint8), so the integer
-        # products are those of a VNNI CPU. Not set with VNNI, whose kernel is exact already:
-        # onnxruntime 1.31 would convert there too and give up the faster kernel.
-        options.add_session_config_entry("session.x64quantprecision", "1")
+        for key, value in cpu_session_config(precision).items():
+            options.add_session_config_entry(key, value)
     # The CPU arena is off: the per-batch memory figure (see memory.py) and
     # the memory model count onnxruntime's own allocations, which an arena hides after
     # its first growth, and what a long batch took goes back to the OS once idle. The

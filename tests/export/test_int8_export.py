@@ -105,7 +105,8 @@ def test_cpu_sessions_multiply_int8_exactly():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from attnserve.server.ort_backend import CPU, int8_products_saturate, session_options
+    from attnserve.artifact import cpu_session_config
+    from attnserve.server.ort_backend import CPU, session_options
 
     depth = 64
     weights = np.full((depth, 2), 127, dtype=np.int8)
@@ -124,7 +125,8 @@ def test_cpu_sessions_multiply_int8_exactly():
     exact = x.astype(np.int32) @ weights.astype(np.int32)
     np.testing.assert_array_equal(y, exact)
     (default,) = ort.InferenceSession(model.SerializeToString(), providers=[CPU]).run(None, {"x": x})
-    assert int8_products_saturate() == (not np.array_equal(default, exact))
+    exact_asked = "session.x64quantprecision" in cpu_session_config("int8")
+    assert exact_asked == (not np.array_equal(default, exact))
 
 
 def test_parity_gate_refuses_the_export_loudly(tmp_path, wide_checkpoint):
@@ -173,6 +175,7 @@ def test_smoothing_and_outlier_split_leave_fp32_results_unchanged(int8_artifact)
     import numpy as np
 
     from attnserve.export import quantize
+    from attnserve.export.verify import session
 
     source = onnx.load(int8_artifact.path("encoder_opt.onnx"))
     rows = quantize._encode(int8_artifact.path(TOKENIZER), quantize.CALIBRATION_TEXTS[:6],
@@ -186,7 +189,7 @@ def test_smoothing_and_outlier_split_leave_fp32_results_unchanged(int8_artifact)
     matmuls = [n.name for n in sites if n.op_type == "MatMul"]
     split, fp32 = quantize._split_outliers(smoothed, {name: np.array([0, 3]) for name in matmuls}, stats)
     assert len(fp32) == len(matmuls)
-    before, after = quantize._session(source, "fp32"), quantize._session(split, "fp32")
+    before, after = session(source), session(split)
     for feed in feeds:
         (expected,), (got,) = before.run(["last_hidden_state"], feed), after.run(["last_hidden_state"], feed)
         np.testing.assert_allclose(got, expected, atol=1e-4)
