@@ -152,7 +152,6 @@ class PeakMeter:
         from attnserve.server.ort_backend import providers_for, session_options
 
         options = session_options(self.threads, self.provider, self.precision)
-        options.enable_cpu_mem_arena = False
         session = ort.InferenceSession(str(self.artifact.path(self.graphs[kind])), options,
                                        providers=providers_for(self.provider))
         self._run(session, kind, *self._inputs(1, 8), 1)  # kernels, thread pool, workspaces
