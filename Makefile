@@ -29,10 +29,10 @@ $(PROTO_OUT)/.stamp: $(PROTOS) $(BIN)/attnserve
 proto: $(PROTO_OUT)/.stamp
 
 # The allocation hook `attnserve serve` preloads on the CPU to measure each batch's memory
-# exactly (server/alloc_peak.c; glibc only: -z defs refuses a build against another libc).
+# exactly (server/memory/alloc_peak.c; glibc only: -z defs refuses a build against another libc).
 # Without it the server samples instead.
-ALLOC_HOOK := server/_alloc_peak.so
-$(ALLOC_HOOK): server/alloc_peak.c
+ALLOC_HOOK := server/memory/_alloc_peak.so
+$(ALLOC_HOOK): server/memory/alloc_peak.c
 	cc -O2 -Wall -shared -fPIC -Wl,-z,defs -o $@ $< || \
 		echo "no allocation hook (no C compiler, or not glibc): the server samples memory instead"
 

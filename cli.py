@@ -37,9 +37,9 @@ def _cosine(text: str) -> float:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from attnserve.server import alloc_hook
     from attnserve.server.config import config_from_args
-    from attnserve.server.memory import gpu_present
+    from attnserve.server.memory import alloc_hook
+    from attnserve.server.memory.probe import gpu_present
 
     try:
         config = config_from_args(args)
@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from attnserve.artifact import ArtifactError
     from attnserve.server.app import Server, run
-    from attnserve.server.ort_backend import DeviceError
+    from attnserve.server.runtime.ort_backend import DeviceError
 
     try:
         logging.getLogger().setLevel(config.log_level.upper())
@@ -78,14 +78,14 @@ def _startup_failed(err: Exception) -> int:
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    from attnserve.server.embed_cli import run_embed
+    from attnserve.embed import run_embed
 
     return run_embed(args)
 
 
 def cmd_memory_profile(args: argparse.Namespace) -> int:
     # Imported here: a benchmark, with matplotlib, that serving never loads.
-    from attnserve.bench.memory_profile import run_memory_profile
+    from attnserve.server.memory.profile import run_memory_profile
 
     return run_memory_profile(args)
 

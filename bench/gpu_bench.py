@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.bench.harness import ATTNSERVE, REPO, ServerProcess, sample
 from attnserve.bench.measure import Reps, latency_summary, time_calls
 from attnserve.bench.workloads import TextMaker, mixed_lengths
+from attnserve.harness import ATTNSERVE, REPO, ServerProcess, sample
 
 log = logging.getLogger("bench.gpu_bench")
 
@@ -145,7 +145,7 @@ def raw_phase(artifact_dir: Path, device: str, plan: Plan, texts: Texts, budget:
 
     from attnserve.artifact import load_artifact, pooled_output
     from attnserve.bench.workloads import padded_batch
-    from attnserve.server.ort_backend import CPU, CUDA, BoundRunner, providers_for, session_options
+    from attnserve.server.runtime.ort_backend import CPU, CUDA, BoundRunner, providers_for, session_options
 
     artifact = load_artifact(artifact_dir)
     manifest = artifact.manifest
@@ -341,7 +341,7 @@ def drive(pool: ProcessPoolExecutor, address: str, requests: list[list[str]], to
 
 def server_phase(artifact: Path, device: str, config: Config, plan: Plan, texts: Texts,
                  reference: dict, pool: ProcessPoolExecutor, work: Path, budget: Budget) -> dict:
-    from attnserve.server.client import EncoderClient
+    from attnserve.client import EncoderClient
 
     flags = ("--device", device, *plan.server_args, *config.flags)
     started = time.perf_counter()

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-from attnserve.bench.harness import REPO, ServerProcess
 from attnserve.bench.measure import shape_row, time_calls, workload_row
 from attnserve.bench.serving import (
     HttpEmbedder,
@@ -28,7 +27,8 @@ from attnserve.bench.serving import (
     run_callers,
 )
 from attnserve.bench.workloads import Workload
-from attnserve.server.client import EncoderClient
+from attnserve.client import EncoderClient
+from attnserve.harness import REPO, ServerProcess
 
 log = logging.getLogger("bench.paired")
 

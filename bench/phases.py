@@ -69,7 +69,7 @@ def phase_peak(spec: dict) -> dict:
 # --- raw onnxruntime ------------------------------------------------------------------------
 
 def _rss_probe():
-    from attnserve.server.memory import MemoryProbe
+    from attnserve.server.memory.probe import MemoryProbe
 
     return MemoryProbe(cuda=False)
 
@@ -91,7 +91,7 @@ class RawEngine:
         import onnxruntime as ort
 
         from attnserve.artifact import load_artifact
-        from attnserve.server.ort_backend import CPU, OrtBackend
+        from attnserve.server.runtime.ort_backend import CPU, OrtBackend
 
         self.workload = Workload.load(spec["workload"])
         self.artifact = load_artifact(spec["artifact"])
@@ -210,7 +210,7 @@ def phase_memory(spec: dict) -> dict:
     A fresh process because memory a previous call freed stays resident (malloc keeps it)
     and would hide the next call's cost."""
     from attnserve.artifact import load_artifact
-    from attnserve.server.ort_backend import OrtBackend
+    from attnserve.server.runtime.ort_backend import OrtBackend
 
     workload = Workload.load(spec["workload"])
     artifact = load_artifact(spec["artifact"])

@@ -29,6 +29,8 @@ class ServeConfig:
     metrics_port: int = 8000
     http_port: int = 8080
     http_max_body_bytes: int = 4 * 1024 * 1024
+    http_header_timeout_seconds: float = 15.0
+    http_body_timeout_seconds: float = 30.0
     device: str = "auto"
     precision: str = "auto"
     max_batch_tokens: int = 16384
@@ -48,6 +50,8 @@ class ServeConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
+    api_key: str | None = None
+    api_key_file: Path | None = None
     log_level: str = "info"
     ready_file: Path | None = None
 
@@ -61,6 +65,9 @@ class ServeConfig:
                      "bucket_seq_multiple"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
+        for name in ("http_header_timeout_seconds", "http_body_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be more than 0")
         for name in ("max_wait_ms", "memory_budget_bytes", "drain_seconds",
                      "max_connection_age_seconds", "intra_op_threads", "metrics_port", "port",
                      "http_port", "sessions"):
@@ -88,7 +95,12 @@ _HELP = {
     "http_port": "HTTP port on --host: OpenAI-compatible /v1/embeddings, KServe v2 REST "
                  "(/v2/...), GET /health (0 disables it)",
     "http_max_body_bytes": "largest HTTP request body (413 past it); it bounds the time "
-                           "parsing one JSON body holds the interpreter (~15 ms per MiB)",
+                           "parsing one JSON body holds the interpreter (~5 ms per MiB)",
+    "http_header_timeout_seconds": "an HTTP connection closes when a request's headers are not "
+                                   "all in this long after it opened or after its last answer "
+                                   "(so an idle keep-alive connection closes after it too)",
+    "http_body_timeout_seconds": "an HTTP request whose body is not all in this long after its "
+                                 "headers gets 408 and its connection closes",
     "device": "auto: CUDA when a GPU and the CUDA provider are usable, else CPU; "
               "cuda: fail at start when CUDA cannot be used",
     "precision": "auto: fp16 graphs on CUDA when the artifact has them, fp32 elsewhere; int8: "
@@ -103,7 +115,7 @@ _HELP = {
     "memory_budget_bytes": "peak memory one batch may take; 0: a safe share of the device "
                            "(CUDA) or machine (CPU) memory",
     "drain_seconds": "on SIGTERM, how long accepted work may take to finish",
-    "max_message_bytes": "largest gRPC message received or sent",
+    "max_message_bytes": "largest gRPC message received or sent, and largest HTTP response",
     "max_connection_age_seconds": "close client connections after this long (they reconnect at "
                                   "once), so clients balancing over a headless Service find new "
                                   "replicas; 0 keeps connections forever",
@@ -124,6 +136,10 @@ _HELP = {
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mTLS)",
+    "api_key": "require this key on every call but health checks: gRPC metadata "
+               "'authorization: Bearer KEY', HTTP header 'Authorization: Bearer KEY'",
+    "api_key_file": "file of API keys, one a line (a mounted Kubernetes Secret), taken as "
+                    "--api-key is; both may be given",
     "log_level": "the least severe log lines written",
     "ready_file": "once health is SERVING, write {\"port\", \"metrics_port\", \"http_port\", "
                   "\"pid\"} as JSON to this file (whole: written beside it, then renamed), "
@@ -142,7 +158,9 @@ def env_name(field: str) -> str:
 
 def _field_type(name: str) -> type:
     kind = ServeConfig.__dataclass_fields__[name].type
-    return kind if isinstance(kind, type) else Path  # `Path | None`
+    if isinstance(kind, type):
+        return kind
+    return next(t for t in kind.__args__ if t is not type(None))  # `Path | None`, `str | None`
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

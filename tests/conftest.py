@@ -1,5 +1,5 @@
 """Shared fixtures: real artifacts exported once per session, and real servers started as
-`attnserve serve` subprocesses on loopback ports (through bench/harness.py, the one
+`attnserve serve` subprocesses on loopback ports (through harness.py, the one
 harness the benchmarks use too)."""
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from attnserve.artifact import TOKENIZER
-from attnserve.bench.harness import ATTNSERVE, REPO, ServerProcess
+from attnserve.harness import ATTNSERVE, REPO, ServerProcess
 
 
 def minilm_dir() -> Path:

@@ -24,8 +24,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attnserve.bench.harness import ATTNSERVE, ServerProcess, free_port
 from attnserve.cli import main
+from attnserve.harness import ATTNSERVE, ServerProcess, free_port
 
 from .helpers import OVERLAYS, REPO, SERVE_FLAGS, find, kserve_predictor_pod, only_container
 

@@ -15,11 +15,11 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve.artifact import load_artifact
-from attnserve.bench.harness import ServerProcess
+from attnserve.harness import ServerProcess
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
-from attnserve.server.ort_backend import OrtBackend
+from attnserve.server.runtime.ort_backend import OrtBackend
 
 CLS, SEP = 101, 102
 MIB = 1 << 20
@@ -146,7 +146,7 @@ def sequences_for(encoder, rng: np.random.Generator, seconds: float, length: int
 
 
 HEALTH_PROBE = """
-import json, sys, threading, time
+import json, sys, threading, time, urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -154,28 +154,39 @@ address, deadline, interval, most = sys.argv[1], float(sys.argv[2]), float(sys.a
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 ok, failed, slowest = 0, [], 0.0
-with grpc.insecure_channel(address) as channel:
-    check = health_pb2_grpc.HealthStub(channel).Check
-    check(health_pb2.HealthCheckRequest(), timeout=30)
-    print("ready", flush=True)
-    for _ in range(most):
-        if stop.is_set():
-            break
-        started = time.monotonic()
-        try:
-            check(health_pb2.HealthCheckRequest(), timeout=deadline)
-            ok += 1
-        except grpc.RpcError as err:
-            failed.append(err.code().name)
-        slowest = max(slowest, time.monotonic() - started)
-        time.sleep(interval)
+if address.startswith("http"):
+    def check(timeout):
+        with urllib.request.urlopen(address + "/health", timeout=timeout) as response:
+            response.read()
+    errors = (OSError,)
+    channel = None
+else:
+    channel = grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    def check(timeout):
+        stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    errors = (grpc.RpcError,)
+check(30)
+print("ready", flush=True)
+for _ in range(most):
+    if stop.is_set():
+        break
+    started = time.monotonic()
+    try:
+        check(deadline)
+        ok += 1
+    except errors as err:
+        failed.append(err.code().name if isinstance(err, grpc.RpcError) else type(err).__name__)
+    slowest = max(slowest, time.monotonic() - started)
+    time.sleep(interval)
 print(json.dumps({"ok": ok, "failed": failed, "slowest": slowest}), flush=True)
 """
 
 
 class HealthProbe:
     """Health checks one after another, each with a `deadline_s` deadline, while the
-    `with` block runs: what a liveness probe sees meanwhile. In a process of its own, as
+    `with` block runs: what a liveness probe sees meanwhile. `address` is a gRPC
+    host:port, or an HTTP base URL (GET /health). In a process of its own, as
     the kubelet is, so the test's own work (building and parsing big messages) never
     holds its interpreter."""
 

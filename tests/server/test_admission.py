@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnserve.bench.harness import sample
+from attnserve.harness import sample
 from tests.server.reliability import BIG, MIB, Peak, Reference, embed_ids, ids_of, serve, stub
 
 BUDGET = 256 * MIB

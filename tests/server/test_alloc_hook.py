@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from attnserve.bench.harness import ServerProcess
-from attnserve.server import alloc_hook
-from attnserve.server.client import EncoderClient
+from attnserve.client import EncoderClient
+from attnserve.harness import ServerProcess
+from attnserve.server.memory import alloc_hook
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None,
                                 reason="no C compiler: the server samples memory instead")
@@ -38,7 +38,7 @@ def test_built_where_there_is_a_compiler():
 def test_a_threads_peak_is_its_own_allocations_exactly():
     script = textwrap.dedent("""
         import threading
-        from attnserve.server import alloc_hook
+        from attnserve.server.memory import alloc_hook
         assert alloc_hook.loaded()
         alloc_hook.reset()
         held = bytearray(3 << 20)
@@ -67,7 +67,7 @@ def test_every_allocation_path_is_counted_and_counted_back_when_freed():
     larger block would read off its size."""
     script = textwrap.dedent("""
         import ctypes
-        from attnserve.server import alloc_hook
+        from attnserve.server.memory import alloc_hook
         libc = ctypes.CDLL(None)
         for name in ("malloc", "calloc", "realloc", "memalign", "aligned_alloc", "valloc",
                      "pvalloc"):

@@ -17,14 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnserve.artifact import load_artifact
-from attnserve.server.backend import HIDDEN_ONLY
-from attnserve.server.batch_loop import MAX_PADDING_RATIO, BatchLoop
-from attnserve.server.errors import RequestError
-from attnserve.server.memory import MemoryProbe
-from attnserve.server.memory_model import MemoryModel
+from attnserve.server.engine.batch_loop import MAX_PADDING_RATIO, BatchLoop
+from attnserve.server.engine.errors import RequestError
+from attnserve.server.engine.queue import Limits, RequestQueue, State
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.model import MemoryModel
+from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
-from attnserve.server.ort_backend import OrtBackend
-from attnserve.server.request_queue import Limits, MemoryBudget, RequestQueue, State
+from attnserve.server.runtime.backend import HIDDEN_ONLY
+from attnserve.server.runtime.ort_backend import OrtBackend
 
 WAIT_S = 30  # bound on any wait: a broken loop fails the test instead of hanging it
 # a + b·batch·seq bytes: a batch's predicted memory is its padded tokens plus 1000.

@@ -16,17 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnserve.artifact import HIDDEN_OUTPUT, load_artifact, pooled_output
-from attnserve.bench.harness import ATTNSERVE, REPO, ServerProcess, sample
-from attnserve.server.backend import HIDDEN_ONLY
-from attnserve.server.batch_loop import BatchLoop
-from attnserve.server.client import EncoderClient
-from attnserve.server.executors import create_executors, on_every_thread
-from attnserve.server.memory import MemoryProbe
-from attnserve.server.memory_model import MemoryModel
+from attnserve.client import EncoderClient
+from attnserve.harness import ATTNSERVE, REPO, ServerProcess, sample
+from attnserve.server.engine.batch_loop import BatchLoop
+from attnserve.server.engine.offload import create_executors, on_every_thread
+from attnserve.server.engine.queue import Limits, RequestQueue
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.model import MemoryModel
+from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
-from attnserve.server.ort_backend import OrtBackend, Strategy
-from attnserve.server.request_queue import Limits, MemoryBudget, RequestQueue
-from attnserve.server.shapes import ShapeBuckets
+from attnserve.server.runtime.backend import HIDDEN_ONLY
+from attnserve.server.runtime.ort_backend import OrtBackend, Strategy
+from attnserve.server.runtime.shapes import ShapeBuckets
 
 WAIT_S = 60
 MEAN = pooled_output("mean", False)

@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 
-from attnserve.bench.harness import REPO
+from attnserve.harness import REPO
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_its_table(tmp_path, tiny_artifact):

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from attnserve.bench.harness import ATTNSERVE, REPO, ServerProcess
 from attnserve.cli import main
+from attnserve.harness import ATTNSERVE, REPO, ServerProcess
 from tests.server.reliability import health
 
 # (field, bad value, what the error says about it)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from attnserve.server.client import EncoderClient
+from attnserve.client import EncoderClient
 from tests.conftest import ServerProcess
 
 MIB = 1 << 20

@@ -9,10 +9,10 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from attnserve.artifact import load_artifact
-from attnserve.bench.harness import delta
+from attnserve.client import EncoderClient, to_numpy
+from attnserve.harness import delta
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from attnserve.server.client import EncoderClient, to_numpy
 from tests.conftest import minilm_dir
 from tests.hugging_face import HuggingFace
 

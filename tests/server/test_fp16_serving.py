@@ -5,8 +5,8 @@ float32 answer, with attention maps from a softmax kept in float32, so they sum 
 import numpy as np
 import pytest
 
-from attnserve.bench.harness import ServerProcess
-from attnserve.server.client import EncoderClient
+from attnserve.client import EncoderClient
+from attnserve.harness import ServerProcess
 from tests.hugging_face import FP16_HIDDEN_ATOL, FP16_MAPS_ATOL, HuggingFace
 from tests.server.reliability import ids_of
 

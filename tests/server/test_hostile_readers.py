@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from attnserve.artifact import load_artifact
-from attnserve.bench.harness import delta, sample
+from attnserve.harness import delta, sample
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from tests.server.reliability import (
     BIG,

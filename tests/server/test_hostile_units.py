@@ -21,12 +21,11 @@ from tokenizers import Tokenizer
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
-from attnserve.server.errors import ResourceExhausted
-from attnserve.server.holds import PER_CONNECTION_SHARE, Ledger
-from attnserve.server.parse import AttentionPlan, EmbedPlan
-from attnserve.server.respond import embed_response_bytes, tensor
-from attnserve.server.tokenize import TextTokenizer, TooLong
-from attnserve.server.wire import MAX_NESTED_BYTES, TooLarge, TooMany, decode_in_slices
+from attnserve.server.doors.grpc_encoder_pack import AttentionPlan, EmbedPlan, embed_response_bytes, tensor
+from attnserve.server.doors.grpc_wire import MAX_NESTED_BYTES, TooLarge, TooMany, decode_in_slices
+from attnserve.server.engine.errors import ResourceExhausted
+from attnserve.server.engine.tokenize import TextTokenizer, TooLong
+from attnserve.server.memory.ledger import PER_CONNECTION_SHARE, Ledger
 from tests.conftest import minilm_dir
 
 MIB = 1 << 20

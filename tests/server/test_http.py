@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as triton_http
 
 from attnserve.artifact import load_artifact
-from attnserve.bench.harness import ServerProcess, delta, sample
+from attnserve.harness import ServerProcess, delta, sample
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
@@ -156,16 +156,30 @@ def test_tritonclient_http_matches_grpc_model_infer(minilm_server):
     assert np.abs(default - grpc_model_infer(minilm_server, [])["last_hidden_state"]).max() <= 1e-6
 
 
+def with_model(**fields) -> dict:
+    return {"model": MODEL, **fields}
+
+
 @pytest.mark.parametrize("body,param,needle", [
-    ({"input": []}, "input", "not empty"),
-    ({"input": "hi", "dimensions": 7}, "dimensions", "one size, 384"),
-    ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
-    ({"input": [[101, 99999, 102]]}, "input[0][1]", "outside the vocabulary"),
-    ({"input": [101, 99999, 102]}, "input[1]", "outside the vocabulary"),
-    ({"input": ["a", 1]}, "input[1]", "expected a string"),
-    ({"input": [[101, 102], [1.5]]}, "input[1]", "list of token ids"),
-    ({"input": [LONG_TEXT]}, "input", "longer than the model's 512 positions"),
-    ({"model": MODEL}, "input", "required"),
+    (with_model(input=[]), "input", "not empty"),
+    (with_model(input="hi", dimensions=7), "dimensions", "one size, 384"),
+    (with_model(input="hi", encoding_format="int8"), "encoding_format", "'float' or 'base64'"),
+    (with_model(input=[[101, 99999, 102]]), "input[0][1]", "outside the vocabulary"),
+    (with_model(input=[101, 99999, 102]), "input[1]", "outside the vocabulary"),
+    (with_model(input=["a", 1]), "input[1]", "expected a string"),
+    (with_model(input=[[101, 102], [1.5]]), "input[1][0]", "not a token id"),
+    (with_model(input=[LONG_TEXT]), "input[0]", "longer than the model's 512 positions"),
+    (with_model(input=LONG_TEXT), "input", "longer than the model's 512 positions"),
+    (with_model(), "input", "required"),
+    ({"input": "hi", "model": None}, "model", "expected a string"),
+    ({"input": "hi", "model": 7}, "model", "expected a string"),
+    ({"input": "hi"}, "model", "required"),
+    (with_model(input=""), "input", "empty string"),
+    (with_model(input=["a", ""]), "input[1]", "empty string"),
+    (with_model(input=[True, False]), "input", "expected a string, a list of strings"),
+    (with_model(input=[[101, True]]), "input[0][1]", "not a token id"),
+    (with_model(input=[101, 2 ** 64 - 1]), "input[1]", "outside the vocabulary"),
+    (with_model(input=[101, 10 ** 30]), "input[1]", "is not a token id"),
     ([1, 2], "body", "JSON object"),
 ])
 def test_openai_bad_input_is_400_naming_the_param(minilm_server, body, param, needle):
@@ -193,7 +207,9 @@ def test_openai_errors_reach_the_client_as_its_exceptions(minilm_server):
 
 @pytest.mark.parametrize("change,status,needle", [
     (lambda h: h["inputs"][0].update(datatype="INT32"), 400, "datatype 'INT32', expected INT64"),
-    (lambda h: h["inputs"][0].update(data=[1.5] * 10), 400, "must be integers"),
+    (lambda h: h["inputs"][0].update(data=[1.5] * 10), 400, "1.5 is not an INT64 value"),
+    (lambda h: h["inputs"][0].update(data=[True] * 10), 400, "True is not an INT64 value"),
+    (lambda h: h["inputs"][0].update(shape=[True, 5]), 400, "expected a list of integers"),
     (lambda h: h["inputs"][1].update(data=[1, 1, 1, 1, 1, 1, 1, 0, 1, 0]), 400, "ones then zeros"),
     (lambda h: h.update(outputs=[{"name": "attentions.9"}]), 400, "unknown output 'attentions.9'"),
     (lambda h: h["inputs"].pop(), 400, "expected exactly"),
@@ -215,8 +231,8 @@ def test_kserve_unknown_model_is_404(minilm_server):
 
 def test_http_calls_are_counted_by_route_and_grpc_code(minilm_server):
     before = minilm_server.scrape()
-    post(minilm_server.http_url + "/v1/embeddings", json.dumps({"input": "hi"}).encode())
-    post(minilm_server.http_url + "/v1/embeddings", json.dumps({"input": []}).encode())
+    post(minilm_server.http_url + "/v1/embeddings", json.dumps(with_model(input="hi")).encode())
+    post(minilm_server.http_url + "/v1/embeddings", json.dumps(with_model(input=[])).encode())
     post(minilm_server.http_url + f"/v2/models/{MODEL}/infer", json.dumps({"inputs": []}).encode())
     after = minilm_server.scrape()
     for rpc, code in (("http:/v1/embeddings", "OK"), ("http:/v1/embeddings", "INVALID_ARGUMENT"),
@@ -240,7 +256,7 @@ def small_server(tiny_artifact):
 
 
 def test_body_over_the_limit_is_413(small_server, tiny_model):
-    big = json.dumps({"input": "word " * 1000}).encode()
+    big = json.dumps({"model": tiny_model, "input": "word " * 1000}).encode()
     status, error = post(small_server.http_url + "/v1/embeddings", big)
     assert status == 413 and error["error"]["code"] == "request_too_large"
     status, error = post(f"{small_server.http_url}/v2/models/{tiny_model}/infer", big)
@@ -267,13 +283,14 @@ def test_200_parallel_scrapes_are_all_answered(small_server):
             assert list(pool.map(scrape_once, range(SCRAPERS))) == [200] * SCRAPERS
 
 
-def test_draining_server_answers_503_and_finishes_what_it_accepted(tiny_artifact):
+def test_draining_server_answers_503_and_finishes_what_it_accepted(tiny_artifact, tiny_model):
     # A 4 s gathering window keeps one accepted request in the queue while the server drains.
     server = ServerProcess(tiny_artifact, "--max-wait-ms", "4000")
     try:
         url = server.http_url + "/v1/embeddings"
         with ThreadPoolExecutor(1) as pool:
-            accepted = pool.submit(post, url, json.dumps({"input": "accepted"}).encode())
+            accepted = pool.submit(post, url, json.dumps({"model": tiny_model,
+                                                          "input": "accepted"}).encode())
             for _ in range(200):
                 if sample(server.scrape(), "attnserve_sequence_length_tokens_count") >= 1:
                     break

@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
+from attnserve.client import EncoderClient
 from attnserve.export.int8_texts import PARITY_TEXTS
-from attnserve.server.client import EncoderClient
 from tests.conftest import ATTNSERVE, REPO, ServerProcess, export, make_tiny_checkpoint
 
 TEXTS = list(PARITY_TEXTS[::4])

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnserve.server.memory import allocated_bytes
+from attnserve.server.memory.probe import allocated_bytes
 
 MIB = 1 << 20
 BATCH, SEQ = 32, 128
@@ -29,8 +29,8 @@ def _peaks(artifact_dir: str, runs: int, with_memray: bool) -> tuple[list[int], 
     import onnxruntime as ort
 
     from attnserve.artifact import load_artifact
-    from attnserve.server.memory import MemoryProbe
-    from attnserve.server.ort_backend import CPU, session_options
+    from attnserve.server.memory.probe import MemoryProbe
+    from attnserve.server.runtime.ort_backend import CPU, session_options
 
     artifact = load_artifact(Path(artifact_dir))
     graph = artifact.manifest.graph(attention=True, precision="fp32")

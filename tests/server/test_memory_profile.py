@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from attnserve.artifact import MEMORY_MODEL, load_artifact
-from attnserve.server.memory_model import (
+from attnserve.server.memory.model import (
     ATTENTION,
     EMBEDDINGS,
     MemoryModel,

@@ -14,10 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.artifact import MANIFEST
-from attnserve.bench.harness import ServerProcess
-from attnserve.server import alloc_hook
-from attnserve.server.client import EncoderClient
-from attnserve.server.memory_model import MemoryModel
+from attnserve.client import EncoderClient
+from attnserve.harness import ServerProcess
+from attnserve.server.memory import alloc_hook
+from attnserve.server.memory.model import MemoryModel
 
 # One request each, sent one after another (so each request is a batch of its own):
 # the lengths of its sequences (token ids, so lengths are exact) and the attention
@@ -142,8 +142,10 @@ def test_batch_tokens_real_and_padded(scrape):
 
 def test_stage_counts(scrape):
     s, _, _ = scrape
+    # Every Embed answered and the Tokenize call built a response; the Tokenize call is the
+    # only one that tokenized.
     for stage, count in {"queue": len(REQUESTS), "inference": len(REQUESTS),
-                         "respond": len(REQUESTS), "tokenize": 1}.items():
+                         "respond": len(REQUESTS) + 1, "tokenize": 1}.items():
         assert s.value("attnserve_stage_duration_seconds_count", stage=stage) == count, stage
 
 

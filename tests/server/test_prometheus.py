@@ -12,8 +12,8 @@ import urllib.request
 import grpc
 import pytest
 
-from attnserve.bench.harness import ServerProcess, free_port
-from attnserve.server.client import EncoderClient
+from attnserve.client import EncoderClient
+from attnserve.harness import ServerProcess, free_port
 
 PROMETHEUS_START_S = 30
 SCRAPED_WITHIN_S = 30

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from attnserve.server.client import EncoderClient
+from attnserve.client import EncoderClient
 from tests.conftest import ATTNSERVE, REPO
 from tests.server.reliability import embed_ids, health, serve, stub
 

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnserve.server import alloc_hook
+from attnserve.server.memory import alloc_hook
 
 log = logging.getLogger("attnserve.memory")
 

@@ -1,46 +1,50 @@
-"""Batch results -> the caller's response: trimmed, packed as little-endian bytes, off the
-event loop unless the response is small. Pooled vectors come pooled from the graph."""
+"""attnserve.v1 results -> protobuf: each sequence's arrays trimmed to its length and packed
+as little-endian bytes, and the size of a response counted before any work is done for
+it. Pooled vectors come pooled from the graph."""
 
-import asyncio
 import math
-import time
-from collections.abc import Callable
-from concurrent.futures import Executor
-from typing import TypeVar
+from dataclasses import dataclass
 
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server.backend import Outputs, SequenceResult
-from attnserve.server.errors import ResourceExhausted
-from attnserve.server.metrics import Metrics
-from attnserve.server.parse import POOLING_NAMES, EmbedPlan
+from attnserve.server.engine.requests import Embedded
+from attnserve.server.runtime.backend import Outputs, SequenceResult
 
+POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
 POOLINGS = {code: name for name, code in POOLING_NAMES.items()}
+DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32,
+          pb.DTYPE_FLOAT16: np.float16}
 _WIRE = {np.float32: (pb.DTYPE_FLOAT32, "<f4"), np.float16: (pb.DTYPE_FLOAT16, "<f2")}
-# A response this small is built on the event loop: handing it to the respond pool and
-# back costs more than building it and holds the loop about as long. Measured (median, 2
-# busy cores): the hop alone 46-54 µs; 4 pooled embeddings 65 µs inline, 130-150 µs via
-# the pool; a 96 KiB hidden state 18 µs inline, 70-110 µs via the pool. Anything larger
-# goes to the pool: 64 pooled embeddings held the loop 2.2 ms, thousands of them seconds,
-# stalling every other call (health checks included).
-INLINE_RESPONSE_SEQUENCES = 4
-INLINE_RESPONSE_BYTES = 64 << 10
-
-Response = TypeVar("Response")
 
 
-async def build_response(pool: Executor, metrics: Metrics, build: Callable[[], Response],
-                         sequences: int, response_bytes: int) -> Response:
-    """`build()` on the respond pool, or inline when the response is small."""
-    started = time.perf_counter()
-    if sequences <= INLINE_RESPONSE_SEQUENCES and response_bytes <= INLINE_RESPONSE_BYTES:
-        response = build()
-    else:
-        response = await asyncio.get_running_loop().run_in_executor(pool, build)
-    metrics.stage_duration.labels("respond").observe(time.perf_counter() - started)
-    return response
+@dataclass(frozen=True)
+class AttentionPlan:
+    layers: tuple[int, ...]
+    """in the caller's order, negative indexes resolved"""
+    heads: tuple[int, ...] | None
+    """None: all heads"""
+    average_heads: bool
+
+    @property
+    def graph_layers(self) -> tuple[int, ...]:
+        """The graph outputs to ask onnxruntime for: each layer once, in order."""
+        return tuple(sorted(set(self.layers)))
+
+    def returned_heads(self, num_heads: int) -> int:
+        return 1 if self.average_heads else len(self.heads or range(num_heads))
+
+
+@dataclass(frozen=True)
+class EmbedPlan:
+    """What an Embed response carries, validated."""
+
+    pooling: int
+    normalize: bool
+    return_token_embeddings: bool
+    dtype: type
+    attention: AttentionPlan | None
 
 
 def tensor(array: np.ndarray, dtype: type) -> pb.Tensor:
@@ -91,17 +95,21 @@ def embedding(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.Em
     return out
 
 
+def embed_response(embedded: Embedded, plan: EmbedPlan, model: str) -> pb.EmbedResponse:
+    response = pb.EmbedResponse(model=model, total_tokens=embedded.total_tokens)
+    # One at a time: a list handed to the constructor is copied in one call that holds
+    # the interpreter for as long as the whole response takes.
+    for result, ids in zip(embedded.results, embedded.ids, strict=True):
+        response.embeddings.append(embedding(result, ids, plan))
+    return response
+
+
 # --- sizes -----------------------------------------------------------------------------
 # A response is sized before any work is done for it, from the lengths of its sequences,
 # counting what the wire carries: the data, the shapes, the echoed ids, every field's tag
 # and length prefix. Where a figure depends on values not known yet (the ids), it counts
-# the largest, so the size is never under the real one (gRPC refused to send a response
-# the old check had passed, after all its inference, and it was counted OK).
-
-JSON_FLOAT_BYTES = 26
-"""a float32 as JSON: up to 24 characters of repr (-1.1754943508222875e-38) and ", \""""
-BASE64_FLOAT_BYTES = 6
-"""a float32 as base64: 4 bytes are 5⅓ characters"""
+# the largest, so the size is never under the real one: gRPC refuses to send a message
+# over its limit, after all the inference it took.
 
 
 def varint_bytes(value: int) -> int:
@@ -133,11 +141,9 @@ def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, heads: int, vocab
     return total
 
 
-def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifest,
-                         float_bytes: float | None = None) -> int:
-    """The EmbedResponse for sequences of `lengths` tokens, in bytes; `float_bytes`: what
-    each value takes where the response is re-encoded (JSON), if more than its dtype."""
-    value_bytes = max(np.dtype(plan.dtype).itemsize, float_bytes or 0)
+def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifest) -> int:
+    """The EmbedResponse for sequences of `lengths` tokens, in bytes."""
+    value_bytes = np.dtype(plan.dtype).itemsize
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
     total = field_bytes(len(manifest.model_name.encode())) + 1 + varint_bytes(int(lengths.sum()))
     for length in np.flatnonzero(counts).tolist():
@@ -146,17 +152,6 @@ def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifes
                               manifest.vocab_size, value_bytes)
         total += count * field_bytes(one)
     return total
-
-
-def check_response_size(size: int, limit: int, advice: str, at_least: bool = False) -> int:
-    """Refuse, before any work, a response the transport would refuse after all of it;
-    returns `size`."""
-    if size > limit:
-        raise ResourceExhausted(
-            f"response would be {'at least' if at_least else 'about'} "
-            f"{size / (1 << 20):.1f} MiB, over the {limit / (1 << 20):.1f} MiB message "
-            f"limit: {advice}")
-    return size
 
 
 EMBED_ADVICE = ("ask for fewer attention layers or heads, set average_heads, use "

@@ -1,4 +1,5 @@
-"""`attnserve serve` as a subprocess on loopback, for the tests and the benchmarks alike.
+"""`attnserve serve` as a subprocess on loopback, for the tests, the benchmarks and
+`attnserve memory-profile --mixed-load` alike.
 
 The server says when it is ready: started with `--ready-file`, it writes its ports and pid
 there once health is SERVING (`server/app.py`), and the harness waits for that file, for a
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parent
 ATTNSERVE = [sys.executable, "-m", "attnserve"]
 START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 60

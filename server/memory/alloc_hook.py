@@ -4,7 +4,7 @@ into the server, and reading a batch's exact peak through it.
 `attnserve serve` on the CPU starts itself again with the library in LD_PRELOAD (a
 library that replaces malloc must be there before the process starts). Without a C
 compiler, or where the preload fails, the server runs on glibc's sampled count instead
-(server/memory.py) and says so in its log."""
+(server/memory/probe.py) and says so in its log."""
 
 import ctypes
 import logging

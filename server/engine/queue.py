@@ -3,12 +3,12 @@ it (a batch starting, a deadline passing, a caller going away).
 
 Requests queue as sequences of token ids. Admission refuses at once (RESOURCE_EXHAUSTED)
 what would not be served: past the bounds on queued requests or tokens (`admit`, also
-asked before a request's sequences are read, with a lower bound of its tokens), a
-sequence that cannot run alone within the memory budget, or a response too big to build
-beside its batch; the response is then held in the memory ledger (server/holds.py) until
-the call has sent it. The batch loop forms batches from the length index (`oldest`, `neighbours`) and
-`take`s them out of it; a taken sequence still waits, counted against the bounds and
-free to leave at once, until the inference thread `claim`s its batch to run it.
+asked before a request's sequences are read, with a lower bound of its tokens); the
+engine has already checked the request against the memory budget (server/memory/
+budget.py) and holds its response in the ledger. The batch loop forms batches from the
+length index (`oldest`, `neighbours`) and `take`s them out of it; a taken sequence still
+waits, counted against the bounds and free to leave at once, until the inference thread
+`claim`s its batch to run it.
 """
 
 import asyncio
@@ -21,19 +21,21 @@ from itertools import islice
 
 import numpy as np
 
-from attnserve.server.backend import HIDDEN_ONLY, Outputs, SequenceResult
-from attnserve.server.calls import DEADLINE_SLACK_S
-from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
-from attnserve.server.holds import Holds, Ledger
-from attnserve.server.memory_model import MemoryModel, MemoryModels
+from attnserve.server.engine.errors import (
+    DeadlineExceeded,
+    RequestError,
+    ResourceExhausted,
+    Unavailable,
+)
+from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.metrics import Metrics
+from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 
-# A response is held several times over at its peak: the results, the message,
-# protobuf's growing encode buffer and the bytes handed to gRPC. Measured on MiniLM (a 37
-# MiB response of attention maps), the process rose 4-5 responses over the batch's own
-# peak; a response is held this many times over from admission until it has been sent.
-RESPONSE_COPIES = 4
-MIB = 1 << 20
+# A caller's own deadline cancels its call from the caller's side, which reaches the server
+# a little before the server's copy of the deadline (set when the request arrived) runs
+# out: a cancellation this close to the deadline is the deadline.
+DEADLINE_SLACK_S = 0.1
+
 # A big request's sequences are queued (and, when its caller leaves, taken out) this many
 # at a time, the event loop serving other calls between slices: 262,144 sequences took
 # 2.5 s to queue at once.
@@ -48,84 +50,6 @@ class Limits:
     max_queue_tokens: int
     memory_budget_bytes: int
     max_wait_s: float
-
-
-class MemoryBudget:
-    """Predicted peak memory of a batch, and what requests hold outside the batches (the
-    ledger: requests being parsed or tokenized, responses until sent), against the
-    budget: what admission refuses and what the batch loop lets run together.
-
-    On the CPU both share the one budget: the batch loop runs what fits in the budget
-    less what the ledger holds, and the ledger keeps free the peak of the largest batch
-    an admitted request still has to run alone, so nothing it admitted waits on a caller
-    that does not read. On CUDA the budget is the device's, and the ledger, host memory,
-    has a limit of its own (`host_bytes`)."""
-
-    def __init__(self, model: MemoryModel | MemoryModels, budget_bytes: int, heads: int, hidden: int,
-                 responses_in_budget: bool, host_bytes: int | None = None):
-        self.model = model
-        self.budget = budget_bytes
-        self.heads = heads
-        self.hidden = hidden
-        self.shared = responses_in_budget
-        self.ledger = Ledger(budget_bytes if responses_in_budget or host_bytes is None
-                             else host_bytes)
-        self.response_copies = RESPONSE_COPIES
-
-    def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
-        return self.model.predict(batch, seq, self.heads, layers)
-
-    def room(self) -> float:
-        """What the batches in flight may take together now."""
-        return self.budget - (self.ledger.held if self.shared else 0)
-
-    def keep_free(self, peak: float) -> None:
-        """The largest peak a waiting request needs to run alone: the ledger leaves it."""
-        if self.shared:
-            self.ledger.reserve = peak
-
-    def in_flight(self, held: float) -> None:
-        """What the batches in flight hold now: the ledger leaves it too."""
-        if self.shared:
-            self.ledger.batches = held
-
-    def check(self, longest: int, index: int, layers: int, response_bytes: int) -> float:
-        """Refuse a request that could not run even alone, whatever else is held; its
-        longest sequence (`index`) decides its peak, which is returned."""
-        peak = self.batch_bytes(1, longest, layers)
-        if peak > self.budget:
-            raise ResourceExhausted(self._too_big(index, longest, layers, peak))
-        extra = self.response_copies * response_bytes
-        beside = peak if self.shared else 0.0
-        if extra and beside + extra > self.ledger.limit:
-            raise ResourceExhausted(
-                f"the response, about {response_bytes / MIB:.1f} MiB, takes about "
-                f"{extra / MIB:.0f} MiB to build and send on top of the batch's "
-                f"{beside / MIB:.0f} MiB at peak, over the memory budget of "
-                f"{self.ledger.limit / MIB:.0f} MiB; what fits: a response of up to "
-                f"{max(0.0, self.ledger.limit - beside) / self.response_copies / MIB:.1f} MiB "
-                "(send fewer texts per request, ask for fewer attention layers or heads, set "
-                "average_heads, or use dtype=DTYPE_FLOAT16)")
-        return peak
-
-    def _alone_bytes(self, seq: int, layers: int) -> float:
-        """One sequence alone with its response at the largest (every head, float32 maps,
-        token embeddings): what the alternatives a refusal offers must fit in."""
-        response = 4 * (layers * self.heads * seq * seq + (seq + 1) * self.hidden)
-        return self.batch_bytes(1, seq, layers) + (
-            self.response_copies * response if self.shared else 0)
-
-    def _too_big(self, index: int, length: int, layers: int, need: float) -> str:
-        fits_len = max((n for n in range(1, length) if self._alone_bytes(n, layers) <= self.budget),
-                       default=0)
-        fits_layers = max((k for k in range(layers) if self._alone_bytes(length, k) <= self.budget),
-                          default=0)
-        return (
-            f"sequence {index}: {length} tokens with {layers} attention layer(s) returned needs "
-            f"about {need / MIB:.0f} MiB at peak, over the memory budget of "
-            f"{self.budget / MIB:.0f} MiB; what fits: up to {fits_len} tokens with {layers} "
-            f"layer(s), or {fits_layers} layer(s) at {length} tokens"
-        )
 
 
 @dataclass(eq=False)
@@ -222,24 +146,17 @@ class RequestQueue:
                 f"{self.limits.max_queue_tokens}); retry with backoff or send fewer texts")
 
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
-                     deadline: float | None = None, response_bytes: int = 0,
-                     outputs: Outputs = HIDDEN_ONLY, holds: Holds | None = None,
-                     lengths: np.ndarray | None = None) -> list[SequenceResult]:
-        """Queue a request's sequences and wait for their results (in order).
-        `response_bytes`: the size of the response the results become, held (several
-        times over) in `holds` from now until the call releases it, once sent;
-        `outputs`: the graph outputs the results must carry; `lengths`: the sequences'
-        lengths, when already known. A big request is queued a slice at a time, so the
-        event loop serves other calls in between."""
+                     deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
+                     alone: float = 0.0, lengths: np.ndarray | None = None) -> list[SequenceResult]:
+        """Queue a request's sequences and wait for their results, in order. `outputs`:
+        the graph outputs the results must carry; `alone`: the peak of its largest batch
+        run alone (MemoryBudget.check), kept free while it waits; `lengths`: the
+        sequences' lengths, when already known. A big request is queued a slice at a time,
+        so the event loop serves other calls in between."""
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         tokens = int(lengths.sum())
         self.admit(tokens)
-        longest = int(lengths.argmax())
-        alone = self.memory.check(int(lengths[longest]), longest, len(layers), response_bytes)
-        if holds is not None and response_bytes:
-            holds.take(self.memory.response_copies * response_bytes, "the response",
-                       on_top=alone if self.memory.shared else 0.0)
         job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
                   alone=alone, outputs=outputs)
         job.results = [None] * len(sequences)

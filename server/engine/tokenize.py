@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from attnserve.server.holds import Holds
-from attnserve.server.memory import trim_heap
+from attnserve.server.memory.ledger import Holds
+from attnserve.server.memory.probe import trim_heap
 
 # A slice: at most this many texts, or this many characters to tokenize.
 SLICE_TEXTS = 256
@@ -71,9 +71,10 @@ class Encoded:
 
 class TooLong(ValueError):
     def __init__(self, index: int, limit: int):
-        super().__init__(
-            f"texts[{index}]: more than {limit} tokens, longer than the model's {limit} "
-            "positions; set truncate=true to cut it")
+        self.index = index
+        self.reason = (f"more than {limit} tokens, longer than the model's {limit} positions; "
+                       "set truncate=true to cut it")
+        super().__init__(f"text {index}: {self.reason}")
 
 
 class TextTokenizer:

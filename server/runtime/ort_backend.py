@@ -36,10 +36,10 @@ from attnserve.artifact import (
     cpu_session_config,
     pooled_output,
 )
-from attnserve.server.backend import HIDDEN_ONLY, BatchOutput, Outputs
 from attnserve.server.config import ConfigError
-from attnserve.server.memory import gpu_present, keep_freed_memory, trim_heap
-from attnserve.server.shapes import Shape, ShapeBuckets
+from attnserve.server.memory.probe import gpu_present, keep_freed_memory, trim_heap
+from attnserve.server.runtime.backend import HIDDEN_ONLY, BatchOutput, Outputs
+from attnserve.server.runtime.shapes import Shape, ShapeBuckets
 
 log = logging.getLogger("attnserve.backend")
 
@@ -86,7 +86,7 @@ def session_options(threads: int, provider: str, precision: str = "fp32") -> ort
     if provider == CPU:
         for key, value in cpu_session_config(precision).items():
             options.add_session_config_entry(key, value)
-    # The CPU arena is off: the per-batch memory figure (see memory.py) and
+    # The CPU arena is off: the per-batch memory figure (see server/memory/probe.py) and
     # the memory model count onnxruntime's own allocations, which an arena hides after
     # its first growth, and what a long batch took goes back to the OS once idle. The
     # speed the arena gave comes from glibc keeping freed pages instead

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT
-from attnserve.server.backend import Backend, BatchOutput, Outputs, SequenceResult, Shape
-from attnserve.server.errors import RequestError
-from attnserve.server.memory import MemoryProbe
+from attnserve.server.engine.errors import RequestError
+from attnserve.server.engine.queue import Limits, RequestQueue, State, Waiting
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
-from attnserve.server.request_queue import Limits, MemoryBudget, RequestQueue, State, Waiting
+from attnserve.server.runtime.backend import Backend, BatchOutput, Outputs, SequenceResult, Shape
 
 log = logging.getLogger("attnserve.batch_loop")
 
@@ -126,7 +127,7 @@ class BatchLoop:
 
     def _need(self, batch: list[Waiting], layers: int) -> float:
         # Responses are not in it: the memory ledger holds them from admission until
-        # sent (server/holds.py), and `room()` is the budget less what it holds.
+        # sent (server/memory/ledger.py), and `room()` is the budget less what it holds.
         shape = self.backend.padded_shape(len(batch), batch[-1].length)
         return self.memory.batch_bytes(*shape, layers)
 

@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from attnserve.server.client import EncoderClient
+from attnserve.client import EncoderClient
 
 
 def _ints(text: str) -> list[int]:

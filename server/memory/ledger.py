@@ -1,24 +1,31 @@
 """Memory a call holds outside the batches, against the memory budget, until its answer
 has been sent: a big request as received and parsed, texts being tokenized and the ids
-they become, and the response from admission until gRPC has written it to the caller.
+they become, and the response from admission until the door has written it to the
+caller.
 
-Before, a response counted only while its batch ran: a caller that stopped reading held
-every answer it had asked for (40 responses of 63 MiB reached 8.5 GB) and the server
-kept taking more. Now every byte is taken from one ledger before it is allocated, and a
-call that cannot have it is refused at once (RESOURCE_EXHAUSTED). One connection may hold
-only a share of the ledger, so a stalled reader stops itself, not the others.
+Every byte is taken from one ledger before it is allocated, and a call that cannot have
+it is refused at once (RESOURCE_EXHAUSTED), so a caller that stops reading cannot make
+the server hold answer after answer. One connection may hold only a share of the
+ledger, so a stalled reader stops itself, not the others.
 """
 
+import asyncio
 import math
 import threading
+from concurrent.futures import Executor
 
-from attnserve.server.errors import ResourceExhausted
+from attnserve.server.engine.errors import ResourceExhausted
+from attnserve.server.memory.probe import trim_heap
 
 MIB = 1 << 20
 # One connection may hold this share of the ledger (any one call of it may hold more,
 # when nothing else of the connection is held), so a caller that stops reading (zero
 # HTTP/2 window) leaves the rest to the others.
 PER_CONNECTION_SHARE = 0.25
+# A call that held this much gives the heap's free pages back to the OS once it is over,
+# after a moment for the transport to free what it sent.
+TRIM_AFTER_BYTES = 16 << 20
+TRIM_DELAY_S = 0.05
 
 
 class Ledger:
@@ -118,3 +125,11 @@ class Holds:
                 self.ledger._give_back(self.total, self.connection)
             self.total = 0
             self.released = True
+
+
+def trim_after(holds: Holds, pool: Executor, loop: asyncio.AbstractEventLoop) -> None:
+    """Once a call that held much is over (its memory given back, but kept by the heap),
+    hand the heap's free pages back to the OS, after a moment for the sender to free
+    what it sent. Safe from any thread."""
+    if holds.peak >= TRIM_AFTER_BYTES:
+        loop.call_soon_threadsafe(loop.call_later, TRIM_DELAY_S, pool.submit, trim_heap)

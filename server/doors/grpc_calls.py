@@ -1,5 +1,6 @@
-"""What every RPC shares: in-flight and latency metrics, errors turned into statuses, and
-requests decoded off the event loop with their memory held until the answer is sent."""
+"""What every gRPC call shares: its record and status (server/doors/front.py), the API
+key, and its request decoded off the event loop with its memory held until the answer
+is sent."""
 
 import asyncio
 import inspect
@@ -11,38 +12,51 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
-from attnserve.server.errors import RequestError, ResourceExhausted
-from attnserve.server.holds import Holds, Ledger
-from attnserve.server.memory import trim_heap
+from attnserve.server.doors.front import CANCELLED, ApiKeys, CallRecord
+from attnserve.server.doors.grpc_wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
+from attnserve.server.engine.errors import (
+    InvalidArgument,
+    RequestError,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from attnserve.server.engine.queue import DEADLINE_SLACK_S
+from attnserve.server.memory.ledger import Holds, Ledger, trim_after
 from attnserve.server.metrics import Metrics
-from attnserve.server.wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
 
 log = logging.getLogger("attnserve.calls")
 
-# A caller's own deadline cancels its call from the caller's side, which reaches the server
-# a little before the server's copy of the deadline (set when the request arrived) runs
-# out: a cancellation this close to the deadline is the deadline.
-DEADLINE_SLACK_S = 0.1
 # A request is held this many times over while its call lasts: the bytes gRPC received,
 # the parsed message, and the Python objects made from it (texts as str, ids as arrays).
 REQUEST_COPIES = 3
 # A request this small is not counted: health checks and the like are never refused for
 # memory (1,000 streams of a connection hold at most 16 MiB of them).
 UNCOUNTED_REQUEST_BYTES = 16 << 10
-# A call that held this much gives the heap's free pages back to the OS once it is over,
-# after a moment for gRPC to free what it sent.
-TRIM_AFTER_BYTES = 16 << 20
-TRIM_DELAY_S = 0.05
+# Methods answered without an API key: health and reflection (for probes and tools), and
+# the Open Inference Protocol's own health calls.
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.",
+                "/inference.GRPCInferenceService/ServerLive",
+                "/inference.GRPCInferenceService/ServerReady",
+                "/inference.GRPCInferenceService/ModelReady")
 
 
-def trim_after(holds: Holds, pool: Executor, loop: asyncio.AbstractEventLoop) -> None:
-    """Once a call that held much is over (its memory given back, but kept by the heap),
-    hand the heap's free pages back to the OS, after a moment for the sender to free
-    what it sent. Safe from any thread."""
-    if holds.peak >= TRIM_AFTER_BYTES:
-        loop.call_soon_threadsafe(loop.call_later, TRIM_DELAY_S, pool.submit, trim_heap)
+def status_of(err: RequestError) -> grpc.Status:
+    """The status to abort with: the code and message, and for a field at fault a
+    google.rpc.BadRequest, so a client can read the field without parsing the message
+    (grpc_status.rpc_status.from_call)."""
+    code = getattr(code_pb2, err.code.name)
+    details = []
+    if isinstance(err, InvalidArgument):
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.reason)]))
+        details.append(detail)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=err.message, details=details))
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
@@ -53,30 +67,23 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
 
 async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
                  handler: Callable[[], Awaitable]):
-    """Run `handler`, record the call, and turn a RequestError into its status code."""
-    started = time.perf_counter()
-    metrics.inflight.inc()
-    code = grpc.StatusCode.OK
+    """Run `handler`, record the call, and answer what it raised with its status."""
+    record = CallRecord(metrics, rpc)
     try:
         return await handler()
-    except RequestError as err:
-        code, refusal = err.code, err
     except asyncio.CancelledError:
         remaining = context.time_remaining()
         expired = remaining is not None and remaining <= DEADLINE_SLACK_S
-        code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        record.code = "DEADLINE_EXCEEDED" if expired else CANCELLED
         raise
-    except Exception as err:
-        if isinstance(err, grpc.aio.AbortError):
-            raise
-        code = grpc.StatusCode.INTERNAL
-        log.exception("event=internal_error rpc=%s", rpc)
-        refusal = RequestError(f"internal error: {err.__class__.__name__}")
+    except grpc.aio.AbortError:
+        raise
+    except Exception as err:  # noqa: BLE001 - every failure is answered, never raised on
+        refusal = record.refusal(err)
     finally:
-        metrics.inflight.dec()
-        metrics.answered(rpc, code.name, time.perf_counter() - started)
+        record.end()
     # Sent once counted, so a caller that sees the refusal finds it in /metrics.
-    status = refusal.status()
+    status = status_of(refusal)
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
@@ -98,7 +105,7 @@ class Received:
 
 class Undecoded:
     """A request too big to parse on the event loop, as it came: parsed on a thread, in
-    slices (server/wire.py), once its memory is held."""
+    slices (server/doors/grpc_wire.py), once its memory is held."""
 
     def __init__(self, data: bytes):
         self.data = data
@@ -116,36 +123,53 @@ class Undecoded:
 _holds: ContextVar[Holds | None] = ContextVar("attnserve_call_holds", default=None)
 
 
-def call_holds() -> Holds | None:
-    """The memory the current gRPC call holds (released once its answer is sent), or
-    None outside a call the DecodeRequests interceptor saw (the HTTP routes)."""
-    return _holds.get()
+def call_holds() -> Holds:
+    """The memory the current gRPC call holds, released once its answer is sent."""
+    holds = _holds.get()
+    assert holds is not None, "a gRPC method called outside the DecodeRequests interceptor"
+    return holds
 
 
 class DecodeRequests(grpc.aio.ServerInterceptor):
-    """Every call's requests parsed without stalling the event loop, and its memory held
-    against the budget until its answer has been sent.
+    """Every call's API key checked, its requests parsed without stalling the event
+    loop, and its memory held against the budget until its answer has been sent.
 
-    A request that does not parse (invalid UTF-8 in a string field, truncated or garbage
-    bytes) gets INVALID_ARGUMENT, instead of grpc's UNKNOWN and a traceback in the log.
-    Each request's bytes (but a small one's), as received, parsed and copied, are taken
-    from the ledger first (RESOURCE_EXHAUSTED at once when they do not fit, or when its
-    connection holds its share). A big one (over wire.INLINE_BYTES) is then parsed on `pool` a slice at a
-    time, refused by its entry counts before any of it is parsed. The call's Holds
-    (`call_holds()`) are released when gRPC reports the call over: for a unary call,
-    once the response has been written to the caller."""
+    A call without a valid key (when keys are configured) gets UNAUTHENTICATED before its
+    request is read; health, reflection and the KServe health calls need none. A request
+    that does not parse (invalid UTF-8 in a string field, truncated or garbage bytes)
+    gets INVALID_ARGUMENT, instead of grpc's UNKNOWN and a traceback in the log. Each
+    request's bytes (but a small one's), as received, parsed and copied, are taken from
+    the ledger first (RESOURCE_EXHAUSTED at once when they do not fit, or when its
+    connection holds its share). A big one (over grpc_wire.INLINE_BYTES) is then parsed
+    on `pool` a slice at a time, refused by its entry counts before any of it is parsed.
+    The call's Holds (`call_holds()`) are released when gRPC reports the call over: for a
+    unary call, once the response has been written to the caller."""
 
-    def __init__(self, metrics: Metrics, ledger: Ledger, pool: Executor, max_entries: int):
+    def __init__(self, metrics: Metrics, ledger: Ledger, pool: Executor, max_entries: int,
+                 keys: ApiKeys):
         self.metrics = metrics
         self.ledger = ledger
         self.pool = pool
         self.max_entries = max_entries
+        self.keys = keys
+
+    def _authenticate(self, details) -> Unauthenticated | None:
+        if not self.keys or details.method.startswith(OPEN_METHODS):
+            return None
+        given = next((value for key, value in details.invocation_metadata or ()
+                      if key == "authorization"), None)
+        try:
+            self.keys.check(given if isinstance(given, str) else None)
+        except Unauthenticated as err:
+            return err
+        return None
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
         rpc = details.method.rsplit("/", 1)[-1]
+        refused = self._authenticate(details)
         parse = handler.request_deserializer
         message_class = getattr(parse, "__self__", None)
         sliceable = isinstance(message_class, type) and issubclass(message_class, Message)
@@ -158,9 +182,10 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             except (DecodeError, ValueError) as err:
                 return Received(Undecodable(err), len(data))
 
-        async def refuse(code: grpc.StatusCode, message: str, context) -> None:
-            self.metrics.answered(rpc, code.name, 0.0)
-            await context.abort(code, message)
+        async def refuse(err: RequestError, context) -> None:
+            self.metrics.answered(rpc, err.code.name, 0.0)
+            status = status_of(err)
+            await context.abort(status.code, status.details, status.trailing_metadata)
 
         async def decoded(received: Received, context, holds: Holds):
             """The request parsed, or the call refused; returns (request, bytes held)."""
@@ -173,10 +198,10 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                     request = await asyncio.get_running_loop().run_in_executor(
                         self.pool, request.decode, message_class, self.max_entries)
             except RequestError as err:
-                await refuse(err.code, err.message, context)
+                await refuse(err, context)
             if isinstance(request, Undecodable):
-                await refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"request: not a valid {rpc} message ({request.reason})", context)
+                await refuse(InvalidArgument("request", f"not a valid {rpc} message "
+                                             f"({request.reason})"), context)
             return request, held
 
         def start(context) -> Holds:
@@ -201,6 +226,11 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             "stream" if handler.response_streaming else "unary")
         inner = getattr(handler, kind)
 
+        if refused is not None:
+            async def unauthenticated(request, context):
+                await refuse(refused, context)
+            return handler._replace(request_deserializer=lambda data: None,
+                                    **{kind: unauthenticated})
         if inspect.isasyncgenfunction(inner):
             async def behaviour(request, context):
                 holds = start(context)

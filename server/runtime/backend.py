@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT
-from attnserve.server.shapes import Shape
+from attnserve.server.runtime.shapes import Shape
 
 Outputs = frozenset[str]
 """Graph outputs a batch must bring back: HIDDEN_OUTPUT and the pooled vectors

@@ -24,7 +24,7 @@ What one shape's peak is (`PeakMeter`, in a worker process that measures every s
   growth to the shape's peak. NVML counts the whole GPU: run it on an idle one.
 
 The measurements are fitted per graph by least squares on relative error, every
-coefficient ≥ 0, as one phase or the larger of two (server/memory_model.py gives the
+coefficient ≥ 0, as one phase or the larger of two (server/memory/model.py gives the
 form and what each term stands for): first on the shapes off one diagonal in three of
 the batch × seq grid, to report the error on those held out, then on all of them. The
 final fits are saved beside the artifact in memory_model.json under
@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.artifact import load_artifact
-from attnserve.server.memory_model import (
+from attnserve.server.memory.model import (
     ATTENTION,
     COEFFICIENTS,
     EMBEDDINGS,
@@ -66,7 +66,7 @@ from attnserve.server.memory_model import (
 
 log = logging.getLogger("attnserve.memory_profile")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 # Relative errors are scored over shapes whose peak reaches this; the fit weighs smaller
 # ones as if they were at it (a few hundred KiB of per-run overhead is not what a memory
@@ -115,8 +115,8 @@ class PeakMeter:
     """The artifact's graphs on one provider, and one shape's peak (module docstring)."""
 
     def __init__(self, artifact_dir: Path, device: str, precision: str, threads: int):
-        from attnserve.server.memory import MemoryProbe
-        from attnserve.server.ort_backend import CUDA, choose_provider
+        from attnserve.server.memory.probe import MemoryProbe
+        from attnserve.server.runtime.ort_backend import CUDA, choose_provider
 
         self.artifact = load_artifact(artifact_dir)
         self.manifest = self.artifact.manifest
@@ -149,7 +149,7 @@ class PeakMeter:
     def _session(self, kind: str):
         import onnxruntime as ort
 
-        from attnserve.server.ort_backend import providers_for, session_options
+        from attnserve.server.runtime.ort_backend import providers_for, session_options
 
         options = session_options(self.threads, self.provider, self.precision)
         session = ort.InferenceSession(str(self.artifact.path(self.graphs[kind])), options,
@@ -215,7 +215,7 @@ def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precisi
     left_out: list[str] = []
     todo = list(shapes)
     while todo:
-        command = [sys.executable, "-m", "attnserve.bench.memory_profile", "--worker",
+        command = [sys.executable, "-m", "attnserve.server.memory.profile", "--worker",
                    "--artifact", str(Path(artifact_dir).resolve()), "--device", device,
                    "--precision", precision, "--threads", str(threads), "--repeats", str(repeats),
                    "--shapes", json.dumps([asdict(s) for s in todo])]
@@ -294,7 +294,7 @@ PHASE_GAIN = 0.01
 
 def fit_phases(rows: list[Measurement], heads: int) -> list[np.ndarray]:
     """One graph's model: one phase, or two whose larger is the peak (the feed-forward
-    phase below some length, the attention phase above it; server/memory_model.py).
+    phase below some length, the attention phase above it; server/memory/model.py).
     Since both phases scale with batch·seq, which is larger depends on seq alone: each
     measured length is tried as the boundary, each side fitted, then every row given to
     the phase that predicts more for it and both refitted, until that settles."""
@@ -511,8 +511,8 @@ def mixed_load(artifact_dir: Path, calls: int) -> dict:
 
     import grpc
 
-    from attnserve.bench.harness import ServerProcess
-    from attnserve.server.client import EncoderClient
+    from attnserve.client import EncoderClient
+    from attnserve.harness import ServerProcess
 
     manifest = load_artifact(artifact_dir).manifest
     requests = mixed_requests(calls, manifest.max_positions)
@@ -603,7 +603,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         print(f"skipping seq lens {skipped}: over the model's {manifest.max_positions} "
               "positions", file=sys.stderr)
     if args.device != "cuda" and not memray_importable():
-        from attnserve.server.ort_backend import CPU, choose_provider
+        from attnserve.server.runtime.ort_backend import CPU, choose_provider
 
         if choose_provider(args.device)[0] == CPU:
             print("memory-profile: on the CPU it counts allocations with memray, which is not "
@@ -700,7 +700,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
 
 
 def _worker(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="bench.memory_profile --worker")
+    parser = argparse.ArgumentParser(prog="attnserve.server.memory.profile --worker")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--artifact", type=Path, required=True)
     parser.add_argument("--shapes", required=True, help="JSON list of Shape fields")

@@ -1,0 +1,186 @@
+"""attnserve.v1.EncoderService, the gRPC door of our own API: texts or token ids in,
+embeddings and attention maps out, through the engine."""
+
+from attnserve.artifact import Manifest
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
+from attnserve.server.doors.grpc_encoder_pack import (
+    DTYPES,
+    EMBED_ADVICE,
+    POOLING_NAMES,
+    AttentionPlan,
+    EmbedPlan,
+    embed_response,
+    embed_response_bytes,
+    field_bytes,
+    outputs_for,
+)
+from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.errors import InvalidArgument
+from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
+from attnserve.server.engine.requests import EmbedRequest, ResponseSize, TokenizeRequest
+from attnserve.server.engine.tokenize import Encoded
+from attnserve.server.memory.ledger import Holds
+from attnserve.server.metrics import Metrics
+
+TOKENIZE_ADVICE = "send fewer texts per request"
+
+
+class TextNames:
+    sequences = "texts"
+
+    def sequence(self, index: int) -> str:
+        return f"texts[{index}]"
+
+    def token(self, index: int, position: int) -> str:
+        return f"texts[{index}]"
+
+
+class IdNames:
+    sequences = "token_ids"
+
+    def sequence(self, index: int) -> str:
+        return f"token_ids[{index}]"
+
+    def token(self, index: int, position: int) -> str:
+        return f"token_ids[{index}].ids[{position}]"
+
+
+TEXTS, IDS = TextNames(), IdNames()
+
+
+class IdLists:
+    """A request's TokenIds entries as lists of ids, each read when the engine reads it
+    (off the event loop for a big request)."""
+
+    def __init__(self, entries):
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int):
+        return self.entries[index].ids
+
+    def __iter__(self):
+        return (entry.ids for entry in self.entries)
+
+
+def _indexes(values, count: int, field: str, what: str) -> tuple[int, ...]:
+    resolved = []
+    for i, value in enumerate(values):
+        if not -count <= value < count:
+            raise InvalidArgument(
+                f"{field}[{i}]", f"{what} {value} does not exist: the model has {count} {what}s "
+                f"(0..{count - 1}, or -1..-{count} from the end)")
+        index = value % count
+        if index in resolved:
+            raise InvalidArgument(f"{field}[{i}]", f"{what} {value} is listed twice")
+        resolved.append(index)
+    return tuple(resolved)
+
+
+def _tokenization(e: Encoded) -> pb.Tokenization:
+    return pb.Tokenization(ids=e.ids.tolist(), tokens=e.tokens,
+                           offsets=[x for pair in e.offsets for x in pair])
+
+
+def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
+    """Validate everything but the sequences themselves (the engine reads those)."""
+    if bool(request.texts) == bool(request.token_ids):
+        which = "both are set" if request.texts else "both are empty"
+        raise InvalidArgument("texts/token_ids", f"{which}; set exactly one of them")
+    if request.pooling not in pb.Pooling.values():
+        raise InvalidArgument("pooling", f"unknown value {request.pooling}")
+    if request.dtype not in DTYPES:
+        raise InvalidArgument("dtype", f"unknown value {request.dtype}")
+    pooling = request.pooling or POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
+    attention = None
+    if request.HasField("attention"):
+        options = request.attention
+        layers = _indexes(options.layers, manifest.num_layers, "attention.layers", "layer")
+        heads = _indexes(options.heads, manifest.num_heads, "attention.heads", "head")
+        attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
+                                  options.average_heads)
+    return EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
+                     DTYPES[request.dtype], attention)
+
+
+
+class EncoderService(pb_grpc.EncoderServiceServicer):
+    def __init__(self, engine: Engine, metrics: Metrics, max_message_bytes: int):
+        self.engine = engine
+        self.manifest = engine.manifest
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        # The smallest Tokenization (an empty text's): the cheap size bound of a request.
+        self.least_tokenization = _tokenization(engine.tokenizer.empty).ByteSize()
+
+    async def embed(self, request: pb.EmbedRequest, holds: Holds,
+                    deadline: float | None) -> pb.EmbedResponse:
+        plan = plan_embed(request, self.manifest)
+        size = ResponseSize(lambda lengths: embed_response_bytes(plan, lengths, self.manifest),
+                            self.max_message_bytes, EMBED_ADVICE)
+        embedded = await self.engine.embed(EmbedRequest(
+            names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
+            token_ids=IdLists(request.token_ids), truncate=request.truncate,
+            outputs=outputs_for(plan),
+            layers=plan.attention.graph_layers if plan.attention else ()), holds, deadline)
+        response_bytes = size.measure(embedded.lengths)
+        return await self.engine.pack(
+            len(embedded.ids) * RESULT_S + response_bytes * COPY_BYTE_S,
+            embed_response, embedded, plan, self.manifest.model_name)
+
+    async def Embed(self, request, context):
+        return await answer(self.metrics, "Embed", context,
+                            lambda: self.embed(request, call_holds(), deadline_of(context)))
+
+    async def EmbedStream(self, request_iterator, context):
+        holds = call_holds()
+        async for request in request_iterator:
+            # Each answer's memory is held until it has been written: the stream takes
+            # the next request only then, so a caller that stops reading holds one.
+            before = holds.total
+            try:
+                yield await answer(self.metrics, "EmbedStream", context,
+                                   lambda request=request: self.embed(
+                                       request, holds, deadline_of(context)))
+            finally:
+                holds.give_back(holds.total - before)
+
+    async def Tokenize(self, request, context):
+        async def handle():
+            count = len(request.texts)
+            size = ResponseSize(lambda _: count * field_bytes(self.least_tokenization),
+                                self.max_message_bytes, TOKENIZE_ADVICE)
+            size.check(None, at_least=True)
+            holds = call_holds()
+            encoded = await self.engine.tokenize(
+                TokenizeRequest(TEXTS, request.texts, request.truncate), holds)
+            tokens = sum(len(e.ids) for e in encoded)
+            return await self.engine.pack(count * RESULT_S + tokens * TOKEN_S,
+                                          self._tokenize_response, encoded, holds)
+        return await answer(self.metrics, "Tokenize", context, handle)
+
+    def _tokenize_response(self, encoded: list[Encoded], holds: Holds) -> pb.TokenizeResponse:
+        response = pb.TokenizeResponse()
+        for e in encoded:  # one at a time, as Embed's
+            response.tokenizations.append(_tokenization(e))
+        size = response.ByteSize()
+        ResponseSize(lambda _: size, self.max_message_bytes, TOKENIZE_ADVICE).check(None)
+        self.engine.hold_response(holds, size)
+        return response
+
+    async def GetModelInfo(self, request, context):
+        async def handle():
+            info = self.engine.model_info()
+            return pb.GetModelInfoResponse(
+                model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
+                num_heads=info.num_heads, max_positions=info.max_positions,
+                vocab_size=info.vocab_size,
+                default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
+                execution_provider=info.provider, precision=info.precision,
+                artifact_sha256=info.artifact_sha256,
+            )
+        return await answer(self.metrics, "GetModelInfo", context, handle)

@@ -1,0 +1,109 @@
+"""inference.GRPCInferenceService: the Open Inference Protocol (KServe v2) over gRPC, so
+tritonclient and KServe tooling work unchanged; the tensors go to the engine's `infer`.
+
+Inputs: input_ids and attention_mask, INT64 [batch, seq]; each row's mask must be ones
+then zeros. Outputs: last_hidden_state (FP32 [batch, seq, hidden]), and on request
+`attentions` (every layer stacked, [layers, batch, heads, seq, seq]) or `attentions.K`
+([batch, heads, seq, seq]). Positions past a row's length are zeros: no computed padding
+reaches the caller.
+"""
+
+import numpy as np
+
+from attnserve.server._proto.inference import grpc_service_pb2 as pb
+from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
+from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
+from attnserve.server.doors.grpc_encoder_pack import field_bytes
+from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.errors import InvalidArgument, NotFound, quote
+from attnserve.server.engine.offload import COPY_BYTE_S
+from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.metrics import Metrics
+
+SERVER_NAME = "attnserve"
+SERVER_VERSION = "0.1.0"
+MODEL_VERSION = "1"
+INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"
+
+
+class KServeService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, engine: Engine, metrics: Metrics, max_message_bytes: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        self.model = engine.manifest.model_name
+
+    def check_model(self, name: str, version: str = "") -> None:
+        if name != self.model:
+            raise NotFound(f"model_name: unknown model {quote(name)}; this server serves "
+                           f"{self.model!r}")
+        if version not in ("", MODEL_VERSION):
+            raise NotFound(f"model_version: unknown version {quote(version)}; {self.model!r} "
+                           f"has version {MODEL_VERSION!r}")
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.engine.ready())
+
+    async def ModelReady(self, request, context):
+        async def handle():
+            self.check_model(request.name, request.version)
+            return pb.ModelReadyResponse(ready=self.engine.ready())
+        return await answer(self.metrics, "ModelReady", context, handle)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION)
+
+    async def ModelMetadata(self, request, context):
+        async def handle():
+            self.check_model(request.name, request.version)
+            info = self.engine.model_info()
+            meta = pb.ModelMetadataResponse.TensorMetadata
+            return pb.ModelMetadataResponse(
+                name=info.model, versions=[MODEL_VERSION], platform="onnxruntime_onnx",
+                inputs=[meta(name=t.name, datatype=t.datatype, shape=t.shape) for t in info.inputs],
+                outputs=[meta(name=t.name, datatype=t.datatype, shape=t.shape) for t in info.outputs])
+        return await answer(self.metrics, "ModelMetadata", context, handle)
+
+    def _size(self, request: pb.ModelInferRequest) -> ResponseSize:
+        """The response's size, exactly: its fields but the output data, sized by protobuf
+        itself, and the data's length-prefixed bytes."""
+        def measure(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+            skeleton = pb.ModelInferResponse(model_name=self.model, model_version=MODEL_VERSION,
+                                             id=request.id)
+            data = 0
+            for name, shape in shapes:
+                skeleton.outputs.add(name=name, datatype="FP32", shape=shape)
+                data += field_bytes(int(np.prod(shape, dtype=np.int64)) * 4)
+            return skeleton.ByteSize() + data
+        return lambda shapes: ResponseSize(lambda _: measure(shapes), self.max_message_bytes,
+                                           INFER_ADVICE)
+
+    def _inputs(self, request: pb.ModelInferRequest) -> list[InputTensor]:
+        raw = request.raw_input_contents
+        if raw and len(raw) != len(request.inputs):
+            raise InvalidArgument("raw_input_contents", f"{len(raw)} entries for "
+                                  f"{len(request.inputs)} inputs")
+        return [InputTensor(t.name, t.datatype, t.shape, raw[i] if raw else t.contents.int64_contents)
+                for i, t in enumerate(request.inputs)]
+
+    async def ModelInfer(self, request, context):
+        async def handle():
+            self.check_model(request.model_name, request.model_version)
+            inferred = await self.engine.infer(
+                InferRequest(self._inputs(request), [o.name for o in request.outputs],
+                             self._size(request)), call_holds(), deadline_of(context))
+            nbytes = sum(array.nbytes for _, array in inferred.outputs)
+            return await self.engine.pack(nbytes * COPY_BYTE_S, self._response, request.id,
+                                          inferred.outputs)
+        return await answer(self.metrics, "ModelInfer", context, handle)
+
+    def _response(self, request_id: str, outputs) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(model_name=self.model, model_version=MODEL_VERSION,
+                                         id=request_id)
+        for name, array in outputs:
+            response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+            response.raw_output_contents.append(array.tobytes())
+        return response

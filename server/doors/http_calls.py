@@ -1,0 +1,205 @@
+"""What every HTTP route shares: its call record and status (server/doors/front.py), the
+body read within its limits and time and held in the memory ledger only as its bytes
+arrive, JSON counted before it is parsed and parsed off the event loop, and errors
+turned into HTTP statuses in the route's own error shape.
+
+The cheap limits come first: the content type and encoding and the declared length are
+checked before any byte of the body is read, and a JSON body's entries are counted
+before it is parsed."""
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import orjson
+from aiohttp import web
+
+from attnserve.server.doors.front import CANCELLED, CallRecord
+from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.errors import (
+    Code,
+    InvalidArgument,
+    RequestError,
+    TooLarge,
+)
+from attnserve.server.engine.offload import JSON_BYTE_S
+from attnserve.server.memory.ledger import Holds, trim_after
+from attnserve.server.metrics import Metrics
+
+T = TypeVar("T")
+
+HTTP_STATUS = {
+    Code.INVALID_ARGUMENT: 400,
+    Code.UNAUTHENTICATED: 401,
+    Code.NOT_FOUND: 404,
+    Code.RESOURCE_EXHAUSTED: 429,
+    Code.INTERNAL: 500,
+    Code.UNAVAILABLE: 503,
+    Code.DEADLINE_EXCEEDED: 504,
+}
+# A request is held this many times over while its call lasts: the bytes received, the
+# parsed JSON, and the Python objects made from it.
+REQUEST_COPIES = 3
+# A body this small is not counted: a health check or a one-text call is never refused
+# for memory.
+UNCOUNTED_BODY_BYTES = 16 << 10
+# The entries a JSON body may carry beyond twice the entries one request may queue (ids
+# and the lists holding them; the tensors of both KServe inputs): its objects' members.
+JSON_ENTRY_SLACK = 1024
+# The JSON text between two double quotes: a string, escapes included.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# Types a web page can post to another origin without asking first (no CORS preflight):
+# never accepted, so that a page cannot make a visitor's browser call the server.
+CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+class UnsupportedMediaType(RequestError):
+    """415: a body of a type or encoding the route does not take."""
+
+    code = Code.INVALID_ARGUMENT
+
+
+class RequestTimeout(RequestError):
+    """408: the body did not arrive within --http-body-timeout-seconds."""
+
+    code = Code.DEADLINE_EXCEEDED
+
+
+def http_status(err: RequestError) -> int:
+    if isinstance(err, UnsupportedMediaType):
+        return 415
+    if isinstance(err, RequestTimeout):
+        return 408
+    if isinstance(err, TooLarge):
+        return 413
+    return HTTP_STATUS.get(err.code, 500)
+
+
+def json_entries(body: bytes, limit: int) -> int:
+    """An upper bound on the values in a JSON text's arrays and objects, counted without
+    parsing it: its commas and opening brackets, outside strings once the count with
+    those inside passes `limit`. Exact but for empty arrays and objects, which count one
+    each."""
+    raw = body.count(b",") + body.count(b"[") + body.count(b"{")
+    if raw <= limit or b'"' not in body:
+        return raw
+    outside = _JSON_STRING.sub(b"", body)
+    return outside.count(b",") + outside.count(b"[") + outside.count(b"{")
+
+
+def _peer(request: web.Request) -> str | None:
+    """The connection a call came in on, for its share of the memory ledger."""
+    address = request.transport.get_extra_info("peername") if request.transport else None
+    return None if not address else f"http:{address[0]}:{address[1]}"
+
+
+class HttpCalls:
+    """Shared by the routes of one server: its engine, metrics and limits."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_body_bytes: int,
+                 body_timeout_s: float, max_entries: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.max_json_entries = 2 * max_entries + JSON_ENTRY_SLACK
+
+    def check_type(self, request: web.Request, accepted: tuple[str, ...],
+                   optional: bool = False) -> None:
+        """Refuse (415) a body of another content type (none given is accepted with
+        `optional`), or compressed: a body is never inflated here."""
+        kind = request.content_type if request.headers.get("Content-Type") else None
+        if kind is None and optional:
+            pass
+        elif kind not in accepted or kind in CROSS_SITE_TYPES:
+            raise UnsupportedMediaType(
+                f"Content-Type: {kind or 'missing'}; send {' or '.join(accepted)}")
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise UnsupportedMediaType(f"Content-Encoding: {encoding[:32]!r}; bodies are taken "
+                                       "uncompressed only")
+
+    async def body(self, request: web.Request, holds: Holds) -> bytes:
+        """The whole body: refused (413) past the limit before it is read when the client
+        declares its length, and as soon as it passes the limit when it does not; ended
+        (408) past --http-body-timeout-seconds. Its bytes are held in the ledger (as
+        received, parsed and converted) as they arrive, until the answer has been sent:
+        never for bytes not yet sent."""
+        limit, length = self.max_body_bytes, request.content_length
+        if length is not None and length > limit:
+            raise TooLarge(f"body: {length} bytes, over the server's {limit}-byte limit "
+                           "(--http-max-body-bytes)")
+        chunks, received, held = [], 0, 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while chunk := await request.content.readany():
+                    received += len(chunk)
+                    if received > limit:
+                        raise TooLarge(f"body: over the server's {limit}-byte limit "
+                                       "(--http-max-body-bytes)")
+                    if received > UNCOUNTED_BODY_BYTES:
+                        holds.take(REQUEST_COPIES * received - held, "request")
+                        held = REQUEST_COPIES * received
+                    chunks.append(chunk)
+        except TimeoutError as err:
+            raise RequestTimeout(f"body: {received} bytes arrived in "
+                                 f"{self.body_timeout_s:g} s (--http-body-timeout-seconds); "
+                                 "send the whole body at once") from err
+        except web.HTTPException as err:  # a malformed chunked encoding, or the like
+            raise InvalidArgument("body", err.text or err.reason) from err
+        except ValueError as err:  # aiohttp's payload errors (bad chunk sizes)
+            raise InvalidArgument("body", f"not a valid HTTP body ({err})") from err
+        return b"".join(chunks)
+
+    async def json(self, body: bytes, convert: Callable[[object], T]) -> T:
+        """`convert(the parsed JSON)`, on a thread when the body is big. Its entries are
+        counted first, so a body with more than any request may carry is refused before
+        it is parsed."""
+        def work() -> T:
+            entries = json_entries(body, self.max_json_entries)
+            if entries > self.max_json_entries:
+                raise TooLarge(f"body: more than {self.max_json_entries} JSON values "
+                               f"({entries} counted); send fewer entries per request")
+            try:
+                parsed = orjson.loads(body)
+            except orjson.JSONDecodeError as err:
+                raise InvalidArgument("body", f"not valid JSON ({err})") from err
+            return convert(parsed)
+        return await self.engine.offload.request(len(body) * JSON_BYTE_S, work)
+
+    async def answer(self, rpc: str, request: web.Request,
+                     handler: Callable[[Holds], Awaitable[web.StreamResponse]],
+                     refusal: Callable[[RequestError, int], web.StreamResponse]) -> web.StreamResponse:
+        """Run `handler` with the call's memory holds, send its response, and record the
+        call; a RequestError is answered with `refusal(error, http_status)` in the route's
+        own error shape.
+
+        The response is written here rather than by aiohttp once the handler returns: the
+        call's memory (its body, its answer) stays held in the ledger until the answer has
+        gone to the socket, so a client that stops reading holds it, inside the budget,
+        and its connection's share of it, as a gRPC caller does."""
+        record = CallRecord(self.metrics, rpc)
+        holds = self.engine.holds(_peer(request))
+        try:
+            try:
+                response = await handler(holds)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - every failure is answered
+                error = record.refusal(err)
+                response = refusal(error, http_status(error))
+                if isinstance(error, RequestTimeout | TooLarge) or request.content.exception():
+                    response.force_close()  # the rest of the body is not worth reading
+            if not self.engine.ready():
+                response.force_close()  # a draining server sends keep-alive clients elsewhere
+            await response.prepare(request)
+            await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            record.code = CANCELLED
+            raise
+        finally:
+            holds.release()
+            trim_after(holds, self.engine.offload.responses_pool, asyncio.get_running_loop())
+            record.end()

@@ -1,0 +1,258 @@
+"""The Open Inference Protocol (KServe v2) over HTTP/REST, through the engine: an infer
+request's JSON (and binary data, Triton's binary tensor extension, which
+tritonclient.http uses by default) becomes the engine's tensors, and its outputs become
+JSON tensors or binary data, as asked.
+
+Every route is served with and without the model version (`/v2/models/{name}` and
+`/v2/models/{name}/versions/1`). Health answers {"live": bool} and {"ready": bool}, with
+200 for true and 400 for false; model readiness {"name", "ready"}. Errors are
+{"error": "<message>"}."""
+
+import re
+import time
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.errors import InvalidArgument, NotFound, RequestError, quote
+from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
+from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.memory.ledger import Holds
+
+SERVER_NAME = "attnserve"
+SERVER_VERSION = "0.1.0"
+MODEL_VERSION = "1"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+BINARY_EXTENSION = "binary_tensor_data"
+# The most a float32 takes as JSON data (orjson's shortest repr and a comma).
+FLOAT_BYTES = 16
+ADVICE = "request fewer attentions.K outputs, binary_data outputs, or a smaller batch"
+_DIGITS = re.compile(r"[0-9]{1,12}")
+
+
+def _health(field: str, ok: bool, **more) -> web.Response:
+    return web.json_response({**more, field: ok}, status=200 if ok else 400)
+
+
+def _dict(value, field: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidArgument(field, "expected a JSON object")
+    return value
+
+
+def _list(value, field: str) -> list:
+    if not isinstance(value, list):
+        raise InvalidArgument(field, "expected a JSON list")
+    return value
+
+
+def _shape(value, field: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+        raise InvalidArgument(field, f"{quote(value)}; expected a list of integers ≥ 0")
+    return value
+
+
+def _values(data, field: str) -> list[int]:
+    """A JSON tensor's `data`, flat or nested (row-major), as a flat list of integers."""
+    flat, stack = [], [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        elif type(item) is int:  # bool is an int to Python, not to JSON
+            flat.append(item)
+        else:
+            raise InvalidArgument(field, f"{quote(item)} is not an INT64 value")
+    return flat
+
+
+class InferCall:
+    """One infer request, read: its tensors, the outputs asked for and which of them
+    travel as binary data, its id and deadline."""
+
+    def __init__(self, header, binary: bytes):
+        header = _dict(header, "body")
+        request_id = header.get("id")
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidArgument("id", f"{quote(request_id)}; expected a string")
+        self.id = request_id
+        parameters = _dict(header.get("parameters", {}), "parameters")
+        self.inputs = self._inputs(_list(header.get("inputs"), "inputs"), binary)
+        every_binary = parameters.get("binary_data_output", False)
+        if not isinstance(every_binary, bool):
+            raise InvalidArgument("parameters.binary_data_output", f"{quote(every_binary)}; "
+                                  "expected true or false")
+        self.outputs: list[str] = []
+        self.binary: set[str] = set()
+        for i, output in enumerate(_list(header.get("outputs", []), "outputs")):
+            output = _dict(output, f"outputs[{i}]")
+            name = output.get("name")
+            if not isinstance(name, str):
+                raise InvalidArgument(f"outputs[{i}].name", "required, a string")
+            self.outputs.append(name)
+            wants = _dict(output.get("parameters", {}), f"outputs[{i}].parameters")
+            binary_data = wants.get("binary_data", every_binary)
+            if not isinstance(binary_data, bool):
+                raise InvalidArgument(f"outputs[{i}].parameters.binary_data",
+                                      f"{quote(binary_data)}; expected true or false")
+            if binary_data:
+                self.binary.add(name)
+        self.every_binary = every_binary and not self.outputs
+        timeout = parameters.get("timeout")
+        if timeout is not None and (type(timeout) is not int or timeout <= 0):
+            raise InvalidArgument("parameters.timeout", f"{quote(timeout)}; expected "
+                                  "microseconds > 0")
+        self.deadline = None if timeout is None else time.monotonic() + timeout / 1e6
+
+    @staticmethod
+    def _inputs(inputs: list, binary: bytes) -> list[InputTensor]:
+        tensors, offset = [], 0
+        for i, tensor in enumerate(inputs):
+            tensor = _dict(tensor, f"inputs[{i}]")
+            name, datatype = tensor.get("name"), tensor.get("datatype")
+            if not isinstance(name, str) or not isinstance(datatype, str):
+                raise InvalidArgument(f"inputs[{i}]", "name and datatype are required strings")
+            field = f"inputs[{i}]"
+            shape = _shape(tensor.get("shape"), f"{field}.shape")
+            size = _dict(tensor.get("parameters", {}), f"{field}.parameters").get("binary_data_size")
+            if size is None:
+                if "data" not in tensor:
+                    raise InvalidArgument(field, "needs data, or parameters.binary_data_size")
+                data = _values(tensor["data"], f"{field}.data")
+            else:
+                if type(size) is not int or size < 0 or offset + size > len(binary):
+                    raise InvalidArgument(f"{field}.parameters.binary_data_size",
+                                          f"{quote(size)}; {len(binary) - offset} binary bytes "
+                                          "are left")
+                data, offset = binary[offset:offset + size], offset + size
+            tensors.append(InputTensor(name, datatype, shape, data))
+        if offset != len(binary):
+            raise InvalidArgument("body", f"{len(binary) - offset} binary bytes after the inputs "
+                                  "that binary_data_size accounts for")
+        return tensors
+
+    def travels_binary(self, name: str) -> bool:
+        return self.every_binary or name in self.binary
+
+    def size(self, limit: int):
+        """The response's size for the engine's (name, shape) outputs: raw bytes for
+        binary outputs, JSON text for the rest."""
+        def for_outputs(shapes: list[tuple[str, tuple[int, ...]]]) -> ResponseSize:
+            total = 256 + len(self.id or "") * 6
+            for name, shape in shapes:
+                values = int(np.prod(shape, dtype=np.int64))
+                total += 128 + values * (4 if self.travels_binary(name) else FLOAT_BYTES)
+            return ResponseSize(lambda _: total, limit, ADVICE)
+        return for_outputs
+
+    def respond(self, model: str, outputs: list[tuple[str, np.ndarray]]) -> tuple[bytes, int | None]:
+        """(the body, the JSON header's length when binary data follows it)"""
+        entries, chunks = [], []
+        for name, array in outputs:
+            entry = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+            if self.travels_binary(name):
+                raw = array.tobytes()
+                entry["parameters"] = {"binary_data_size": len(raw)}
+                chunks.append(raw)
+            else:
+                entry["data"] = array.ravel()
+            entries.append(entry)
+        head = {"model_name": model, "model_version": MODEL_VERSION}
+        if self.id is not None:
+            head["id"] = self.id
+        header = orjson.dumps({**head, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY)
+        if not chunks:
+            return header, None
+        return b"".join([header, *chunks]), len(header)
+
+
+class KServeHttp:
+    def __init__(self, calls: HttpCalls, engine: Engine, max_response_bytes: int):
+        self.calls = calls
+        self.engine = engine
+        self.model = engine.manifest.model_name
+        self.max_response_bytes = max_response_bytes
+
+    def routes(self) -> list[web.RouteDef]:
+        routes = [web.get("/v2/health/live", self.live), web.get("/v2/health/ready", self.ready),
+                  web.get("/v2", self.server_metadata)]
+        for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+            routes += [web.get(model, self.model_metadata),
+                       web.get(model + "/ready", self.model_ready),
+                       web.post(model + "/infer", self.infer)]
+        return routes
+
+    def check_model(self, request: web.Request) -> None:
+        name, version = request.match_info["name"], request.match_info.get("version")
+        if name != self.model:
+            raise NotFound(f"model: unknown model {quote(name)}; this server serves {self.model!r}")
+        if version not in (None, MODEL_VERSION):
+            raise NotFound(f"version: unknown version {quote(version)}; {self.model!r} has "
+                           f"version {MODEL_VERSION!r}")
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _health("live", True)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return _health("ready", self.engine.ready())
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": SERVER_NAME, "version": SERVER_VERSION,
+                                  "extensions": [BINARY_EXTENSION]})
+
+    async def model_metadata(self, request: web.Request) -> web.StreamResponse:
+        async def handle(holds: Holds) -> web.Response:
+            self.check_model(request)
+            info = self.engine.model_info()
+            tensors = {kind: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+                              for t in getattr(info, kind)] for kind in ("inputs", "outputs")}
+            return web.json_response({"name": info.model, "versions": [MODEL_VERSION],
+                                      "platform": "onnxruntime_onnx", **tensors})
+        return await self.calls.answer("http:/v2/metadata", request, handle, refusal)
+
+    async def model_ready(self, request: web.Request) -> web.StreamResponse:
+        async def handle(holds: Holds) -> web.Response:
+            self.check_model(request)
+            return _health("ready", self.engine.ready(), name=self.model)
+        return await self.calls.answer("http:/v2/ready", request, handle, refusal)
+
+    async def _infer(self, request: web.Request, holds: Holds) -> web.Response:
+        self.engine.check_ready()
+        self.check_model(request)
+        self.calls.check_type(request, ("application/json", "application/octet-stream"),
+                              optional=True)
+        length = request.headers.get(HEADER_LENGTH)
+        if length is not None and not _DIGITS.fullmatch(length):
+            raise InvalidArgument(HEADER_LENGTH, f"{quote(length[:32])}; expected the JSON "
+                                  "header's length in bytes")
+        body = await self.calls.body(request, holds)
+        if length is None:
+            header, binary = body, b""
+        else:
+            if int(length) > len(body):
+                raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
+            header, binary = body[:int(length)], body[int(length):]
+        call = await self.calls.json(header, lambda parsed: InferCall(parsed, binary))
+        inferred = await self.engine.infer(
+            InferRequest(call.inputs, call.outputs, call.size(self.max_response_bytes)), holds,
+            call.deadline)
+        values = sum(array.size for _, array in inferred.outputs)
+        binary_only = all(call.travels_binary(name) for name, _ in inferred.outputs)
+        payload, header_length = await self.engine.pack(
+            values * (4 * COPY_BYTE_S if binary_only else FLOAT_TEXT_S), call.respond,
+            self.model, inferred.outputs)
+        if header_length is None:
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(body=payload, content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(header_length)})
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        return await self.calls.answer("http:/v2/infer", request,
+                                       lambda holds: self._infer(request, holds), refusal)
+
+
+def refusal(err: RequestError, status: int) -> web.Response:
+    return web.json_response({"error": err.message}, status=status)

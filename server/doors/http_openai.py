@@ -1,0 +1,173 @@
+"""POST /v1/embeddings as OpenAI defines it, through the engine: the JSON body becomes an
+EmbedRequest for mean-pooled, normalised vectors (as OpenAI's are), and the result
+becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
+come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+
+Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
+included, as gRPC's token_ids are. Beyond OpenAI's fields, `truncate` (default false) cuts
+texts longer than the model's positions instead of refusing them."""
+
+import base64
+
+import orjson
+from aiohttp import web
+
+from attnserve.artifact import pooled_output
+from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.errors import InvalidArgument, NotFound, RequestError, quote
+from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
+from attnserve.server.engine.requests import Embedded, EmbedRequest, ResponseSize
+from attnserve.server.memory.ledger import Holds
+
+RPC = "http:/v1/embeddings"
+ENCODINGS = ("float", "base64")
+INPUT_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+# The most a float32 takes in the body: orjson's shortest repr (-1.1754944e-38) and a comma.
+FLOAT_BYTES = 16
+# ... and as base64: 4 bytes are 5⅓ characters.
+BASE64_FLOAT_BYTES = 6
+ITEM_BYTES = 64
+"""{"object":"embedding","index":N,"embedding":...} around each vector"""
+ADVICE = "send fewer inputs per request, or use encoding_format=base64"
+# HTTP status -> OpenAI's error `type` and `code`.
+ERROR_KINDS = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "model_not_found"),
+    408: ("invalid_request_error", "timeout"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    429: ("requests", "rate_limit_exceeded"),
+    500: ("server_error", None),
+    503: ("server_error", "service_unavailable"),
+    504: ("server_error", "timeout"),
+}
+
+
+class InputNames:
+    """OpenAI's names: `input[3]`, `input[3][5]`; a single string or id list is `input`."""
+
+    sequences = "input"
+
+    def __init__(self, single: bool):
+        self.single = single
+
+    def sequence(self, index: int) -> str:
+        return "input" if self.single else f"input[{index}]"
+
+    def token(self, index: int, position: int) -> str:
+        return f"{self.sequence(index)}[{position}]"
+
+
+SINGLE, LIST = InputNames(True), InputNames(False)
+
+
+def _ids(value, field: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise InvalidArgument(field, "expected a non-empty list of token ids")
+    for j, token in enumerate(value):
+        if type(token) is not int:  # bool is an int to Python, not to JSON
+            raise InvalidArgument(f"{field}[{j}]", f"{quote(token)} is not a token id (an integer)")
+    return value
+
+
+def _inputs(value) -> tuple[dict, InputNames]:
+    """EmbedRequest fields for OpenAI's `input`, and its names."""
+    if isinstance(value, str):
+        if not value:
+            raise InvalidArgument("input", "an empty string; send text to embed")
+        return {"texts": [value]}, SINGLE
+    if not isinstance(value, list) or not value:
+        raise InvalidArgument("input", f"expected {INPUT_FORMS}, not empty")
+    first = value[0]
+    if isinstance(first, str):
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                raise InvalidArgument(f"input[{i}]", "expected a string, like input[0]")
+            if not text:
+                raise InvalidArgument(f"input[{i}]", "an empty string; send text to embed")
+        return {"texts": value}, LIST
+    if isinstance(first, list):
+        return {"token_ids": [_ids(ids, f"input[{i}]") for i, ids in enumerate(value)]}, LIST
+    if type(first) is int:
+        return {"token_ids": [_ids(value, "input")]}, SINGLE
+    raise InvalidArgument("input", f"expected {INPUT_FORMS}")
+
+
+class OpenAIEmbeddings:
+    def __init__(self, calls: HttpCalls, engine: Engine, max_response_bytes: int):
+        self.calls = calls
+        self.engine = engine
+        self.model = engine.manifest.model_name
+        self.dimensions = engine.manifest.hidden_size
+        self.max_response_bytes = max_response_bytes
+        self.pooled = pooled_output("mean", True)
+
+    def parse(self, body) -> tuple[EmbedRequest, str]:
+        """(the engine's request, encoding_format)"""
+        if not isinstance(body, dict):
+            raise InvalidArgument("body", "expected a JSON object")
+        if "model" not in body:
+            raise InvalidArgument("model", f"required: this server serves {self.model!r}")
+        model = body["model"]
+        if not isinstance(model, str):
+            raise InvalidArgument("model", f"{quote(model)}; expected a string")
+        if model != self.model:
+            raise NotFound(f"model: unknown model {quote(model)}; this server serves {self.model!r}")
+        encoding = body.get("encoding_format") or "float"
+        if encoding not in ENCODINGS:
+            raise InvalidArgument("encoding_format", f"{quote(encoding)}; expected 'float' or "
+                                  "'base64'")
+        dimensions = body.get("dimensions")
+        if dimensions is not None and (type(dimensions) is not int or dimensions != self.dimensions):
+            raise InvalidArgument("dimensions", f"{quote(dimensions)}; this model has one size, "
+                                  f"{self.dimensions}: omit dimensions or set it to that")
+        truncate = body.get("truncate", False)
+        if not isinstance(truncate, bool):
+            raise InvalidArgument("truncate", f"{quote(truncate)}; expected true or false")
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise InvalidArgument("user", f"{quote(user)}; expected a string")
+        if "input" not in body:
+            raise InvalidArgument("input", f"required: {INPUT_FORMS}")
+        fields, names = _inputs(body["input"])
+        per_float = FLOAT_BYTES if encoding == "float" else BASE64_FLOAT_BYTES
+        item = ITEM_BYTES + self.dimensions * per_float
+        size = ResponseSize(lambda lengths: 256 + len(lengths) * item, self.max_response_bytes,
+                            ADVICE)
+        return EmbedRequest(names=names, size=size, truncate=truncate,
+                            outputs=frozenset({self.pooled}), **fields), encoding
+
+    def body(self, embedded: Embedded, encoding: str) -> bytes:
+        data = []
+        for index, result in enumerate(embedded.results):
+            vector = result.pooled[self.pooled]
+            data.append({"object": "embedding", "index": index,
+                         "embedding": (base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                                       if encoding == "base64" else vector)})
+        tokens = embedded.total_tokens
+        return orjson.dumps({"object": "list", "data": data, "model": self.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+
+    async def _embed(self, request: web.Request, holds: Holds) -> web.Response:
+        self.engine.check_ready()
+        self.calls.check_type(request, ("application/json",))
+        body = await self.calls.body(request, holds)
+        embed_request, encoding = await self.calls.json(body, self.parse)
+        embedded = await self.engine.embed(embed_request, holds, None)
+        count = len(embedded.results)
+        payload = await self.engine.pack(count * (RESULT_S + self.dimensions * FLOAT_TEXT_S),
+                                         self.body, embedded, encoding)
+        return web.Response(body=payload, content_type="application/json")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        return await self.calls.answer(RPC, request, lambda holds: self._embed(request, holds),
+                                       refusal)
+
+
+def refusal(err: RequestError, status: int) -> web.Response:
+    kind, code = ERROR_KINDS.get(status, ("server_error", None))
+    return web.json_response({"error": {"message": err.message, "type": kind, "param": err.field,
+                                        "code": code}}, status=status)

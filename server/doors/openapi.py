@@ -1,0 +1,180 @@
+"""The OpenAPI 3.0 description of the HTTP port, served at /openapi.json: the OpenAI-
+compatible /v1/embeddings (after OpenAI's own definition of the embeddings API), the
+Open Inference Protocol's REST routes (after its specification, with Triton's binary
+tensor extension), and /health. Every status a route answers and every body shape is
+in it; the test suite checks the running server against it (schemathesis)."""
+
+import orjson
+
+from attnserve.server.engine.requests import ModelInfo
+
+_ERROR = {"type": "object", "required": ["error"],
+          "properties": {"error": {"type": "string"}}}
+_OPENAI_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": "string", "nullable": True},
+                       "code": {"type": "string", "nullable": True}}}}}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _refusals(schema: dict, statuses: tuple[int, ...]) -> dict:
+    reasons = {400: "the request names a field that is wrong, and why",
+               401: "no valid API key (when the server has keys)",
+               404: "no such model, version or route",
+               408: "the body did not arrive within --http-body-timeout-seconds",
+               413: "the body, or what it asks for, is larger than the server takes",
+               415: "a content type or encoding the route does not take",
+               429: "the queue or the memory budget is full: retry with backoff",
+               503: "the server is starting or draining: send the request elsewhere",
+               504: "the request's deadline passed while it waited"}
+    return {str(status): _json(schema, reasons[status]) for status in statuses}
+
+
+def openapi_document(info: ModelInfo) -> bytes:
+    tensor_meta = {"type": "object", "required": ["name", "datatype", "shape"],
+                   "properties": {"name": {"type": "string"}, "datatype": {"type": "string"},
+                                  "shape": {"type": "array", "items": {"type": "integer"}}}}
+    parameters = {"type": "object", "additionalProperties": True}
+    input_tensor = {
+        "type": "object", "required": ["name", "shape", "datatype"],
+        "properties": {
+            "name": {"type": "string", "enum": [t.name for t in info.inputs]},
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "datatype": {"type": "string", "enum": ["INT64"]},
+            "parameters": {"type": "object", "properties": {
+                "binary_data_size": {"type": "integer", "minimum": 0}}},
+            "data": {"type": "array", "items": {}}}}
+    output_request = {
+        "type": "object", "required": ["name"],
+        "properties": {"name": {"type": "string", "enum": [t.name for t in info.outputs]},
+                       "parameters": {"type": "object", "properties": {
+                           "binary_data": {"type": "boolean"}}}}}
+    infer_request = {
+        "type": "object", "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string"},
+            "parameters": {"type": "object", "properties": {
+                "binary_data_output": {"type": "boolean"},
+                "timeout": {"type": "integer", "minimum": 1,
+                            "description": "deadline in microseconds"}}},
+            "inputs": {"type": "array", "items": input_tensor},
+            "outputs": {"type": "array", "items": output_request}}}
+    infer_response = {
+        "type": "object", "required": ["model_name", "outputs"],
+        "properties": {
+            "model_name": {"type": "string"}, "model_version": {"type": "string"},
+            "id": {"type": "string"},
+            "outputs": {"type": "array", "items": {
+                "type": "object", "required": ["name", "shape", "datatype"],
+                "properties": {"name": {"type": "string"}, "datatype": {"type": "string"},
+                               "shape": {"type": "array", "items": {"type": "integer"}},
+                               "parameters": parameters,
+                               "data": {"type": "array", "items": {"type": "number"}}}}}}}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
+    embeddings_request = {
+        "type": "object", "required": ["input", "model"],
+        "properties": {
+            "input": {"oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                ids,
+                {"type": "array", "minItems": 1, "items": ids}],
+                "description": "texts, or the model's own token ids (special tokens included)"},
+            "model": {"type": "string", "enum": [info.model]},
+            "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
+            "dimensions": {"type": "integer", "enum": [info.hidden_size]},
+            "user": {"type": "string"},
+            "truncate": {"type": "boolean", "default": False,
+                         "description": "cut texts longer than the model's positions instead of "
+                                        "refusing them (an extension)"}}}
+    embeddings_response = {
+        "type": "object", "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "model": {"type": "string"},
+            "data": {"type": "array", "items": {
+                "type": "object", "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"type": "string", "enum": ["embedding"]},
+                    "index": {"type": "integer"},
+                    "embedding": {"oneOf": [
+                        {"type": "array", "items": {"type": "number"}},
+                        {"type": "string", "description": "base64 of little-endian float32"}]}}}},
+            "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+                      "properties": {"prompt_tokens": {"type": "integer"},
+                                     "total_tokens": {"type": "integer"}}}}}
+
+    def health(field: str, more: dict | None = None) -> dict:
+        schema = {"type": "object", "required": [field, *(more or {})],
+                  "properties": {field: {"type": "boolean"}, **(more or {})}}
+        return {"200": _json(schema, f"{field}: true"), "400": _json(schema, f"{field}: false")}
+
+    model = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
+    paths: dict = {
+        "/health": {"get": {"summary": "Readiness for load balancers", "responses": {
+            "200": _json({"type": "object", "properties": {"status": {"type": "string"}}}, "serving"),
+            "503": _json({"type": "object", "properties": {"status": {"type": "string"}}},
+                         "starting or draining")}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": _json({"type": "object"}, "the OpenAPI document")}}},
+        "/v1/embeddings": {"post": {
+            "summary": "OpenAI-compatible embeddings (mean-pooled, normalised)",
+            "requestBody": {"required": True, "content": {
+                "application/json": {"schema": embeddings_request}}},
+            "responses": {"200": _json(embeddings_response, "one vector per input, in order"),
+                          **_refusals(_OPENAI_ERROR, (400, 401, 404, 408, 413, 415, 429, 503,
+                                                      504))}}},
+        "/v2/health/live": {"get": {"summary": "Open Inference Protocol: live",
+                                    "responses": health("live")}},
+        "/v2/health/ready": {"get": {"summary": "Open Inference Protocol: ready",
+                                     "responses": health("ready")}},
+        "/v2": {"get": {"summary": "Server metadata", "responses": {"200": _json(
+            {"type": "object", "required": ["name", "version", "extensions"],
+             "properties": {"name": {"type": "string"}, "version": {"type": "string"},
+                            "extensions": {"type": "array", "items": {"type": "string"}}}},
+            "the server's name, version and extensions"), **_refusals(_ERROR, (401,))}}},
+    }
+    for base, params in (("/v2/models/{name}", [model]),
+                         ("/v2/models/{name}/versions/{version}", [model, version])):
+        paths[base] = {"get": {"summary": "Model metadata", "parameters": params, "responses": {
+            "200": _json({"type": "object", "required": ["name", "versions", "platform",
+                                                         "inputs", "outputs"],
+                          "properties": {"name": {"type": "string"},
+                                         "versions": {"type": "array", "items": {"type": "string"}},
+                                         "platform": {"type": "string"},
+                                         "inputs": {"type": "array", "items": tensor_meta},
+                                         "outputs": {"type": "array", "items": tensor_meta}}},
+                         "the model's tensors"), **_refusals(_ERROR, (401, 404))}}}
+        paths[base + "/ready"] = {"get": {"summary": "Model readiness", "parameters": params,
+                                          "responses": {**health("ready", {"name": {"type": "string"}}),
+                                                        **_refusals(_ERROR, (401, 404))}}}
+        paths[base + "/infer"] = {"post": {
+            "summary": "Inference on tensors: input_ids and attention_mask, INT64 [batch, seq]",
+            "parameters": [*params, {
+                "name": "Inference-Header-Content-Length", "in": "header", "required": False,
+                "schema": {"type": "integer", "minimum": 0},
+                "description": "with binary tensor data: the JSON header's length in bytes"}],
+            "requestBody": {"required": True, "content": {
+                "application/json": {"schema": infer_request},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+            "responses": {"200": {"description": "the outputs asked for, zero past each row's "
+                                                 "length", "content": {
+                "application/json": {"schema": infer_response},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                **_refusals(_ERROR, (400, 401, 404, 408, 413, 415, 429, 503, 504))}}}
+    document = {
+        "openapi": "3.0.3",
+        "info": {"title": "attnserve HTTP API", "version": "0.1.0",
+                 "description": f"Serving {info.model} ({info.hidden_size} dimensions, "
+                                f"{info.max_positions} positions)."},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": paths,
+    }
+    return orjson.dumps(document)

@@ -1,0 +1,143 @@
+"""What the engine takes and gives back: typed, protocol-neutral requests and results.
+
+A door turns its wire format into one of these requests and renders the result in its
+own protocol. Where the engine finds a fault in a request, it names the field with the
+door's own names (`FieldNames`), so an error reaches each caller in the terms of the
+request it sent, with no rewriting."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from attnserve.server.engine.errors import ResourceExhausted
+from attnserve.server.runtime.backend import Outputs, SequenceResult
+
+
+class FieldNames(Protocol):
+    """The door's names for the parts of a request the engine checks."""
+
+    sequences: str
+    """the field holding every text or id sequence (`texts`, `input`)"""
+
+    def sequence(self, index: int) -> str:
+        """the field of text or id sequence `index` (`texts[3]`, `input[3]`)"""
+        ...
+
+    def token(self, index: int, position: int) -> str:
+        """the field of id `position` of sequence `index` (`token_ids[3].ids[5]`)"""
+        ...
+
+
+@dataclass(frozen=True)
+class ResponseSize:
+    """The size of a door's response, in its own encoding, before any work is done for
+    it, and the most the door sends."""
+
+    measure: Callable[[np.ndarray], int]
+    """bytes of the response for sequences of these lengths (never under the real size)"""
+    limit: int
+    advice: str
+    """what the caller can change when the response would be too large"""
+
+    def check(self, lengths: np.ndarray, at_least: bool = False) -> int:
+        """The response's size for sequences of `lengths` (or at least those, with
+        `at_least`); refused, before any work, when the door could not send it."""
+        size = self.measure(lengths)
+        if size > self.limit:
+            raise ResourceExhausted(
+                f"response would be {'at least' if at_least else 'about'} "
+                f"{size / (1 << 20):.1f} MiB, over the {self.limit / (1 << 20):.1f} MiB message "
+                f"limit: {self.advice}")
+        return size
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """Texts (tokenized by the engine) or token ids (taken as they are), and the graph
+    outputs the response is built from."""
+
+    names: FieldNames
+    size: ResponseSize
+    texts: Sequence[str] = ()
+    token_ids: Sequence[Sequence[int]] = ()
+    truncate: bool = False
+    """cut sequences longer than the model's positions instead of refusing them"""
+    outputs: Outputs = frozenset()
+    """pooled outputs (artifact.pooled_output) and HIDDEN_OUTPUT, as the response needs"""
+    layers: tuple[int, ...] = ()
+    """attention maps to return, each layer once, in order"""
+
+
+@dataclass
+class Embedded:
+    ids: list[np.ndarray]
+    """each sequence's token ids, special tokens included"""
+    lengths: np.ndarray
+    results: list[SequenceResult]
+    """in request order"""
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    names: FieldNames
+    texts: Sequence[str]
+    truncate: bool = False
+
+
+@dataclass(frozen=True)
+class InputTensor:
+    """One named input tensor as a caller sent it: checked by the engine against the
+    model's inputs before any of its data is read."""
+
+    name: str
+    datatype: str
+    shape: Sequence[int]
+    data: bytes | Sequence[int]
+    """little-endian bytes, or the values, row-major"""
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """Raw tensors in (input_ids and attention_mask, [batch, seq]), the outputs named."""
+
+    inputs: Sequence[InputTensor]
+    outputs: Sequence[str] = ()
+    """output names (`ModelInfo.outputs`); empty means the hidden state alone"""
+    size: Callable[[list[tuple[str, tuple[int, ...]]]], ResponseSize] | None = None
+    """the door's response size for these (name, shape) outputs"""
+
+
+@dataclass
+class Inferred:
+    outputs: list[tuple[str, np.ndarray]]
+    """(name, float32 array) in the order asked for, zero past each row's length"""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    """-1 for an axis of any size"""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    max_positions: int
+    vocab_size: int
+    default_pooling: str
+    provider: str
+    precision: str
+    artifact_sha256: str
+    inputs: list[TensorInfo] = field(default_factory=list)
+    outputs: list[TensorInfo] = field(default_factory=list)

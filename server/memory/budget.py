@@ -1,0 +1,93 @@
+"""The memory budget: the predicted peak of a batch (the memory model) and what calls hold
+outside the batches (the ledger), against one budget: what admission refuses and what the
+batch loop lets run together."""
+
+from attnserve.server.engine.errors import ResourceExhausted
+from attnserve.server.memory.ledger import Ledger
+from attnserve.server.memory.model import MemoryModel, MemoryModels
+
+# A response is held several times over at its peak: the results, the message,
+# protobuf's growing encode buffer and the bytes handed to gRPC. Measured on MiniLM (a 37
+# MiB response of attention maps), the process rose 4-5 responses over the batch's own
+# peak; a response is held this many times over from admission until it has been sent.
+RESPONSE_COPIES = 4
+MIB = 1 << 20
+
+
+class MemoryBudget:
+    """Predicted peak memory of a batch, and what requests hold outside the batches (the
+    ledger: requests being parsed or tokenized, responses until sent), against the
+    budget: what admission refuses and what the batch loop lets run together.
+
+    On the CPU both share the one budget: the batch loop runs what fits in the budget
+    less what the ledger holds, and the ledger keeps free the peak of the largest batch
+    an admitted request still has to run alone, so nothing it admitted waits on a caller
+    that does not read. On CUDA the budget is the device's, and the ledger, host memory,
+    has a limit of its own (`host_bytes`)."""
+
+    def __init__(self, model: MemoryModel | MemoryModels, budget_bytes: int, heads: int, hidden: int,
+                 responses_in_budget: bool, host_bytes: int | None = None):
+        self.model = model
+        self.budget = budget_bytes
+        self.heads = heads
+        self.hidden = hidden
+        self.shared = responses_in_budget
+        self.ledger = Ledger(budget_bytes if responses_in_budget or host_bytes is None
+                             else host_bytes)
+        self.response_copies = RESPONSE_COPIES
+
+    def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
+        return self.model.predict(batch, seq, self.heads, layers)
+
+    def room(self) -> float:
+        """What the batches in flight may take together now."""
+        return self.budget - (self.ledger.held if self.shared else 0)
+
+    def keep_free(self, peak: float) -> None:
+        """The largest peak a waiting request needs to run alone: the ledger leaves it."""
+        if self.shared:
+            self.ledger.reserve = peak
+
+    def in_flight(self, held: float) -> None:
+        """What the batches in flight hold now: the ledger leaves it too."""
+        if self.shared:
+            self.ledger.batches = held
+
+    def check(self, longest: int, field: str, layers: int, response_bytes: int) -> float:
+        """Refuse a request that could not run even alone, whatever else is held; its
+        longest sequence (`field`, as the caller names it) decides its peak, which is
+        returned."""
+        peak = self.batch_bytes(1, longest, layers)
+        if peak > self.budget:
+            raise ResourceExhausted(self._too_big(field, longest, layers, peak))
+        extra = self.response_copies * response_bytes
+        beside = peak if self.shared else 0.0
+        if extra and beside + extra > self.ledger.limit:
+            raise ResourceExhausted(
+                f"the response, about {response_bytes / MIB:.1f} MiB, takes about "
+                f"{extra / MIB:.0f} MiB to build and send on top of the batch's "
+                f"{beside / MIB:.0f} MiB at peak, over the memory budget of "
+                f"{self.ledger.limit / MIB:.0f} MiB; what fits: a response of up to "
+                f"{max(0.0, self.ledger.limit - beside) / self.response_copies / MIB:.1f} MiB "
+                "(send fewer texts per request, ask for fewer attention layers or heads, set "
+                "average_heads, or use dtype=DTYPE_FLOAT16)")
+        return peak
+
+    def _alone_bytes(self, seq: int, layers: int) -> float:
+        """One sequence alone with its response at the largest (every head, float32 maps,
+        token embeddings): what the alternatives a refusal offers must fit in."""
+        response = 4 * (layers * self.heads * seq * seq + (seq + 1) * self.hidden)
+        return self.batch_bytes(1, seq, layers) + (
+            self.response_copies * response if self.shared else 0)
+
+    def _too_big(self, field: str, length: int, layers: int, need: float) -> str:
+        fits_len = max((n for n in range(1, length) if self._alone_bytes(n, layers) <= self.budget),
+                       default=0)
+        fits_layers = max((k for k in range(layers) if self._alone_bytes(length, k) <= self.budget),
+                          default=0)
+        return (
+            f"{field}: {length} tokens with {layers} attention layer(s) returned needs "
+            f"about {need / MIB:.0f} MiB at peak, over the memory budget of "
+            f"{self.budget / MIB:.0f} MiB; what fits: up to {fits_len} tokens with {layers} "
+            f"layer(s), or {fits_layers} layer(s) at {length} tokens"
+        )
