@@ -6,6 +6,8 @@ drain, and a burst of 200 parallel scrapes of /metrics."""
 import base64
 import json
 import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -154,6 +156,58 @@ def test_tritonclient_http_matches_grpc_model_infer(minilm_server):
     # binary data (tritonclient's own default).
     default = http.infer(MODEL, inputs(True)).as_numpy("last_hidden_state")
     assert np.abs(default - grpc_model_infer(minilm_server, [])["last_hidden_state"]).max() <= 1e-6
+
+
+def test_tritonclient_http_with_model_version_1(minilm_server):
+    """The versioned routes: the model's one version, "1", as its metadata lists it."""
+    http = triton_http.InferenceServerClient(url=f"127.0.0.1:{minilm_server.http_port}")
+    assert http.is_model_ready(MODEL, model_version="1")
+    assert not http.is_model_ready(MODEL, model_version="2")
+    assert http.get_model_metadata(MODEL, model_version="1")["versions"] == ["1"]
+    inputs = []
+    for name, array in (("input_ids", IDS), ("attention_mask", MASK)):
+        inputs.append(triton_http.InferInput(name, list(array.shape), "INT64"))
+        inputs[-1].set_data_from_numpy(array)
+    got = http.infer(MODEL, inputs, model_version="1").as_numpy("last_hidden_state")
+    assert np.abs(got - grpc_model_infer(minilm_server, [])["last_hidden_state"]).max() <= 1e-6
+
+
+KSERVE_CLIENT = """
+import asyncio, json, sys
+import numpy as np
+from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+base, model, ids = sys.argv[1], sys.argv[2], np.array(json.loads(sys.argv[3]), dtype=np.int64)
+async def calls():
+    client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=60))
+    try:
+        health = [await client.is_server_live(base), await client.is_server_ready(base),
+                  await client.is_model_ready(base, model)]
+        inputs = []
+        for name, array in (("input_ids", ids), ("attention_mask", (ids != 0).astype(np.int64))):
+            tensor = InferInput(name, list(array.shape), "INT64")
+            tensor.set_data_from_numpy(array, binary_data=False)
+            inputs.append(tensor)
+        response = await client.infer(base, InferRequest(model, inputs, request_id="k-1"),
+                                      model_name=model)
+        return health, response.id, response.outputs[0].as_numpy().tolist()
+    finally:
+        await client.close()
+print(json.dumps(asyncio.run(calls())))
+"""
+
+
+def test_kserve_inference_rest_client(minilm_server):
+    """KServe's own REST client, as KServe tooling calls a v2 server. In a process of its
+    own: kserve's generated stubs of the same protocol clash with the server's in one
+    process's protobuf registry."""
+    out = subprocess.run([sys.executable, "-c", KSERVE_CLIENT, minilm_server.http_url, MODEL,
+                          json.dumps(IDS.tolist())], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    health, request_id, hidden = json.loads(out.stdout)
+    assert health == [True, True, True] and request_id == "k-1"
+    expected = grpc_model_infer(minilm_server, [])["last_hidden_state"]
+    assert np.abs(np.asarray(hidden, dtype=np.float32) - expected).max() <= 1e-6
 
 
 def with_model(**fields) -> dict:
