@@ -575,7 +575,8 @@ def test_the_rendered_cpu_overlay_under_podman_kube_play(request, image, rendere
     kube = tmp_path / "cpu-overlay.yaml"
     kube.write_text(yaml.safe_dump_all(docs))
 
-    played = engine("kube", "play", str(kube), timeout=300).stdout.split()
+    # --replace: a pod of the same name left by an interrupted run is removed first.
+    played = engine("kube", "play", "--replace", str(kube), timeout=300).stdout.split()
     try:
         pod_id = played[played.index("Pod:") + 1]
         container_id = played[played.index("Container:") + 1]
