@@ -7,6 +7,7 @@ PROTO_OUT := server/_proto
 PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
 
 .PHONY: serve test proto alloc-hook export lint tools lint-deps
+.PHONY: image image-deps image-test
 
 # The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
 # downloads a multi-GB CUDA build), every extra the tests and export need.
@@ -59,8 +60,30 @@ lint-deps: .venv-lint/bin/checkov
 	$(PYTHON) -m venv .venv-lint
 	.venv-lint/bin/pip install --quiet 'checkov==3.3.30'
 
-test: $(PROTO_OUT)/.stamp $(ALLOC_HOOK) tools lint-deps
+# The suite includes the image test (tests/deploy/test_image_run.py), hence image-deps.
+test: $(PROTO_OUT)/.stamp $(ALLOC_HOOK) tools lint-deps image-deps
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/attnserve
 	$(BIN)/ruff check .
+
+# Container images (deploy/docker/, deploy/README.md). `make image` builds the CPU image
+# (IMAGE_DEVICE=gpu: the GPU one) with podman, or docker where it has a working daemon: with
+# the Dockerfile's defaults (a registry, PyTorch's index), or, with IMAGE_FLAGS=--local, on a
+# base made here from Debian's packages and with torch from pip's local wheel directory.
+IMAGE_DEVICE ?= cpu
+IMAGE_FLAGS ?=
+image:
+	deploy/docker/build.sh $(IMAGE_DEVICE) $(IMAGE_FLAGS)
+
+# podman, runc (crun fails on hybrid cgroups), catatonit (the pause process of `podman kube
+# play`'s pods) and debootstrap (the local base) from Debian's packages, for the image test.
+IMAGE_DEPS := podman runc catatonit debootstrap
+image-deps:
+	missing=; for tool in $(IMAGE_DEPS); do command -v $$tool >/dev/null || missing=1; done; \
+	[ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install \
+		-y -qq --no-install-recommends $(IMAGE_DEPS); }
+
+# The CPU image built on a local base and run as the cpu overlay runs its pod.
+image-test: $(PROTO_OUT)/.stamp image-deps
+	$(BIN)/python -m pytest -q tests/deploy/test_image_run.py
