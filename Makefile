@@ -60,9 +60,11 @@ lint-deps: .venv-lint/bin/checkov
 	$(PYTHON) -m venv .venv-lint
 	.venv-lint/bin/pip install --quiet 'checkov==3.3.30'
 
-# The suite includes the image test (tests/deploy/test_image_run.py), hence image-deps.
+# The suite includes the image test (tests/deploy/test_image_run.py), hence image-deps;
+# then the promises marked `workers` again, against servers of two front-end processes.
 test: $(PROTO_OUT)/.stamp $(ALLOC_HOOK) tools lint-deps image-deps
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m workers --server-workers 2
 
 lint: $(BIN)/attnserve
 	$(BIN)/ruff check .

@@ -53,11 +53,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         alloc_hook.start_with_hook()
 
     from attnserve.artifact import ArtifactError
+    from attnserve.server.workers.supervisor import supervise, workers_for
+
+    logging.getLogger().setLevel(config.log_level.upper())
+    workers = workers_for(config)
+    if workers > 1 and not args.check_config:
+        try:
+            return supervise(config, workers)
+        except OSError as err:
+            return _startup_failed(err)
+
     from attnserve.server.app import Server, run
     from attnserve.server.runtime.ort_backend import DeviceError
 
     try:
-        logging.getLogger().setLevel(config.log_level.upper())
         if args.check_config:
             server = Server(config)
             print(f"config ok: artifact {server.artifact.manifest.model_name} "

@@ -24,6 +24,8 @@ ATTNSERVE = [sys.executable, "-m", "attnserve"]
 START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 60
 PORT_ATTEMPTS = 3
+SERVE_FLAGS: list[str] = []
+"""flags every server started here gets before its own (the test suite's --server-workers)"""
 
 Samples = dict[tuple[str, frozenset], float]
 """(sample name, its labels) -> value"""
@@ -62,7 +64,7 @@ class ServerProcess:
                          "--port", "0", "--metrics-host", "127.0.0.1",
                          "--metrics-port", str(free_port()), "--http-port", str(free_port()),
                          "--device", "cpu",
-                         "--ready-file", str(self.ready_path), *flags]
+                         "--ready-file", str(self.ready_path), *SERVE_FLAGS, *flags]
             self._log = self.log_path.open("w")  # a file, not a pipe nobody drains
             self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log,
                                          stderr=subprocess.STDOUT)
@@ -91,6 +93,8 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"{self.ready_path} was written by pid {ready['pid']}, not by "
                                f"the server started ({self.proc.pid})")
+        # With --workers, every process of the server: its supervisor, engine, front ends.
+        self.pids = [self.proc.pid, *ready.get("pids", [])]
         return ready["port"], ready["metrics_port"], ready["http_port"]
 
     def __enter__(self) -> "ServerProcess":
@@ -139,14 +143,21 @@ class ServerProcess:
 
     def status(self) -> dict[str, float]:
         """The server's resident set and its high-water mark (bytes), open files, and the
-        CPU seconds it has used."""
-        pid = self.proc.pid
-        text = Path(f"/proc/{pid}/status").read_text()
-        kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return {"rss": kib.get("VmRSS", 0), "hwm": kib.get("VmHWM", 0),
-                "open_files": len(os.listdir(f"/proc/{pid}/fd")), "cpu_s": cpu}
+        CPU seconds it has used: summed over its processes (with --workers, those now)."""
+        total = {"rss": 0, "hwm": 0, "open_files": 0, "cpu_s": 0.0}
+        for pid in self.pids:
+            try:
+                text = Path(f"/proc/{pid}/status").read_text()
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                files = len(os.listdir(f"/proc/{pid}/fd"))
+            except OSError:  # a front end restarting
+                continue
+            kib = {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
+            total["rss"] += kib.get("VmRSS", 0)
+            total["hwm"] += kib.get("VmHWM", 0)
+            total["open_files"] += files
+            total["cpu_s"] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
 
 def sample(samples: Samples, name: str, **labels: str) -> float:

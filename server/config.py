@@ -5,6 +5,7 @@ same checks (`config_from_args`), and an error names where the bad value came fr
 flag wins over its twin, an empty value counts as unset."""
 
 import argparse
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
@@ -46,6 +47,7 @@ class ServeConfig:
     shape_buckets: str = "auto"
     bucket_seq_multiple: int = 32
     sessions: int = 0
+    workers: str = "auto"
     cuda_graphs: str = "off"
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -73,11 +75,16 @@ class ServeConfig:
                      "http_port", "sessions"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")
+        if self.workers != "auto" and not (self.workers.isascii() and self.workers.isdigit()
+                                           and 1 <= int(self.workers) <= MAX_WORKERS):
+            raise ConfigError("workers", f"{self.workers!r} is not auto or a number of "
+                                         f"processes from 1 to {MAX_WORKERS}")
         if self.cuda_graphs == "on" and self.shape_buckets == "off":
             raise ConfigError("cuda_graphs", "needs shape buckets (one graph per bucket): "
                                              "drop --shape-buckets off")
 
 
+MAX_WORKERS = 64
 CHOICES = {
     "device": ("auto", "cuda", "cpu"),
     "precision": ("auto", "fp32", "fp16", "int8"),
@@ -130,6 +137,10 @@ _HELP = {
                 "time on its own inference thread; 0: 2 with CUDA (the device overlaps one "
                 "batch's host work with another's kernels), 1 on the CPU (one batch already "
                 "uses every core)",
+    "workers": "front-end processes (each parsing, tokenizing and packing on its own event "
+               "loop, all on the same ports) around one engine process that owns the sessions, "
+               "the queue, the batch loop and the memory budget; 1: one process, no hop "
+               "between them; auto: see docs/configuration.md",
     "cuda_graphs": "on: capture one CUDA graph per shape bucket (needs shape buckets) and "
                    "replay it, with fixed input and output buffers (IO binding); on the CPU "
                    "only the fixed buffers",
@@ -206,3 +217,15 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 
 def _source(name: str, from_env: set[str]) -> str:
     return f"{env_name(name)} (environment)" if name in from_env else flag(name)
+
+
+def config_to_json(config: ServeConfig) -> str:
+    """The settings, for a process the server starts itself (--workers)."""
+    return json.dumps({f.name: None if (v := getattr(config, f.name)) is None else
+                       v if isinstance(v, int | float | str) else str(v) for f in fields(config)})
+
+
+def config_from_json(text: str) -> ServeConfig:
+    values = json.loads(text)
+    return ServeConfig(**{name: None if value is None else _field_type(name)(value)
+                          for name, value in values.items()})

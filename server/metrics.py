@@ -1,7 +1,18 @@
 """Prometheus metrics. Names follow the conventions: prefix attnserve_, base units in the
-name, counters end in _total, and label sets stay small (lengths go into buckets)."""
+name, counters end in _total, and label sets stay small (lengths go into buckets).
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+With --workers, each process counts into prometheus-client's multiprocess files (the
+PROMETHEUS_MULTIPROC_DIR its supervisor set) and the engine process serves them all
+merged, so one scrape shows the counts one process would; the values read when a scrape
+is taken (queue depth, device memory, health, the model's info) come from `Live`, in the
+process that serves /metrics."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
@@ -27,9 +38,43 @@ def seq_len_bucket(length: int, edges: list[int]) -> str:
     return f"{low}-"
 
 
+@dataclass(eq=False)
+class Live:
+    """Values read when /metrics is scraped, set by whoever owns them."""
+
+    info: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
+    device_memory_used: Callable[[], float] = lambda: 0.0
+    device_memory_total: float = 0.0
+    queue_depth: Callable[[], float] = lambda: 0.0
+    serving: Callable[[], bool] = lambda: False
+
+    def collect(self):
+        yield InfoMetricFamily("attnserve", "The model being served.", value=self.info)
+        for name, doc, value in (
+                ("attnserve_device_memory_used_bytes", "Device memory in use (NVML on a GPU; the "
+                 "resident set of the server's processes on the CPU).", self.device_memory_used()),
+                ("attnserve_device_memory_total_bytes", "Device memory in all (NVML on a GPU; on "
+                 "the CPU the machine's memory, or the container's limit when lower).",
+                 self.device_memory_total)):
+            family = GaugeMetricFamily(name, doc, labels=["device"])
+            family.add_metric([self.device], value)
+            yield family
+        yield GaugeMetricFamily("attnserve_queue_depth", "Requests accepted and waiting for a "
+                                "batch.", value=self.queue_depth())
+        yield GaugeMetricFamily("attnserve_health_serving", "1 while grpc.health.v1 answers "
+                                "SERVING.", value=1 if self.serving() else 0)
+
+
 class Metrics:
-    def __init__(self, max_positions: int):
-        self.registry = registry = CollectorRegistry()
+    def __init__(self, max_positions: int, multiprocess: bool = False):
+        """`multiprocess`: this process is one of a server's several (--workers); its
+        counts go to the multiprocess files, and `registry` serves every process's."""
+        counted = CollectorRegistry()
+        self.registry = CollectorRegistry() if multiprocess else counted
+        if multiprocess:
+            MultiProcessCollector(self.registry)
+        registry = counted
         self.edges = length_edges(max_positions)
         self.request_duration = Histogram(
             "attnserve_request_duration_seconds", "Time from receiving a request to answering it.",
@@ -63,19 +108,9 @@ class Metrics:
             "attnserve_batch_predicted_memory_bytes",
             "The memory model's prediction for the same batches, to show drift.",
             ["seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
-        self.device_memory_used = Gauge(
-            "attnserve_device_memory_used_bytes",
-            "Device memory in use (NVML on a GPU; the process's resident set on the CPU).",
-            ["device"], registry=registry)
-        self.device_memory_total = Gauge(
-            "attnserve_device_memory_total_bytes",
-            "Device memory in all (NVML on a GPU; on the CPU the machine's memory, or the "
-            "container's limit when lower).",
-            ["device"], registry=registry)
-        self.queue_depth = Gauge(
-            "attnserve_queue_depth", "Requests accepted and waiting for a batch.", registry=registry)
         self.inflight = Gauge(
-            "attnserve_inflight_requests", "Requests being handled now.", registry=registry)
+            "attnserve_inflight_requests", "Requests being handled now.", registry=registry,
+            multiprocess_mode="livesum")
         self.dropped = Counter(
             "attnserve_dropped_sequences",
             "Sequences dropped unanswered, by reason: deadline (the caller's deadline passed "
@@ -88,9 +123,12 @@ class Metrics:
             "(on CUDA such a run costs ~55 ms more); with shape buckets every embeddings "
             "shape ran in warm-up, so graph=\"embeddings\" stays 0 after it.",
             ["graph"], registry=registry)
-        self.health_serving = Gauge(
-            "attnserve_health_serving", "1 while grpc.health.v1 answers SERVING.", registry=registry)
-        self.info = Info("attnserve", "The model being served.", registry=registry)
+        self.worker_deaths = Counter(
+            "attnserve_worker_deaths",
+            "Front-end processes (--workers) that died without draining; each is started again.",
+            registry=registry)
+        self.live = Live()
+        self.registry.register(self.live)
 
     def answered(self, rpc: str, code: str, seconds: float) -> None:
         """One call finished with status `code`: both request metrics move together."""

@@ -9,8 +9,22 @@ from pathlib import Path
 
 import pytest
 
+from attnserve import harness
 from attnserve.artifact import TOKENIZER
 from attnserve.harness import ATTNSERVE, REPO, ServerProcess
+
+
+def pytest_addoption(parser):
+    parser.addoption("--server-workers", default=None, metavar="N",
+                     help="start every test server with --workers N (the promises that hold "
+                          "with several front-end processes are marked `workers`)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "workers: also run against servers with --workers 2")
+    workers = config.getoption("--server-workers")
+    if workers:
+        harness.SERVE_FLAGS[:] = ["--workers", workers]
 
 
 def minilm_dir() -> Path:

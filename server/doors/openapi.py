@@ -76,7 +76,8 @@ def openapi_document(info: ModelInfo) -> bytes:
                                "shape": {"type": "array", "items": {"type": "integer"}},
                                "parameters": parameters,
                                "data": {"type": "array", "items": {"type": "number"}}}}}}}
-    ids = {"type": "array", "minItems": 1, "items": {"type": "integer"}}
+    ids = {"type": "array", "minItems": 1,
+           "items": {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1}}
     embeddings_request = {
         "type": "object", "required": ["input", "model"],
         "properties": {

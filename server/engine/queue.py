@@ -16,6 +16,7 @@ import bisect
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -50,6 +51,23 @@ class Limits:
     max_queue_tokens: int
     memory_budget_bytes: int
     max_wait_s: float
+
+
+def check_room(limits: Limits, draining: bool, requests: int, waiting: int, tokens: int,
+               at_least: bool = False) -> None:
+    """Refuse a request of `tokens` (a lower bound, with `at_least`) that the queue, holding
+    `requests` requests and `waiting` tokens, has no room for, or any while draining."""
+    if draining:
+        raise Unavailable("server is draining: send new work to another replica")
+    if requests + 1 > limits.max_queue_requests:
+        raise ResourceExhausted(
+            f"queue full: {requests} requests waiting (limit {limits.max_queue_requests}); "
+            "retry with backoff")
+    if waiting + tokens > limits.max_queue_tokens:
+        raise ResourceExhausted(
+            f"queue full: {waiting} tokens waiting, this request adds "
+            f"{'at least ' if at_least else ''}{tokens} (limit {limits.max_queue_tokens}); "
+            "retry with backoff or send fewer texts")
 
 
 @dataclass(eq=False)
@@ -102,7 +120,10 @@ class Waiting:
 
 
 class RequestQueue:
-    def __init__(self, limits: Limits, memory: MemoryBudget, metrics: Metrics):
+    def __init__(self, limits: Limits, memory: MemoryBudget, metrics: Metrics,
+                 watch: Callable[[int, int], None] | None = None):
+        """`watch(requests, tokens)`: told the queued counts whenever they change."""
+        self.watch = watch
         self.limits = limits
         self.memory = memory
         self.metrics = metrics
@@ -126,24 +147,20 @@ class RequestQueue:
         a batch ends): the batch loop looks again"""
         # Taken -> claimed (the inference thread) races taken -> dropped (the event loop).
         self.claim_lock = threading.Lock()
-        metrics.queue_depth.set_function(lambda: len(self.jobs))
+        metrics.live.queue_depth = lambda: len(self.jobs)
 
     # --- admission -------------------------------------------------------------------
 
     def admit(self, tokens: int, at_least: bool = False) -> None:
         """The cheap bounds, checked before any work on a request's sequences: draining,
         queued requests, queued tokens (`at_least`: `tokens` is a lower bound)."""
-        if self.draining:
-            raise Unavailable("server is draining: send new work to another replica")
-        if len(self.jobs) + 1 > self.limits.max_queue_requests:
-            raise ResourceExhausted(
-                f"queue full: {len(self.jobs)} requests waiting (limit "
-                f"{self.limits.max_queue_requests}); retry with backoff")
-        if self.waiting_tokens + tokens > self.limits.max_queue_tokens:
-            raise ResourceExhausted(
-                f"queue full: {self.waiting_tokens} tokens waiting, this request adds "
-                f"{'at least ' if at_least else ''}{tokens} (limit "
-                f"{self.limits.max_queue_tokens}); retry with backoff or send fewer texts")
+        check_room(self.limits, self.draining, len(self.jobs), self.waiting_tokens, tokens,
+                   at_least)
+
+    def _counted(self) -> None:
+        """The counts admission reads changed: tell whoever watches them (--workers)."""
+        if self.watch is not None:
+            self.watch(len(self.jobs), self.waiting_tokens)
 
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
@@ -163,6 +180,7 @@ class RequestQueue:
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None
         self.waiting_tokens += tokens
+        self._counted()
         self.unanswered_jobs += 1
         self.idle.clear()
         self._keep_free()
@@ -200,6 +218,7 @@ class RequestQueue:
         missing = len(lengths) - job.queued
         if missing:
             self.waiting_tokens -= int(lengths[job.queued:].sum())
+            self._counted()
             job.queued = len(lengths)
             job.waiting -= missing
             if job.waiting == 0:
@@ -265,6 +284,7 @@ class RequestQueue:
             job.waiting -= 1
             if job.waiting == 0:
                 self._forget(job)
+        self._counted()
 
     def _forget(self, job: Job) -> None:
         """A job none of whose sequences waits any longer."""

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from attnserve.artifact import TOKENIZER, Artifact, ArtifactError
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.memory.probe import trim_heap
 
@@ -171,3 +172,10 @@ class TextTokenizer:
             return Encoded(ids, None, None)
         tokens, offsets = encoding.tokens, encoding.offsets
         return Encoded(ids, tokens[head] + tokens[tail], offsets[head] + offsets[tail])
+
+
+def load_tokenizer(artifact: Artifact) -> TextTokenizer:
+    try:
+        return TextTokenizer(artifact.path(TOKENIZER), artifact.manifest.max_positions)
+    except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+        raise ArtifactError(f"{artifact.path(TOKENIZER)}: not a valid tokenizer ({err})") from err

@@ -3,7 +3,7 @@ outside the batches (the ledger), against one budget: what admission refuses and
 batch loop lets run together."""
 
 from attnserve.server.engine.errors import ResourceExhausted
-from attnserve.server.memory.ledger import Ledger
+from attnserve.server.memory.ledger import Ledger, Totals
 from attnserve.server.memory.model import MemoryModel, MemoryModels
 
 # A response is held several times over at its peak: the results, the message,
@@ -26,13 +26,18 @@ class MemoryBudget:
     has a limit of its own (`host_bytes`)."""
 
     def __init__(self, model: MemoryModel | MemoryModels, budget_bytes: int, heads: int, hidden: int,
-                 responses_in_budget: bool, host_bytes: int | None = None):
+                 responses_in_budget: bool, host_bytes: int | None = None,
+                 totals: Totals | None = None):
+        """The ledger's limit is the budget where responses are in it, else `host_bytes`;
+        or `totals`, the ledger's totals with their limit set (shared by a server's
+        processes with --workers)."""
         self.model = model
         self.budget = budget_bytes
         self.heads = heads
         self.hidden = hidden
         self.shared = responses_in_budget
-        self.ledger = Ledger(budget_bytes if responses_in_budget or host_bytes is None
+        self.ledger = Ledger(totals if totals is not None else
+                             budget_bytes if responses_in_budget or host_bytes is None
                              else host_bytes)
         self.response_copies = RESPONSE_COPIES
 

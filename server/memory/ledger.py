@@ -10,6 +10,7 @@ ledger, so a stalled reader stops itself, not the others.
 """
 
 import asyncio
+import contextlib
 import math
 import threading
 from concurrent.futures import Executor
@@ -28,21 +29,62 @@ TRIM_AFTER_BYTES = 16 << 20
 TRIM_DELAY_S = 0.05
 
 
-class Ledger:
-    """Bytes held outside the batches, in total and per connection, under `limit`.
-    Thread-safe: tokenizing takes and gives back memory from its own thread."""
+class Totals:
+    """The ledger's totals, for one process: what is held, under what limit, and what is
+    kept free for batches. With --workers, a server's processes share theirs instead
+    (server/workers/shared.py: SharedTotals), so the budget covers the group."""
 
     def __init__(self, limit: float):
         self.limit = limit
-        self.lock = threading.Lock()
         self.held = 0
-        self.by_connection: dict[str, int] = {}
         self.reserve = 0.0
         """kept free beside what is held: the peak of the largest batch an admitted
         request still has to run alone (set by the request queue where the batches and
         the ledger share one budget)"""
         self.batches = 0.0
         """kept free too: what the batches in flight hold (set by the batch loop, ditto)"""
+
+    def add(self, nbytes: int) -> None:
+        self.held += nbytes
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Held while a take is checked and made: the ledger's own lock suffices here."""
+        yield
+
+
+class Ledger:
+    """Bytes held outside the batches, in total and per connection, under `limit`.
+    Thread-safe: tokenizing takes and gives back memory from its own thread."""
+
+    def __init__(self, limit: float | Totals):
+        self.totals = limit if isinstance(limit, Totals) else Totals(limit)
+        self.lock = threading.Lock()
+        self.by_connection: dict[str, int] = {}
+
+    @property
+    def limit(self) -> float:
+        return self.totals.limit
+
+    @property
+    def held(self) -> int:
+        return self.totals.held
+
+    @property
+    def reserve(self) -> float:
+        return self.totals.reserve
+
+    @reserve.setter
+    def reserve(self, value: float) -> None:
+        self.totals.reserve = value
+
+    @property
+    def batches(self) -> float:
+        return self.totals.batches
+
+    @batches.setter
+    def batches(self, value: float) -> None:
+        self.totals.batches = value
 
     def holds(self, connection: str | None = None) -> "Holds":
         """A call's holds; `connection` (its peer) is charged its share, None for none."""
@@ -53,6 +95,11 @@ class Ledger:
 
     def _take(self, nbytes: int, connection: str | None, what: str, on_top: float,
               own: int) -> None:
+        with self.totals.exclusive():
+            self._check_and_add(nbytes, connection, what, on_top, own)
+
+    def _check_and_add(self, nbytes: int, connection: str | None, what: str, on_top: float,
+                       own: int) -> None:
         """Refuse, or add `nbytes` with `on_top` more still free after it; `own`: what
         the calling call holds already (its connection's other calls hold the rest)."""
         if nbytes + on_top > self.limit:
@@ -70,18 +117,19 @@ class Ledger:
         # Batches run in what the ledger leaves: it keeps free what those in flight hold,
         # and at least what the largest still waiting (or this call's own) needs alone.
         kept = max(self.reserve, self.batches, on_top)
-        if nbytes > self.limit - self.held - kept:
+        held = self.held
+        if nbytes > self.limit - held - kept:
             raise ResourceExhausted(
                 f"{what}: needs about {nbytes / MIB:.1f} MiB, but of the memory budget of "
-                f"{self.limit / MIB:.0f} MiB, {self.held / MIB:.0f} MiB is held by requests "
+                f"{self.limit / MIB:.0f} MiB, {held / MIB:.0f} MiB is held by requests "
                 f"being parsed or tokenized and answers not yet sent and {kept / MIB:.0f} MiB "
                 "is kept for batches; retry with backoff")
-        self.held += nbytes
+        self.totals.add(nbytes)
         if connection:
             self.by_connection[connection] = mine + nbytes
 
     def _give_back(self, nbytes: int, connection: str | None) -> None:
-        self.held -= nbytes
+        self.totals.add(-nbytes)
         if connection:
             left = self.by_connection[connection] - nbytes
             if left:

@@ -46,17 +46,25 @@ from attnserve.server.memory import alloc_hook
 
 log = logging.getLogger("attnserve.memory")
 
-_STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
-def _status_kib(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    """A /proc/PID/status figure in bytes; 0 for a process that is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
     return int(match.group(1)) * 1024 if match else 0
 
 
 def resident_bytes() -> int:
     return _status_kib("VmRSS")
+
+
+def resident_bytes_of(pid: int) -> int:
+    return _status_kib("VmRSS", pid)
 
 
 _CGROUP = Path("/sys/fs/cgroup")

@@ -14,6 +14,9 @@ import pytest
 from attnserve.harness import sample
 from tests.server.reliability import BIG, MIB, Peak, Reference, embed_ids, ids_of, serve, stub
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 BUDGET = 256 * MIB
 # The stated baseline is the idle resident set after start-up plus this allowance: the
 # budget is enforced on predictions (here the analytic bound, no fitted memory model), and

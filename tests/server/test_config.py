@@ -13,6 +13,9 @@ from attnserve.cli import main
 from attnserve.harness import ATTNSERVE, REPO, ServerProcess
 from tests.server.reliability import health
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 # (field, bad value, what the error says about it)
 BAD_VALUES = [
     ("device", "gpu", "'gpu' is not one of auto, cuda, cpu"),
@@ -139,8 +142,10 @@ def test_check_config_and_start_up_agree_on_cuda(tiny_artifact):
 
 def test_the_ready_file_names_the_ports_that_serve(tiny_server):
     ready = json.loads(tiny_server.ready_path.read_text())
+    # With --workers, also every process of the group (its engine and front ends).
+    group = {"pids": ready["pids"]} if "pids" in ready else {}
     assert ready == {"port": tiny_server.port, "metrics_port": tiny_server.metrics_port,
-                     "http_port": tiny_server.http_port, "pid": tiny_server.proc.pid}
+                     "http_port": tiny_server.http_port, "pid": tiny_server.proc.pid, **group}
     assert health(tiny_server.address) == "SERVING"
     assert "attnserve_health_serving 1.0" in tiny_server.scrape_text()
     # Written whole: the partial file it was written to has been renamed away.

@@ -23,6 +23,9 @@ from tests.server.reliability import (
     wait_for,
 )
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 # The long request: as many 512-token sequences (one batch) as keep MiniLM busy this long.
 BUSY_S = 4.0
 # Five of them must expire behind the long request, which lasts at least ~1.4 s (24 x 512

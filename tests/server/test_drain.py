@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
+import pytest
 
 from attnserve.harness import sample
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
@@ -30,6 +31,9 @@ from tests.server.reliability import (
     stub,
     wait_for,
 )
+
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
 
 CALLERS = 8
 LOAD_BEFORE_S = 1.5

@@ -16,6 +16,9 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from tests.conftest import minilm_dir
 from tests.hugging_face import HuggingFace
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 TEXTS = [
     "服务 A 调用了配置中心 B，因为它需要获取最新配置。",
     "A short one.",

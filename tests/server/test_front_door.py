@@ -20,6 +20,9 @@ from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.server.reliability import serve, stub, wait_for
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 KEY = "s3cret-key"
 FILE_KEY = "second-key"
 

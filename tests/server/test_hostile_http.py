@@ -24,6 +24,9 @@ from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.server.reliability import MIB, HealthProbe, serve, stub, wait_for
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 BUDGET = 256 * MIB
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0

@@ -43,6 +43,9 @@ from tests.server.reliability import (
     wait_for,
 )
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 FOUR_MIB_TEXT = "word " * 838_861
 SIXTEEN_MIB_TEXT = "word " * 3_355_443
 MAX_QUEUE_TOKENS = 262144  # the server's default

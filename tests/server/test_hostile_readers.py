@@ -39,6 +39,9 @@ from tests.server.reliability import (
     wait_for,
 )
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 BUDGET = 768 * MIB
 # Over the budget, the same allowance test_admission states: predictions, not
 # measurements, keep the budget, and a run of one shape varies by about 30 %.

@@ -26,6 +26,9 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = ["The cat sat on the mat.", "attention is all you need", "a"]
 LONG_TEXT = "word " * 600

@@ -12,6 +12,9 @@ from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import minilm_dir
 from tests.hugging_face import HuggingFace
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 MODEL = "all-MiniLM-L6-v2"
 IDS = np.array([[101, 7592, 2088, 999, 102], [101, 2748, 102, 0, 0]], dtype=np.int64)
 MASK = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=np.int64)

@@ -19,6 +19,9 @@ from attnserve.harness import ServerProcess
 from attnserve.server.memory import alloc_hook
 from attnserve.server.memory.model import MemoryModel
 
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
 # One request each, sent one after another (so each request is a batch of its own):
 # the lengths of its sequences (token ids, so lengths are exact) and the attention
 # layers asked for (None: no maps; []: every layer).

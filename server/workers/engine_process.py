@@ -1,0 +1,190 @@
+"""The engine process of a server with --workers: the backend's sessions, the request queue,
+the batch loop and the memory budget, for every front end at once, so batching and
+admission stay global. Front ends connect on the supervisor's socket; each submits token
+ids and gets back its sequences' results (server/workers/messages.py). It also serves the
+group's /metrics, merged from every process's counts."""
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from attnserve.artifact import load_artifact
+from attnserve.server.config import config_from_json
+from attnserve.server.doors.http_server import MetricsThread
+from attnserve.server.engine.core import Core
+from attnserve.server.engine.errors import RequestError
+from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
+from attnserve.server.memory.probe import resident_bytes_of
+from attnserve.server.metrics import Metrics
+from attnserve.server.runtime.ort_backend import CPU
+from attnserve.server.workers import messages
+from attnserve.server.workers.channel import Channel, encode
+from attnserve.server.workers.shared import CONFIG_ENV, ENGINE_SLOT, SharedState, SharedTotals
+
+log = logging.getLogger("attnserve.workers")
+
+
+class FrontEndLink:
+    """One front end's connection: its submissions queued, its results sent back, and,
+    when it goes, its queued sequences dropped unrun."""
+
+    def __init__(self, engine: "EngineProcess", sock: socket.socket, index: int):
+        self.engine = engine
+        self.jobs: dict[int, asyncio.Task] = {}
+        self.index = index
+        self.said_bye = False
+        self.channel = Channel(sock, self.message, self.closed)
+        self.channel.send(*messages.welcome(engine.facts))
+
+    def message(self, header, arrays: list[np.ndarray]) -> None:
+        kind = header[0]
+        if kind == "submit":
+            _, job, layers, deadline, outputs, alone = header
+            sequences, lengths = messages.submitted(arrays)
+            self.jobs[job] = asyncio.get_running_loop().create_task(
+                self.run(job, sequences, lengths, tuple(layers), deadline, frozenset(outputs),
+                         alone))
+        elif kind == "cancel":
+            task = self.jobs.get(header[1])
+            if task is None:  # answered already: its place is free
+                self.channel.send(["cancelled", header[1]])
+            else:
+                task.cancel()
+        elif kind == "bye":
+            self.said_bye = True
+
+    async def run(self, job: int, sequences, lengths, layers, deadline, outputs, alone) -> None:
+        try:
+            results = await self.engine.core.queue.submit(sequences, layers, deadline, outputs,
+                                                          alone, lengths)
+            header, entries = messages.results(job, results, layers)
+            del results
+            nbytes = sum(part.nbytes for parts in entries for part in parts)
+            # Copying a large result into its message is done off the event loop.
+            if nbytes * COPY_BYTE_S < INLINE_S:
+                frame = encode(header, entries)
+            else:
+                frame = await asyncio.get_running_loop().run_in_executor(
+                    self.engine.encoding, encode, header, entries)
+            self.channel.send_frame(frame)
+        except RequestError as err:
+            self.channel.send(*messages.error(job, err))
+        except asyncio.CancelledError:
+            # The front end cancelled it, or went away: its sequences are out of the queue.
+            self.channel.send(["cancelled", job])
+        finally:
+            self.jobs.pop(job, None)
+
+    def closed(self) -> None:
+        for task in list(self.jobs.values()):
+            task.cancel()
+        self.engine.links.discard(self)
+        if not self.said_bye:
+            self.engine.metrics.worker_deaths.inc()
+            log.warning("event=front_end_lost worker=%s jobs_dropped=%d", self.index,
+                        len(self.jobs))
+
+
+class EngineProcess:
+    def __init__(self, config, shared: SharedState, listener: socket.socket):
+        self.config, self.shared, self.listener = config, shared, listener
+        artifact = load_artifact(config.artifact)
+        self.metrics = Metrics(artifact.manifest.max_positions, multiprocess=True)
+
+        def totals(limit: float) -> SharedTotals:
+            shared.fields.ledger_limit = limit
+            return SharedTotals(shared, ENGINE_SLOT)
+
+        self.core = Core(config, artifact, self.metrics, totals)
+        backend = self.core.backend
+        self.facts = messages.EngineFacts(backend.provider, backend.precision,
+                                          self.core.limits.memory_budget_bytes,
+                                          self.core.memory.shared)
+        self.links: set[FrontEndLink] = set()
+        self.encoding = ThreadPoolExecutor(1, thread_name_prefix="encode")
+        fields = shared.fields
+        fields.budget = self.facts.budget
+        fields.engine_pid = os.getpid()
+        fields.engine_loaded = 1
+
+    def _counted(self, requests: int, tokens: int) -> None:
+        fields = self.shared.fields
+        fields.queue_requests, fields.queue_tokens = requests, tokens
+
+    async def run(self) -> None:
+        core, config, fields = self.core, self.config, self.shared.fields
+        core.start(self._counted)
+        core.describe()
+        live = self.metrics.live
+        live.serving = self.shared.serving
+        if core.backend.provider == CPU:
+            live.device_memory_used = lambda: sum(map(resident_bytes_of, self.shared.pids()))
+        scrapes = MetricsThread(self.metrics, config.metrics_host, config.metrics_port) \
+            if config.metrics_port else None
+        if scrapes:
+            fields.metrics_port = scrapes.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        accepting = loop.create_task(self._accept())
+        await core.warm_up()
+        fields.engine_ready = 1
+        log.info("event=engine_serving provider=%s budget_bytes=%d memory_model=%r",
+                 self.facts.provider, self.facts.budget, core.memory_model.source)
+        await stop.wait()
+        # The front ends have drained (the supervisor stops them first); what they left is
+        # answered within the drain time.
+        finished = await core.queue.drain(config.drain_seconds)
+        fields.engine_drained = int(finished)
+        accepting.cancel()
+        if scrapes:
+            scrapes.stop()
+        log.info("event=engine_stopped all_finished=%s", finished)
+
+    async def _accept(self) -> None:
+        """Connections from the group's own front ends only: the peer's pid (from the
+        kernel, SO_PEERCRED) must be one the supervisor started."""
+        loop = asyncio.get_running_loop()
+        self.listener.setblocking(False)
+        while True:
+            sock, _ = await loop.sock_accept(self.listener)
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                             struct.calcsize("3i")))
+            fields = self.shared.fields
+            index = next((i for i in range(fields.workers) if fields.worker_pids[i] == pid), None)
+            if index is None:
+                log.warning("event=connection_refused peer_pid=%d reason='not a front end of "
+                            "this server'", pid)
+                sock.close()
+                continue
+            self.links.add(FrontEndLink(self, sock, index))
+
+
+def main() -> int:
+    from attnserve.cli import setup_logging
+
+    setup_logging()
+    config = config_from_json(os.environ.pop(CONFIG_ENV))
+    logging.getLogger().setLevel(config.log_level.upper())
+    shared_fd, listen_fd = int(sys.argv[1]), int(sys.argv[2])
+    shared = SharedState.attach(shared_fd)
+    listener = socket.socket(fileno=listen_fd)
+    try:
+        engine = EngineProcess(config, shared, listener)
+    except Exception as err:  # noqa: BLE001 - a start-up failure, reported by the supervisor
+        log.error("event=engine_failed error=%r", str(err))
+        return 2
+    asyncio.run(engine.run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

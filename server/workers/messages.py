@@ -1,0 +1,102 @@
+"""What a front end and the engine process say to each other, as a channel's headers and
+arrays (server/workers/channel.py).
+
+front end -> engine: ["hello", index], ["submit", job, layers, deadline, outputs, alone]
+with the sequences' ids laid end to end and their lengths, ["cancel", job], ["bye"].
+engine -> front end: ["welcome", EngineFacts's fields], ["results", job, hidden, layers,
+pooled names] with the arrays, ["error", job, kind, message], ["cancelled", job] (a
+cancel was done: the job's place in the queue is free).
+
+Requests cross as token ids (int32: a vocabulary fits), results as float32 arrays laid
+end to end: one copy from the batch's outputs into the message, views on the other side."""
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnserve.server.engine.errors import (
+    DeadlineExceeded,
+    RequestError,
+    ResourceExhausted,
+    Unavailable,
+)
+from attnserve.server.runtime.backend import Outputs, SequenceResult
+
+ERRORS = {cls.__name__: cls for cls in (RequestError, ResourceExhausted, Unavailable,
+                                        DeadlineExceeded)}
+"""what the engine process's queue answers a request with instead of results"""
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a front end needs from the engine process before it serves."""
+
+    provider: str
+    precision: str
+    budget: int
+    responses_in_budget: bool
+    """the ledger and the batches share one budget (the CPU), as MemoryBudget.shared"""
+
+
+def submit(job: int, sequences: list[np.ndarray], lengths: np.ndarray, layers: tuple[int, ...],
+           deadline: float | None, outputs: Outputs, alone: float):
+    ids = [s.astype(np.int32, copy=False) for s in sequences]
+    return ["submit", job, list(layers), deadline, sorted(outputs), alone], [ids, [lengths]]
+
+
+def submitted(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """The sequences (views of the message) and their lengths."""
+    ids, lengths = arrays
+    lengths = lengths.astype(np.int64)
+    ends = np.cumsum(lengths)
+    return [ids[end - n:end] for n, end in zip(lengths.tolist(), ends.tolist(), strict=True)], lengths
+
+
+def results(job: int, results: list[SequenceResult], layers: tuple[int, ...]):
+    hidden = results[0].hidden is not None
+    names = sorted(results[0].pooled)
+    entries = ([[r.hidden for r in results]] if hidden else []) + \
+        [[r.attentions[layer] for r in results] for layer in layers] + \
+        [[r.pooled[name] for r in results] for name in names]
+    return ["results", job, hidden, list(layers), names], entries
+
+
+def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
+             heads: int, width: int) -> list[SequenceResult]:
+    """Each sequence's result, as views of the message: `lengths` are the sequences'
+    (the front end sent them), `heads` and `width` the model's."""
+    _, _, hidden, layers, names = header
+    arrays = list(arrays)
+    ends = np.cumsum(lengths).tolist()
+    out_hidden = arrays.pop(0).reshape(-1, width) if hidden else None
+    maps = []
+    for _ in layers:
+        flat, at, views = arrays.pop(0), 0, []
+        for n in lengths.tolist():
+            views.append(flat[at:at + heads * n * n].reshape(heads, n, n))
+            at += heads * n * n
+        maps.append(views)
+    pooled = [arrays.pop(0).reshape(len(lengths), width) for _ in names]
+    return [SequenceResult(None if out_hidden is None else out_hidden[end - n:end],
+                           {layer: maps[k][i] for k, layer in enumerate(layers)},
+                           {name: pooled[k][i] for k, name in enumerate(names)})
+            for i, (n, end) in enumerate(zip(lengths.tolist(), ends, strict=True))]
+
+
+def welcome(facts: EngineFacts):
+    return ["welcome", dataclasses.asdict(facts)], []
+
+
+def welcomed(header) -> EngineFacts:
+    return EngineFacts(**header[1])
+
+
+def error(job: int, err: RequestError):
+    kind = type(err).__name__ if type(err).__name__ in ERRORS else RequestError.__name__
+    return ["error", job, kind, err.message], []
+
+
+def raised(header) -> RequestError:
+    _, _, kind, message = header
+    return ERRORS[kind](message)

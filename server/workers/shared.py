@@ -1,0 +1,140 @@
+"""The state a server's processes share (--workers): one page of memory (a memfd the
+supervisor makes and every process inherits), read and written in place.
+
+It holds what every front end must see at once, without a message: whether the engine is
+warm, whether the group drains, which front ends are up, the queue's counts (the cheap
+admission bounds) and the memory ledger's totals. The ledger's totals change under a lock
+that spans the processes (a POSIX record lock on the memfd, with a thread lock for the
+threads of one process), so the budget holds for the group exactly; every other field
+has one writer."""
+
+import contextlib
+import ctypes
+import fcntl
+import mmap
+import os
+import threading
+
+from attnserve.server.config import MAX_WORKERS as _MAX
+from attnserve.server.memory.ledger import Totals
+
+MAX_WORKERS = _MAX
+ENGINE_SLOT = MAX_WORKERS
+CONFIG_ENV = "ATTNSERVE_INTERNAL_CONFIG"
+"""the environment variable a process of the group finds its settings in, as JSON"""
+"""the ledger slot of the engine process (a front end's is its index)"""
+
+
+class _Fields(ctypes.Structure):
+    _fields_ = [
+        ("engine_pid", ctypes.c_int64),
+        # The engine's budget and ledger limit are set: front ends may start.
+        ("engine_loaded", ctypes.c_int64),
+        ("engine_ready", ctypes.c_int64),
+        ("draining", ctypes.c_int64),
+        ("metrics_port", ctypes.c_int64),
+        ("workers", ctypes.c_int64),
+        ("budget", ctypes.c_double),
+        ("ledger_limit", ctypes.c_double),
+        ("ledger_reserve", ctypes.c_double),
+        ("ledger_batches", ctypes.c_double),
+        ("queue_requests", ctypes.c_int64),
+        ("queue_tokens", ctypes.c_int64),
+        ("held", ctypes.c_int64 * (MAX_WORKERS + 1)),
+        ("worker_pids", ctypes.c_int64 * MAX_WORKERS),
+        ("worker_up", ctypes.c_int64 * MAX_WORKERS),
+        # Set once a process has drained: 1 if all it had accepted was answered in time.
+        ("worker_drained", ctypes.c_int64 * MAX_WORKERS),
+        ("engine_drained", ctypes.c_int64),
+    ]
+
+
+class SharedState:
+    """The shared page, mapped into this process. `create` (the supervisor) or
+    `attach(fd)` (the processes it starts, which inherit the fd)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.map = mmap.mmap(fd, ctypes.sizeof(_Fields))
+        self.fields = _Fields.from_buffer(self.map)
+        self._threads = threading.Lock()
+
+    @classmethod
+    def create(cls, workers: int) -> "SharedState":
+        if not 1 <= workers <= MAX_WORKERS:
+            raise ValueError(f"--workers: at most {MAX_WORKERS}")
+        fd = os.memfd_create("attnserve-shared", 0)  # no MFD_CLOEXEC: children inherit it
+        os.ftruncate(fd, ctypes.sizeof(_Fields))
+        state = cls(fd)
+        state.fields.workers = workers
+        return state
+
+    @classmethod
+    def attach(cls, fd: int) -> "SharedState":
+        return cls(fd)
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Exclusive across the group's processes and this process's threads."""
+        with self._threads:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+            try:
+                yield self.fields
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def held(self) -> int:
+        """Bytes held in the ledger by every process of the group."""
+        return sum(self.fields.held)
+
+    def workers_up(self) -> bool:
+        f = self.fields
+        return all(f.worker_up[i] for i in range(f.workers))
+
+    def serving(self) -> bool:
+        """What health says for the group: the engine warm, every front end up, no drain."""
+        f = self.fields
+        return bool(f.engine_ready) and not f.draining and self.workers_up()
+
+    def pids(self) -> list[int]:
+        f = self.fields
+        return [p for p in (f.engine_pid, *f.worker_pids[:f.workers]) if p]
+
+
+class SharedTotals(Totals):
+    """The memory ledger's totals for one process of the group (its `slot`), counted with
+    every other process's: what the group holds is the sum of the slots."""
+
+    def __init__(self, state: SharedState, slot: int):
+        self.state, self.slot = state, slot
+
+    @property
+    def limit(self) -> float:
+        return self.state.fields.ledger_limit
+
+    @property
+    def held(self) -> int:
+        return self.state.held()
+
+    @property
+    def reserve(self) -> float:
+        return self.state.fields.ledger_reserve
+
+    @reserve.setter
+    def reserve(self, value: float) -> None:
+        self.state.fields.ledger_reserve = value
+
+    @property
+    def batches(self) -> float:
+        return self.state.fields.ledger_batches
+
+    @batches.setter
+    def batches(self, value: float) -> None:
+        self.state.fields.ledger_batches = value
+
+    def add(self, nbytes: int) -> None:
+        # Only this process writes its slot, and the ledger's lock orders its threads.
+        self.state.fields.held[self.slot] += nbytes
+
+    def exclusive(self):
+        return self.state.locked()

@@ -1,0 +1,241 @@
+"""`attnserve serve --workers N`: the process that starts the group and keeps it whole.
+
+It reserves the gRPC and HTTP ports (so only its own front ends share them: another
+server that tries either port fails at start, see `reserve_port`), makes the shared state
+and the engine's socket, starts the engine process, then N front ends, and watches them:
+
+- a front end that dies is counted (by the engine, which sees its connection drop) and
+  logged, its held memory is freed, and a new one takes its place at once;
+- if the engine process dies, the front ends answer UNAVAILABLE at once and say
+  NOT_SERVING, and the supervisor stops the group and exits non-zero, so Kubernetes
+  restarts the pod: a new engine has to load and warm up its sessions anyway, and a
+  restart the orchestrator counts is one an operator sees;
+- on SIGTERM every front end drains (in-flight calls finish), then the engine, and the
+  supervisor exits 0 when all of them did.
+
+It writes the ready file (--ready-file) once the engine is warm and every front end is
+up, with every pid of the group."""
+
+import dataclasses
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from attnserve.server.config import ServeConfig, config_to_json
+from attnserve.server.doors.ports import PortInUse
+from attnserve.server.memory.probe import gpu_present
+from attnserve.server.workers.shared import CONFIG_ENV, SharedState
+
+log = logging.getLogger("attnserve.workers")
+
+POLL_S = 0.05
+MAX_AUTO_WORKERS = 8
+# How long the engine may take to load the artifact and open its sessions before the
+# front ends start (they need its budget): generous, CUDA sessions take a while.
+ENGINE_LOAD_TIMEOUT_S = 600
+# On SIGTERM each process gets the drain time and this much more to exit.
+EXIT_GRACE_S = 5.0
+
+
+def reserve_port(host: str, port: int, flag: str) -> socket.socket:
+    """A socket bound to the port (not listening: it takes no connections) that holds it
+    for this server's front ends, which bind it too with SO_REUSEPORT. A port someone
+    else holds fails first, with a message naming the flag; port 0 picks a free one."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    if port:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as err:
+                raise PortInUse(flag, f"{host}:{port}") from err
+    holder = socket.socket(family, kind, proto)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(address)
+    return holder
+
+
+class Group:
+    def __init__(self, config: ServeConfig, workers: int):
+        self.config, self.count = config, workers
+        self.shared = SharedState.create(workers)
+        self.ports = [reserve_port(config.host, config.port, "--port")]
+        if config.http_port:
+            self.ports.append(reserve_port(config.host, config.http_port, "--http-port"))
+        port = self.ports[0].getsockname()[1]
+        http_port = self.ports[1].getsockname()[1] if config.http_port else 0
+        self.front_config = dataclasses.replace(config, port=port, http_port=http_port)
+        self.metrics_dir = tempfile.mkdtemp(prefix="attnserve-metrics-")
+        self.address = f"attnserve-{os.getpid()}-{secrets.token_hex(8)}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(b"\0" + self.address.encode())
+        self.listener.listen(64)
+        self.engine: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen | None] = [None] * workers
+        self.stopping = False
+
+    def _env(self, config: ServeConfig) -> dict[str, str]:
+        return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir,
+                CONFIG_ENV: config_to_json(config)}
+
+    def _start_engine(self) -> None:
+        self.engine = subprocess.Popen(
+            [sys.executable, "-m", "attnserve.server.workers.engine_process",
+             str(self.shared.fd), str(self.listener.fileno())],
+            pass_fds=(self.shared.fd, self.listener.fileno()), env=self._env(self.config))
+
+    def _start_worker(self, index: int) -> None:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "attnserve.server.workers.front_process",
+             str(self.shared.fd), str(index), self.address],
+            pass_fds=(self.shared.fd,), env=self._env(self.front_config))
+        self.workers[index] = worker
+        self.shared.fields.worker_pids[index] = worker.pid
+
+    def _forget_worker(self, index: int) -> None:
+        """A front end is gone: what it held in the ledger and its live gauges with it."""
+        worker = self.workers[index]
+        with self.shared.locked() as fields:
+            fields.held[index] = 0
+            fields.worker_up[index] = 0
+            fields.worker_pids[index] = 0
+        mark_process_dead(worker.pid, self.metrics_dir)
+
+    def _stop(self, signum, frame) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._stop)
+        try:
+            return self._run()
+        finally:
+            for holder in self.ports:
+                holder.close()
+            self.listener.close()
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def _run(self) -> int:
+        fields = self.shared.fields
+        self._start_engine()
+        started = time.monotonic()
+        while not fields.engine_loaded:
+            if self.engine.poll() is not None:
+                log.error("event=startup_failed process=engine code=%d", self.engine.returncode)
+                return 2
+            if self.stopping or time.monotonic() - started > ENGINE_LOAD_TIMEOUT_S:
+                return self._shut_down(1 if not self.stopping else 0)
+            time.sleep(POLL_S)
+        for index in range(self.count):
+            self._start_worker(index)
+        ready_written, ever_up = False, [False] * self.count
+        while not self.stopping:
+            if self.engine.poll() is not None:
+                log.error("event=engine_died code=%d note='stopping the group: the pod restarts'",
+                          self.engine.returncode)
+                fields.draining = 1
+                return self._shut_down(1)
+            for index, worker in enumerate(self.workers):
+                ever_up[index] |= bool(fields.worker_up[index])
+                if worker.poll() is None:
+                    continue
+                if not ever_up[index]:
+                    log.error("event=startup_failed process=worker worker=%d code=%d", index,
+                              worker.returncode)
+                    return self._shut_down(2)
+                log.warning("event=worker_died worker=%d pid=%d code=%d note='started again'",
+                            index, worker.pid, worker.returncode)
+                self._forget_worker(index)
+                self._start_worker(index)
+            if not ready_written and self.shared.serving():
+                ready_written = True
+                self._ready()
+            time.sleep(POLL_S)
+        return self._shut_down(0)
+
+    def _ready(self) -> None:
+        from attnserve.server.app import write_ready_file
+
+        config, fields = self.front_config, self.shared.fields
+        pids = self.shared.pids()
+        log.info("event=serving workers=%d port=%d http_port=%d metrics_port=%d tls=%s mtls=%s "
+                 "pids=%s", self.count, config.port, config.http_port, fields.metrics_port,
+                 config.tls_cert is not None, config.tls_client_ca is not None,
+                 ",".join(map(str, pids)))
+        if config.ready_file is not None:
+            write_ready_file(config.ready_file, {"port": config.port, "http_port": config.http_port,
+                                                 "metrics_port": fields.metrics_port, "pids": pids})
+
+    def _shut_down(self, code: int) -> int:
+        """Drain the front ends, then the engine; `code`, or 1 if one of them failed."""
+        self.shared.fields.draining = 1
+        log.info("event=draining workers=%d seconds=%.0f", self.count, self.config.drain_seconds)
+        failed = _stop_all([w for w in self.workers if w is not None],
+                           self.config.drain_seconds + EXIT_GRACE_S)
+        if self.engine is not None:
+            failed |= _stop_all([self.engine], self.config.drain_seconds + EXIT_GRACE_S)
+        fields = self.shared.fields
+        finished = bool(fields.engine_drained) and all(fields.worker_drained[i]
+                                                       for i in range(self.count))
+        log.info("event=stopped all_finished=%s answered=%s code=%d", finished,
+                 _answered(self.metrics_dir), code or int(failed))
+        return code or int(failed)
+
+
+def _answered(metrics_dir: str) -> str:
+    """Calls the group answered over its life by status, e.g. OK:12,UNAVAILABLE:3, from
+    every process's counts: what callers must have received."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, metrics_dir)
+    counts: dict[str, int] = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name == "attnserve_requests_total":
+                code = sample.labels["code"]
+                counts[code] = counts.get(code, 0) + int(sample.value)
+    return ",".join(f"{code}:{n}" for code, n in sorted(counts.items())) or "none"
+
+
+def _stop_all(processes: list[subprocess.Popen], timeout: float) -> bool:
+    """SIGTERM each (those still running), wait for all; True if one did not exit 0."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline, failed = time.monotonic() + timeout, False
+    for process in processes:
+        try:
+            code = process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        failed |= code != 0
+    return failed
+
+
+def workers_for(config: ServeConfig) -> int:
+    """--workers as a number, or `auto` resolved for the device and the cores."""
+    if config.workers != "auto":
+        return int(config.workers)
+    cuda = config.device == "cuda" or (config.device == "auto" and gpu_present()[0])
+    return auto_workers(cuda, len(os.sched_getaffinity(0)))
+
+
+def auto_workers(cuda: bool, cores: int) -> int:
+    if not cuda:
+        return 1
+    return max(1, min(MAX_AUTO_WORKERS, cores // 2))
+
+
+def supervise(config: ServeConfig, workers: int) -> int:
+    return Group(config, workers).run()
