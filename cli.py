@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated sequence lengths (those over the model's positions "
                         "are skipped)")
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="skip shapes of more tokens (batch × seq): the peak grows linearly "
+                        "with the batch, so long lengths are measured at the small batches "
+                        "(0: every shape)")
     p.add_argument("--attention", action="store_true",
                    help="also measure each shape with every layer's attention maps returned")
     p.add_argument("--out", type=Path, default=Path("bench/results/memory-profile"),
@@ -167,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="hold out every Nth shape to score the fit")
     p.add_argument("--no-save-model", action="store_true",
                    help="do not write memory_model.json beside the artifact")
+    p.add_argument("--unless-fitted", action="store_true",
+                   help="do nothing when memory_model.json already holds a fit for the "
+                        "provider and precision this run would measure (what `make serve` "
+                        "runs)")
     p.add_argument("--mixed-load", type=int, default=0, metavar="CALLS",
                    help="then start a server on the artifact, send CALLS mixed requests from 8 "
                         "callers and print measured / predicted peak memory per seq_len bucket")
