@@ -15,6 +15,14 @@ def setup_logging(level: str = "info") -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.unless_current:
+        from attnserve.artifact import outdated
+
+        reason = outdated(args.out)
+        if reason is None:
+            print(f"{args.out}: current, kept")
+            return 0
+        print(f"{reason}: exporting again", flush=True)
     # Imported here: export brings torch, which the serving path never loads.
     from attnserve.export.pipeline import run_export
     from attnserve.export.quantize import Int8ParityError
@@ -116,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int8-min-cosine", type=_cosine, default=None,
                    help="the int8 parity gate (default 0.99)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
+    p.add_argument("--unless-current", action="store_true",
+                   help="keep --out when it holds an artifact this exporter would write "
+                        "(its format, every output the server asks for); otherwise say why "
+                        "in one line and export (what `make serve` runs)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve an artifact over gRPC")
