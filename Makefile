@@ -9,7 +9,7 @@ PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
 # Flags `make serve` adds to `attnserve serve`, e.g. SERVE_ARGS="--port 50052 --log-level debug".
 SERVE_ARGS ?=
 
-.PHONY: serve test proto alloc-hook export memory-model lint tools lint-deps
+.PHONY: serve test proto alloc-hook export memory-model docs lint tools lint-deps
 .PHONY: image image-deps image-test
 
 # The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
@@ -56,6 +56,10 @@ memory-model: export
 
 serve: memory-model $(ALLOC_HOOK)
 	$(BIN)/attnserve serve --artifact $(ARTIFACT) $(SERVE_ARGS)
+
+# docs/configuration.md from `attnserve serve --help` (tests/test_docs.py fails when they differ).
+docs: $(BIN)/attnserve
+	$(BIN)/python docs/generate.py
 
 # promtool and prometheus (Debian's `prometheus` package) for the metrics and rules tests;
 # kubectl (with kustomize) comes with the machine image.

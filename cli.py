@@ -105,7 +105,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.bench_args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command and each subcommand's parser, by name (docs/generate.py writes
+    docs/configuration.md from the `serve` one)."""
     from attnserve.server.config import CHOICES, add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-config", action="store_true",
                    help="run every start-up check (flags and their environment twins, the "
                         "artifact and its graphs, the device, the tokenizer, the memory model, "
-                        "the TLS files), then exit without binding a port")
+                        "the TLS files, the API key file), then exit without binding a port")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("embed", help="call a running server")
@@ -199,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                             "(--quick: a 2-minute smoke run; --help for its flags)")
     p.add_argument("bench_args", nargs="*", help="flags for bench/run.py")
     p.set_defaults(func=cmd_bench)
+    return parser, dict(sub.choices)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser, _ = build_parser()
     args = parser.parse_args(argv)
     args.own_process = argv is None  # this process's command line, not a caller's list
     # `serve` sets its own level once --log-level (or its twin) has been checked.
