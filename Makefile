@@ -12,8 +12,9 @@ SERVE_ARGS ?=
 .PHONY: serve test proto alloc-hook export memory-model docs lint tools lint-deps
 .PHONY: image image-deps image-test
 
-# The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
-# downloads a multi-GB CUDA build), every extra the tests and export need.
+# The environment: torch pinned to 2.13.0 (pip's configured wheel directory may hold its
+# CPU wheel; from PyPI on Linux it is the multi-GB CUDA build), every extra the tests and
+# export need.
 $(BIN)/attnserve: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
