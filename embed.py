@@ -32,14 +32,23 @@ def installed_fonts() -> list[Path]:
     return list(dict.fromkeys(known + [Path(f) for f in font_manager.findSystemFonts()]))
 
 
+# Fonts that map every code point to a placeholder (a box naming its Unicode block), such
+# as the Last Resort font matplotlib ships: they cover everything and draw nothing.
+PLACEHOLDER_FAMILIES = ("Last Resort",)
+
+
 @functools.cache
 def _charmap(font: Path) -> frozenset[int]:
+    """The code points `font` has real glyphs for."""
     from matplotlib.ft2font import FT2Font
 
     try:
-        return frozenset(FT2Font(str(font)).get_charmap())
+        face = FT2Font(str(font))
     except (OSError, RuntimeError):  # not a font FreeType can read
         return frozenset()
+    if face.family_name.startswith(PLACEHOLDER_FAMILIES):
+        return frozenset()
+    return frozenset(face.get_charmap())
 
 
 def _covers(font: Path, text: str) -> bool:

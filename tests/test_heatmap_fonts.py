@@ -1,7 +1,8 @@
 """`attnserve embed --heatmap` labels: a token the default font cannot draw (CJK) is drawn
 with an installed font that has its glyphs, and where none has them, its characters are
-written as code points (U+4E2D), never as empty boxes. The fonts are pointed at: a real
-TrueType font made here with fontTools, holding glyphs for two CJK characters, or none."""
+written as code points (U+4E2D), never as empty boxes or placeholders. The fonts are
+pointed at: a real TrueType font made here with fontTools, holding glyphs for two CJK
+characters, or none, or matplotlib's placeholder font."""
 
 import warnings
 from pathlib import Path
@@ -68,6 +69,17 @@ def test_without_such_a_font_the_labels_show_code_points(tmp_path):
     assert all(label.font is None for label in labels)
     assert missing == []
     assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_placeholder_font_does_not_count_as_having_the_glyphs():
+    """matplotlib ships the Last Resort font, which maps every code point to a box naming
+    its Unicode block: the label is escaped rather than drawn as that box."""
+    import matplotlib
+
+    last_resort = Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "LastResortHE-Regular.ttf"
+    if not last_resort.is_file():
+        pytest.skip(f"this matplotlib ships no {last_resort.name}")
+    assert [label.text for label in tick_labels(["中"], [last_resort])] == ["U+4E2D"]
 
 
 @pytest.mark.parametrize("token", ["中a", "##心"])
