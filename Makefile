@@ -6,11 +6,15 @@ ARTIFACT ?= artifacts/all-MiniLM-L6-v2
 PROTO_OUT := server/_proto
 PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
 
-.PHONY: serve test proto alloc-hook export lint tools lint-deps
+# Flags `make serve` adds to `attnserve serve`, e.g. SERVE_ARGS="--port 50052 --log-level debug".
+SERVE_ARGS ?=
+
+.PHONY: serve test proto alloc-hook export memory-model docs lint tools lint-deps
 .PHONY: image image-deps image-test
 
-# The environment: torch pinned to 2.13.0 (a local CPU wheel here; any other version
-# downloads a multi-GB CUDA build), every extra the tests and export need.
+# The environment: torch pinned to 2.13.0 (pip's configured wheel directory may hold its
+# CPU wheel; from PyPI on Linux it is the multi-GB CUDA build), every extra the tests and
+# export need.
 $(BIN)/attnserve: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -39,13 +43,24 @@ $(ALLOC_HOOK): server/memory/alloc_peak.c
 
 alloc-hook: $(ALLOC_HOOK)
 
-$(ARTIFACT)/manifest.json: | $(PROTO_OUT)/.stamp
-	$(BIN)/attnserve export --out $(ARTIFACT)
+# The default model's artifact, exported when it is missing or was written by an exporter
+# this one does not match (an older format, graphs without an output the server asks
+# for): `--unless-current` says which in one line, or keeps it.
+export: | $(PROTO_OUT)/.stamp
+	$(BIN)/attnserve export --out $(ARTIFACT) --unless-current
 
-export: $(ARTIFACT)/manifest.json
+# Its memory model, fitted on this machine's provider unless memory_model.json has that fit
+# (on the CPU in about half a minute): without one the server admits on an analytic bound
+# far above what batches take. An export removes the fit of the graphs it replaces.
+memory-model: export
+	$(BIN)/attnserve memory-profile --artifact $(ARTIFACT) --attention --unless-fitted
 
-serve: $(ARTIFACT)/manifest.json $(ALLOC_HOOK)
-	$(BIN)/attnserve serve --artifact $(ARTIFACT)
+serve: memory-model $(ALLOC_HOOK)
+	$(BIN)/attnserve serve --artifact $(ARTIFACT) $(SERVE_ARGS)
+
+# docs/configuration.md from `attnserve serve --help` (tests/test_docs.py fails when they differ).
+docs: $(BIN)/attnserve
+	$(BIN)/python docs/generate.py
 
 # promtool and prometheus (Debian's `prometheus` package) for the metrics and rules tests;
 # kubectl (with kustomize) comes with the machine image.

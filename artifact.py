@@ -143,6 +143,39 @@ class Manifest:
         return candidates[0] if candidates else None
 
 
+def required_outputs(graph: Graph, num_layers: int) -> list[str]:
+    """The outputs the server asks `graph` for: the hidden state and every pooled vector,
+    and in an attention graph every layer's maps."""
+    names = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
+    if graph.attention:
+        names += [attention_output(layer) for layer in range(num_layers)]
+    return names
+
+
+def outdated(directory: Path | str) -> str | None:
+    """Why `directory` does not hold what this exporter writes, in one phrase, or None
+    when it does: no artifact, one that does not load (damaged, or in a format this
+    version cannot read), one in an older format, or one whose graphs lack outputs the
+    server asks for. `attnserve export --unless-current` exports again for any of them."""
+    directory = Path(directory)
+    if not (directory / MANIFEST).is_file():
+        return f"{directory}: no artifact yet"
+    try:
+        manifest = load_artifact(directory).manifest
+    except ArtifactError as err:
+        return str(err)
+    if manifest.format_version != FORMAT_VERSION:
+        return (f"{directory / MANIFEST}: format_version {manifest.format_version}, from an "
+                f"older exporter (this one writes {FORMAT_VERSION})")
+    for graph in manifest.graphs:
+        missing = [name for name in required_outputs(graph, manifest.num_layers)
+                   if name not in graph.outputs]
+        if missing:
+            return (f"{directory / graph.file}: lacks the outputs {missing} the server asks "
+                    "for (an older exporter)")
+    return None
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as stream:

@@ -15,6 +15,14 @@ def setup_logging(level: str = "info") -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.unless_current:
+        from attnserve.artifact import outdated
+
+        reason = outdated(args.out)
+        if reason is None:
+            print(f"{args.out}: current, kept")
+            return 0
+        print(f"{reason}: exporting again", flush=True)
     # Imported here: export brings torch, which the serving path never loads.
     from attnserve.export.pipeline import run_export
     from attnserve.export.quantize import Int8ParityError
@@ -106,7 +114,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.bench_args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command and each subcommand's parser, by name (docs/generate.py writes
+    docs/configuration.md from the `serve` one)."""
     from attnserve.server.config import CHOICES, add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
@@ -125,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int8-min-cosine", type=_cosine, default=None,
                    help="the int8 parity gate (default 0.99)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
+    p.add_argument("--unless-current", action="store_true",
+                   help="keep --out when it holds an artifact this exporter would write "
+                        "(its format, every output the server asks for); otherwise say why "
+                        "in one line and export (what `make serve` runs)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve an artifact over gRPC")
@@ -132,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-config", action="store_true",
                    help="run every start-up check (flags and their environment twins, the "
                         "artifact and its graphs, the device, the tokenizer, the memory model, "
-                        "the TLS files), then exit without binding a port")
+                        "the TLS files, the API key file), then exit without binding a port")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("embed", help="call a running server")
@@ -161,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated sequence lengths (those over the model's positions "
                         "are skipped)")
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="skip shapes of more tokens (batch × seq): the peak grows linearly "
+                        "with the batch, so long lengths are measured at the small batches "
+                        "(0: every shape)")
     p.add_argument("--attention", action="store_true",
                    help="also measure each shape with every layer's attention maps returned")
     p.add_argument("--out", type=Path, default=Path("bench/results/memory-profile"),
@@ -176,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="hold out every Nth shape to score the fit")
     p.add_argument("--no-save-model", action="store_true",
                    help="do not write memory_model.json beside the artifact")
+    p.add_argument("--unless-fitted", action="store_true",
+                   help="do nothing when memory_model.json already holds a fit for the "
+                        "provider and precision this run would measure (what `make serve` "
+                        "runs)")
     p.add_argument("--mixed-load", type=int, default=0, metavar="CALLS",
                    help="then start a server on the artifact, send CALLS mixed requests from 8 "
                         "callers and print measured / predicted peak memory per seq_len bucket")
@@ -188,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                             "(--quick: a 2-minute smoke run; --help for its flags)")
     p.add_argument("bench_args", nargs="*", help="flags for bench/run.py")
     p.set_defaults(func=cmd_bench)
+    return parser, dict(sub.choices)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser, _ = build_parser()
     args = parser.parse_args(argv)
     args.own_process = argv is None  # this process's command line, not a caller's list
     # `serve` sets its own level once --log-level (or its twin) has been checked.

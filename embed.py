@@ -1,7 +1,10 @@
 """`attnserve embed`: call a running server from the command line."""
 
 import argparse
+import functools
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -12,23 +15,93 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def heatmap(path, attention: np.ndarray, tokens: list[str], title: str) -> None:
-    import warnings
+@dataclass(frozen=True)
+class TickLabel:
+    text: str
+    """the token as drawn: itself, or with the characters no font has escaped (U+4E2D)"""
+    font: Path | None
+    """the font file that has every glyph of `text`, when the default font does not"""
 
+
+def installed_fonts() -> list[Path]:
+    """Every font file matplotlib knows, then every one on the system: fonts installed
+    after matplotlib built its font cache (Debian's fonts-noto-cjk, say) count too."""
+    from matplotlib import font_manager
+
+    known = [Path(font.fname) for font in font_manager.fontManager.ttflist]
+    return list(dict.fromkeys(known + [Path(f) for f in font_manager.findSystemFonts()]))
+
+
+# Fonts that map every code point to a placeholder (a box naming its Unicode block), such
+# as the Last Resort font matplotlib ships: they cover everything and draw nothing.
+PLACEHOLDER_FAMILIES = ("Last Resort",)
+
+
+@functools.cache
+def _charmap(font: Path) -> frozenset[int]:
+    """The code points `font` has real glyphs for."""
+    from matplotlib.ft2font import FT2Font
+
+    try:
+        face = FT2Font(str(font))
+    except (OSError, RuntimeError):  # not a font FreeType can read
+        return frozenset()
+    if face.family_name.startswith(PLACEHOLDER_FAMILIES):
+        return frozenset()
+    return frozenset(face.get_charmap())
+
+
+def _covers(font: Path, text: str) -> bool:
+    charmap = _charmap(font)
+    return all(ord(char) in charmap for char in text)
+
+
+def tick_labels(tokens: list[str], fonts: list[Path] | None = None) -> list[TickLabel]:
+    """How each token is labelled. The default font (DejaVu Sans) has no CJK glyphs: a
+    token it cannot draw gets the first of `fonts` (default: every installed font) that
+    has all of its glyphs, and where none has them, each missing character is written as
+    its code point, so the label says what the token is instead of showing empty boxes."""
+    from matplotlib import font_manager, rcParams
+
+    default = Path(font_manager.findfont(font_manager.FontProperties(family=rcParams["font.family"])))
+    candidates: list[Path] | None = fonts
+    labels = []
+    for token in tokens:
+        if _covers(default, token):
+            labels.append(TickLabel(token, None))
+            continue
+        if candidates is None:
+            candidates = installed_fonts()
+        font = next((f for f in candidates if _covers(f, token)), None)
+        if font is not None:
+            labels.append(TickLabel(token, font))
+        else:
+            escaped = "".join(c if _covers(default, c) else f"U+{ord(c):04X}" for c in token)
+            labels.append(TickLabel(escaped, None))
+    return labels
+
+
+def heatmap(path: Path, attention: np.ndarray, tokens: list[str], title: str,
+            fonts: list[Path] | None = None) -> list[TickLabel]:
+    """Draw one attention map, query rows against key columns, each labelled with its
+    token (see `tick_labels` for the fonts); returns the labels drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.font_manager import FontProperties
 
-    # A token in a script the default font lacks (CJK) keeps its row and column, labelled
-    # with boxes: not worth a warning per glyph.
-    warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
-
+    labels = tick_labels(tokens, fonts)
     size = max(4.0, 0.35 * len(tokens))
     fig, ax = plt.subplots(figsize=(size + 1.5, size))
     image = ax.imshow(attention, cmap="viridis", vmin=0.0)
-    ax.set_xticks(range(len(tokens)), tokens, rotation=90)
-    ax.set_yticks(range(len(tokens)), tokens)
+    texts = [label.text for label in labels]
+    for ticks in (ax.set_xticks(range(len(labels)), texts, rotation=90),
+                  ax.set_yticks(range(len(labels)), texts)):
+        for tick, label in zip(ticks, labels, strict=True):
+            if label.font is not None:
+                tick.label1.set_fontproperties(FontProperties(fname=label.font,
+                                                              size=tick.label1.get_fontsize()))
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
     ax.set_title(title)
@@ -36,6 +109,7 @@ def heatmap(path, attention: np.ndarray, tokens: list[str], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return labels
 
 
 def run_embed(args: argparse.Namespace) -> int:

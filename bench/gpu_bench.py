@@ -1,10 +1,10 @@
 """The GPU benchmark behind bench/gpu_bench.sh: a raw onnxruntime CUDA session against
 `attnserve serve --device cuda` over gRPC, on the workloads of the CPU table, in one run
-of about 5 minutes, printing the README's GPU table.
+of about 5 minutes, printing a table that names the GPU, the driver and the date.
 
   1. export the fp16 artifact (unless --artifact), in a subprocess (torch stays out of here)
   2. raw: a plain onnxruntime session on the served fp16 embeddings graph, fetching the
-     hidden state (as the issue's raw column) and the pooled vector alone; 1, 2 and 4
+     hidden state (what a user calling onnxruntime gets) and the pooled vector alone; 1, 2 and 4
      sessions in threads on 32x128; fixed IO-bound buffers with and without a CUDA graph
   3. the server, one configuration after another (default; CUDA graphs; 1 session; 4
      sessions; no shape buckets): cold start (spawn to SERVING, warm-up seconds and shapes),

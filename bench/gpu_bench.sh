@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU benchmark: raw onnxruntime CUDA session vs `attnserve serve --device cuda` over
-# gRPC, shape buckets, CUDA graphs, 1 vs N sessions, cold start; prints the README's GPU
-# table (bench/gpu_bench.py) in about 5 minutes.
+# gRPC, shape buckets, CUDA graphs, 1 vs N sessions, cold start; prints its table with the
+# GPU, driver and date (bench/gpu_bench.py; docs/benchmarks.md) in about 5 minutes.
 #
-# On the GPU machine (no package index; see shared/gpu/README.md), from the checkout root:
-#   mkdir -p /tmp/gp && cp -r .gpu1/. /tmp/gp/          # part 1
-#   source .gpu2/unpack.sh && bench/gpu_bench.sh        # part 2: exports from $CKPT
+# From the checkout root, on a machine with an NVIDIA GPU and onnxruntime-gpu:
+#   bench/gpu_bench.sh                      # exports the fp16 artifact from $CKPT (or the default model)
+#   bench/gpu_bench.sh --artifact DIR       # an artifact exported with --fp16 already
+# The checkout need not be installed (gpu_env.sh makes it importable as `attnserve`).
 # Dry run without a GPU:  bench/gpu_bench.sh --device cpu --quick --artifact DIR
 # Other flags go to bench/gpu_bench.py (--help). Results: $OUT (else bench/results/gpu_bench/).
 # Environment: PYTHON (default .venv/bin/python, else python3), GPU_BENCH_BUDGET_S (330: the

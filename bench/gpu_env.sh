@@ -1,9 +1,9 @@
 # Sourced by gpu_bench.sh and gpu_check.sh: the checkout as the working directory, the
 # interpreter ($PYTHON, default .venv/bin/python, else python3), and `attnserve`
 # importable. `attnserve` is the repository root, so a checkout that was never installed
-# (the GPU machine has no package index) imports only through an entry of that name on
-# sys.path; first on the path, so this checkout (its generated stubs included) wins over
-# any copy unpack.sh may have installed.
+# (a GPU machine without a package index, say) imports only through an entry of that name
+# on sys.path; first on the path, so this checkout (its generated stubs included) wins
+# over any installed copy.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 if [[ -z "${PYTHON:-}" ]]; then

@@ -1,5 +1,7 @@
-"""Phase results -> rows, target verdicts, a markdown table and a plot."""
+"""Phase results -> rows, target verdicts, a markdown table and a plot, and the run's
+section of docs/benchmarks.md."""
 
+import re
 from pathlib import Path
 
 from attnserve.bench.measure import ModelShape
@@ -199,16 +201,20 @@ def _fmt(value, spec: str, missing: str = "–") -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown(result: dict, rows: list[dict], verdicts: list[dict]) -> str:
+def markdown(result: dict, rows: list[dict], verdicts: list[dict], tree: bool = True) -> str:
+    """The run's tables; `tree`: with the commit measured (bench/results keeps it; the
+    docs name the version and the date instead, see docs_section)."""
     peak = result["peak"]
+    environment = result["environment"]
+    source = (f"Tree: commit {environment['commit']}"
+              + (" with uncommitted changes under server/" if environment["server_dirty"] else "")
+              + "; ") if tree else ""
     lines = [
         f"Peak fp32 matmul ({peak['n']}², {peak['threads']} threads): "
         f"{peak['peak_gflops']:.0f} GFLOP/s ({peak['peak_source']}; numpy "
         f"{peak['numpy_gflops']:.0f}, torch {peak['torch_gflops']:.0f}). "
         f"Raw ORT graph: `{result.get('raw', {}).get('graph', '?')}` (the server's).",
-        f"Tree: commit {result['environment']['commit']}"
-        + (" with uncommitted changes under server/" if result["environment"]["server_dirty"]
-           else "") + f"; `{result['environment']['command']}`, "
+        f"{source}`{environment['command']}`, "
         f"{result.get('seconds', 0):.0f} s. Mixed workload: "
         f"{result['workload']['mixed_distribution']['count']} texts, "
         f"{result['workload']['mixed_distribution']['kind']}, mean "
@@ -278,6 +284,52 @@ def _breakdown(result: dict) -> list[str]:
             f"{st['queue']:.2f} | {st['tokenize']:.2f} | {st['inference']:.2f} | "
             f"{st['respond']:.2f} | {s['server_cpu_s']:.2f} | {s['client_cpu_s']:.2f} |")
     return lines
+
+
+# --- docs/benchmarks.md ------------------------------------------------------------------------
+
+# Where a machine's first run goes in the page: below this line, newest first.
+RUNS_MARKER = "<!-- attnserve bench: runs written by `attnserve bench` (docs option) follow, newest first -->"
+
+
+def machine(environment: dict) -> str:
+    """What a section is keyed and headed by: the CPU and the cores the run used."""
+    return f"{environment['cpu']}, {environment['cores']} cores"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def docs_section(result: dict, table: str, plot_file: str | None) -> tuple[str, str]:
+    """(the machine, its section of the page): a heading naming the machine and the date,
+    the command and versions measured, the plot, the tables."""
+    environment = result["environment"]
+    key = machine(environment)
+    lines = [f"<!-- attnserve bench: {key} -->",
+             f"### {key}, {environment['date']}", "",
+             f"`{environment['command']}` ({result['seconds']:.0f} s): attnserve "
+             f"{environment['attnserve']}, onnxruntime {environment['onnxruntime']}, Python "
+             f"{environment['python']}, {environment['threads']} threads.", ""]
+    if plot_file:
+        lines += [f"![attnserve bench on {key}]({plot_file})", ""]
+    lines += [table, f"<!-- /attnserve bench: {key} -->"]
+    return key, "\n".join(lines)
+
+
+def update_page(page: str, key: str, section: str) -> str:
+    """`page` with `section` in place of the earlier section of the same machine, or, for
+    a machine not in it yet, first below RUNS_MARKER; the rest of the page as it was."""
+    begin, end = f"<!-- attnserve bench: {key} -->", f"<!-- /attnserve bench: {key} -->"
+    start = page.find(begin)
+    if start >= 0 and page.find(end, start) >= 0:
+        stop = page.find(end, start) + len(end)
+        return page[:start] + section + page[stop:]
+    at = page.find(RUNS_MARKER)
+    if at < 0:
+        raise ValueError(f"the page has no line {RUNS_MARKER!r} to put the run below")
+    at += len(RUNS_MARKER)
+    return page[:at] + "\n\n" + section + page[at:]
 
 
 # --- plot --------------------------------------------------------------------------------------

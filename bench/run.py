@@ -12,10 +12,13 @@ a few cores slow each other 3-4×):
      and the raw worker are gone
 
 Then it prints a markdown table and the target verdicts, and writes JSON and a PNG under
-bench/results/ (and the PNG to --plot-out when given).
+bench/results/ (and the PNG to --plot-out when given). With --docs docs/benchmarks.md it
+also writes the tables into that page, headed by the machine and the date, in place of
+the same machine's earlier run.
 """
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -28,7 +31,16 @@ from pathlib import Path
 
 from attnserve.bench.measure import FULL, QUICK, ModelShape, OtherLoad, wait_quiet
 from attnserve.bench.paired import run_paired
-from attnserve.bench.report import build_rows, markdown, plot, targets
+from attnserve.bench.report import (
+    build_rows,
+    docs_section,
+    machine,
+    markdown,
+    plot,
+    slug,
+    targets,
+    update_page,
+)
 from attnserve.bench.serving import measure_attention_memory
 from attnserve.bench.workloads import ATTENTION_SHAPE, IDEAL_BATCH, IDEAL_PADDING, build
 
@@ -49,6 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=RESULTS, help="where JSON and PNG go")
     p.add_argument("--plot-out", type=Path, default=None,
                    help="also copy the plot here (e.g. docs/bench.png)")
+    p.add_argument("--docs", type=Path, default=None, metavar="PAGE",
+                   help="write this run's tables, dated and headed by the machine, into PAGE "
+                        "(docs/benchmarks.md) in place of the same machine's earlier run, and "
+                        "its plot beside PAGE; a full run only")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="threads for every engine (default: the cores this process may use)")
     p.add_argument("--mixed-count", type=int, default=None,
@@ -86,6 +102,13 @@ def run_phase(name: str, spec: dict, work: Path, wait: float, env: dict | None =
     return result
 
 
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def environment(threads: int) -> dict:
     import grpc
     import numpy
@@ -97,9 +120,23 @@ def environment(threads: int) -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
                 .splitlines() if line.startswith("model name")), platform.processor())
     return {"cores": len(os.sched_getaffinity(0)), "threads": threads, "cpu": cpu,
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "attnserve": _version("attnserve"),
+            "onnxruntime": _version("onnxruntime-gpu") or _version("onnxruntime"),
             "python": platform.python_version(), "numpy": numpy.__version__,
             "grpcio": grpc.__version__, "commit": commit, "server_dirty": bool(dirty),
             "command": " ".join([command_name(), *sys.argv[1:]])}
+
+
+def write_docs(page: Path, result: dict, rows: list[dict], verdicts: list[dict],
+               plot_dir: Path | None) -> None:
+    """The run's section of `page`, and its plot beside the page."""
+    plot_file = None
+    if plot_dir is not None:
+        plot_file = f"bench-{slug(machine(result['environment']))}.png"
+        shutil.copyfile(plot_dir / "bench.png", page.parent / plot_file)
+    key, section = docs_section(result, markdown(result, rows, verdicts, tree=False), plot_file)
+    page.write_text(update_page(page.read_text(), key, section))
+    log.info("event=docs_written page=%s machine=%r", page, key)
 
 
 def command_name() -> str:
@@ -113,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level="INFO", stream=sys.stderr,
                             format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     args = parse_args(argv)
+    if args.docs and args.quick:
+        print("attnserve bench: --docs records a full run's figures; drop --quick", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     from attnserve.artifact import ArtifactError, load_artifact
 
@@ -205,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_out and "bench.png" in written:
         args.plot_out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(work / "bench.png", args.plot_out)
+    if args.docs:
+        write_docs(args.docs, result, rows, verdicts, work if "bench.png" in written else None)
     print(table)
     print(f"\nwritten: {', '.join(str(args.out_dir / name) for name in written)} "
           f"(this run: {work}); {result['seconds']:.0f} s in all")

@@ -6,7 +6,7 @@ import shutil
 import time
 from pathlib import Path
 
-from attnserve.artifact import TOKENIZER, Graph, Manifest, write_manifest
+from attnserve.artifact import MANIFEST, MEMORY_MODEL, TOKENIZER, Graph, Manifest, write_manifest
 from attnserve.export.onnx_graphs import OPSET, export_graph
 from attnserve.export.optimize import optimize
 from attnserve.export.quantize import INT8_MIN_COSINE, quantize_graph
@@ -52,8 +52,10 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     checkpoint = Path(checkpoint)
     name = name or checkpoint.name
     out.mkdir(parents=True, exist_ok=True)
-    # A half-written directory must not look finished.
-    (out / "manifest.json").unlink(missing_ok=True)
+    # A half-written directory must not look finished, and a memory model fitted to the
+    # graphs this export replaces must not outlive them.
+    (out / MANIFEST).unlink(missing_ok=True)
+    (out / MEMORY_MODEL).unlink(missing_ok=True)
     step = _Steps(total=6 + 2 * fp16 + 2 * int8)
 
     encoder = load_checkpoint(checkpoint)

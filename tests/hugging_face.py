@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 # The tiny model's float16 graphs against this reference in float32, for the export test
-# and the fp16 serving test alike; measured here: hidden states 3.5e-3, attention maps
-# 9.4e-6 at most (the export's own gate is 5e-2).
+# and the fp16 serving test alike. The graphs reach hidden states within 3.5e-3 and
+# attention maps within 9.4e-6 (x86-64, onnxruntime 1.31); the export's own gate is 5e-2.
 FP16_HIDDEN_ATOL = 8e-3
 FP16_MAPS_ATOL = 5e-5
 

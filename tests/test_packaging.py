@@ -15,7 +15,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 STUBS = REPO / "server" / "_proto"
-HOOK = REPO / "server" / "_alloc_peak.so"  # `make alloc-hook`, where there is a C compiler
+HOOK = REPO / "server" / "memory" / "_alloc_peak.so"  # `make alloc-hook`, where there is a C compiler
 
 
 def source_copy(target: Path) -> Path:
@@ -30,7 +30,7 @@ def source_copy(target: Path) -> Path:
     shutil.copytree(STUBS, target / "server" / "_proto",
                     ignore=shutil.ignore_patterns("__pycache__"))
     if HOOK.is_file():
-        shutil.copy2(HOOK, target / "server" / HOOK.name)
+        shutil.copy2(HOOK, target / "server" / "memory" / HOOK.name)
     return target
 
 
@@ -46,7 +46,7 @@ def test_the_wheel_installs_one_top_level_package_that_works(tmp_path):
     assert {name.split("/", 1)[0] for name in names} == {"attnserve", wheel.name.split("-py")[0]
                                                          + ".dist-info"}
     assert "attnserve/server/_proto/attnserve/v1/encoder_pb2.py" in names
-    assert ("attnserve/server/_alloc_peak.so" in names) == HOOK.is_file()
+    assert ("attnserve/server/memory/_alloc_peak.so" in names) == HOOK.is_file()
     assert not any(name.startswith(("attnserve/tests/", "attnserve/deploy/")) for name in names)
 
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}

@@ -1,10 +1,12 @@
 """`attnserve memory-profile`: the peak memory of one batch against its shape, and the
 memory model fitted to it.
 
-Shapes: every batch size × sequence length through the embeddings graph and, with
---attention, through the attention graph, returning every layer's maps or only the
-first layer's, alternately along the diagonals of the grid (so the fit can tell maps
-held for the request, d, from the scores every layer makes, c).
+Shapes: every batch size × sequence length up to --max-tokens (batch × seq) through the
+embeddings graph and, with --attention, through the attention graph, returning every
+layer's maps or only the first layer's, alternately along the diagonals of the grid (so
+the fit can tell maps held for the request, d, from the scores every layer makes, c).
+The peak is linear in the batch, so the grid leaves out its large-batch, long-length
+corner, which would take most of the time and add nothing the fit needs.
 
 What one shape's peak is (`PeakMeter`, in a worker process that measures every shape):
 
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.artifact import load_artifact
+from attnserve.artifact import MEMORY_MODEL, load_artifact
 from attnserve.server.memory.model import (
     ATTENTION,
     COEFFICIENTS,
@@ -111,6 +113,17 @@ class Measurement:
 # --- the worker: every shape, one process -------------------------------------------------
 
 
+def served_precision(manifest, provider: str, precision: str) -> str:
+    """The precision `serve --precision` would run: `auto` is fp16 on CUDA when the
+    artifact has fp16 graphs, fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    from attnserve.server.runtime.ort_backend import CUDA
+
+    has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
+    return "fp16" if provider == CUDA and has_fp16 else "fp32"
+
+
 class PeakMeter:
     """The artifact's graphs on one provider, and one shape's peak (module docstring)."""
 
@@ -121,10 +134,7 @@ class PeakMeter:
         self.artifact = load_artifact(artifact_dir)
         self.manifest = self.artifact.manifest
         self.provider, _ = choose_provider(device)
-        if precision == "auto":
-            has_fp16 = self.manifest.graph(attention=False, precision="fp16") is not None
-            precision = "fp16" if self.provider == CUDA and has_fp16 else "fp32"
-        self.precision = precision
+        self.precision = precision = served_precision(self.manifest, self.provider, precision)
         self.threads = threads or len(os.sched_getaffinity(0))
         self.cuda = self.provider == CUDA
         self.probe = MemoryProbe(cuda=True) if self.cuda else None
@@ -577,15 +587,38 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.replace(" ", "").split(",") if x]
 
 
-def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers: int) -> list[Shape]:
-    """The embeddings graph at every shape; with `attention`, the attention graph too,
-    returning every layer's maps or only the first layer's, alternately along the
-    diagonals of the grid (so the fit sees both counts at every size)."""
-    shapes = [Shape(EMBEDDINGS, b, s, 0) for b in batches for s in seq_lens]
+def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers: int,
+               max_tokens: int | None = None) -> list[Shape]:
+    """The embeddings graph at every shape of the grid up to `max_tokens` (batch × seq);
+    with `attention`, the attention graph too, returning every layer's maps or only the
+    first layer's, alternately along the diagonals of the grid (so the fit sees both
+    counts at every size).
+
+    Every term of the model grows linearly with the batch, so a shape over `max_tokens`
+    (a large batch at a long length) costs most of the profile's time and teaches the
+    fit nothing the same length at a smaller batch does not: the long lengths are
+    measured at the small batches, the large batches at the short lengths."""
+    def kept(batch: int, seq: int) -> bool:
+        return max_tokens is None or batch * seq <= max_tokens
+
+    shapes = [Shape(EMBEDDINGS, b, s, 0) for b in batches for s in seq_lens if kept(b, s)]
     if attention:
         shapes += [Shape(ATTENTION, b, s, layers if (i + j) % 2 == 0 else 1)
-                   for j, b in enumerate(batches) for i, s in enumerate(seq_lens)]
+                   for j, b in enumerate(batches) for i, s in enumerate(seq_lens) if kept(b, s)]
     return shapes
+
+
+def fitted_already(artifact, provider: str, precision: str, attention: bool) -> bool:
+    """Whether memory_model.json beside the artifact holds a fit for every graph this run
+    would measure on `provider` at `precision`. A damaged file holds none."""
+    from attnserve.server.memory.model import read_entries
+
+    try:
+        entries = read_entries(artifact.directory / MEMORY_MODEL)
+    except (ValueError, TypeError):
+        return False
+    kinds = GRAPH_KINDS if attention else (EMBEDDINGS,)
+    return all(model_key(provider, precision, kind) in entries for kind in kinds)
 
 
 def run_memory_profile(args: argparse.Namespace) -> int:
@@ -602,15 +635,25 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     if skipped:
         print(f"skipping seq lens {skipped}: over the model's {manifest.max_positions} "
               "positions", file=sys.stderr)
-    if args.device != "cuda" and not memray_importable():
-        from attnserve.server.runtime.ort_backend import CPU, choose_provider
+    from attnserve.server.runtime.ort_backend import CPU, DeviceError, choose_provider
 
-        if choose_provider(args.device)[0] == CPU:
-            print("memory-profile: on the CPU it counts allocations with memray, which is not "
-                  "installed: pip install 'attnserve[profile]'", file=sys.stderr)
-            return 2
+    try:
+        provider = choose_provider(args.device)[0]
+    except DeviceError as err:
+        print(f"memory-profile: {err}", file=sys.stderr)
+        return 2
+    if args.unless_fitted and fitted_already(artifact, provider, served_precision(
+            manifest, provider, args.precision), args.attention):
+        print(f"memory-profile: {artifact.path(MEMORY_MODEL)} already holds a fit for "
+              f"{provider}; kept (run without --unless-fitted to measure again)")
+        return 0
+    if provider == CPU and not memray_importable():
+        print("memory-profile: on the CPU it counts allocations with memray, which is not "
+              "installed: pip install 'attnserve[profile]'", file=sys.stderr)
+        return 2
     heads, layers = manifest.num_heads, manifest.num_layers
-    shapes = shapes_for(args.attention, seq_lens, batches, layers)
+    max_tokens = args.max_tokens or None
+    shapes = shapes_for(args.attention, seq_lens, batches, layers, max_tokens)
     started = time.monotonic()
     rows, left_out = measure_shapes(artifact.directory, shapes, args.device, args.precision,
                                     args.threads, max(1, args.repeats),
@@ -648,7 +691,8 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     report = {
         "model": manifest.model_name, "provider": provider, "precision": precision,
         "artifact": str(artifact.directory), "artifact_sha256": artifact.manifest_sha256,
-        "heads": heads, "layers": layers, "repeats": args.repeats, "measure": method,
+        "heads": heads, "layers": layers, "repeats": args.repeats, "max_tokens": max_tokens,
+        "measure": method,
         "seconds": round(time.monotonic() - started, 1),
         "rows": [asdict(r) | {"predicted_bytes": round(predict(fits[r.graph], r, heads)),
                               "held_out": i in held} for i, r in enumerate(rows)],
@@ -687,7 +731,8 @@ def run_memory_profile(args: argparse.Namespace) -> int:
               f"{_pct(agree['mean_rel_change'])}, max {_pct(agree['max_rel_change'])}")
     for reason in left_out:
         print(f"left out: {reason.splitlines()[0]}")
-    print(f"wrote {', '.join(map(str, written))}")
+    print(f"measured {len(rows)} shapes in {report['seconds']:.0f} s; wrote "
+          f"{', '.join(map(str, written))}")
     if model_path:
         print(f"memory model saved to {model_path} under {provider}/{precision}/"
               f"{{{','.join(fits)}}} (the server loads it at start)")

@@ -1,6 +1,7 @@
 """The Grafana dashboard: importable (datasource variable, unique ids, no
 overlapping panels), every query is valid PromQL, reads only exported metrics,
-and the panels the issue asks for are there."""
+and the panels an operator needs (traffic, batching, memory against sequence length,
+device memory) are there."""
 
 from __future__ import annotations
 

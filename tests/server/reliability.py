@@ -1,4 +1,4 @@
-"""Helpers for the reliability and security tests (issue 6): servers of their own, the
+"""Helpers for the reliability and security tests: servers of their own, the
 in-process reference, health and requests."""
 
 import json

@@ -1,5 +1,6 @@
-"""The prepared GPU benchmark's CPU dry run, end to end: the command the GPU machine will
-run must not first fail there. Two server configurations, tiny model, small workloads."""
+"""The GPU benchmark's CPU dry run (bench/gpu_bench.sh --device cpu --quick), end to end:
+what it runs on a GPU runs here first. Two server configurations, tiny model, small
+workloads."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Promise (issue 14): no request, however it is shaped, stalls the server or takes memory
+"""Promise: no request, however it is shaped, stalls the server or takes memory
 past its budget, and no answer is promised that the transport will not carry.
 
 - A long text, a million tiny sequences, the most sequences a request may carry: health
@@ -72,8 +72,8 @@ def channel(server):
 
 
 def test_long_texts_never_stall_the_event_loop(server, channel, tiny_artifact):
-    """A 4 MiB text (tokenized twice, whole, holding the interpreter: 6.1 s, health
-    blocked 3.1 s), a 16 MiB text, and a 1 MiB word with nowhere to cut it."""
+    """A 4 MiB text (which, tokenized whole with `encode`, would hold the interpreter for
+    seconds), a 16 MiB text, and a 1 MiB word with nowhere to cut it."""
     encoder = stub(channel)
     reference = Tokenizer.from_file(str(tiny_artifact / TOKENIZER))
     reference.no_padding()
@@ -185,10 +185,10 @@ def largest_that_fits(manifest, plan, length: int, limit: int) -> int:
 
 
 def test_the_response_size_check_counts_what_the_wire_carries(small_messages, minilm_artifact):
-    """--max-message-bytes 1 MiB: 682 texts of "word" passed the check (it counted the
-    floats only), ran 11 batches, were refused by gRPC and counted OK. Now the largest
-    count the check passes is sent (and fills the limit to within a few per cent), one
-    more is refused before any batch runs, with the server's own message."""
+    """--max-message-bytes 1 MiB: a check counting only the floats would pass more texts
+    of "word" than gRPC can send, run their batches, and count OK an answer gRPC refuses.
+    The largest count the check passes is sent (and fills the limit to within a few per
+    cent), one more is refused before any batch runs, with the server's own message."""
     manifest = load_artifact(minilm_artifact).manifest
     plan = plan_embed(pb.EmbedRequest(texts=["word"]), manifest)
     fits = largest_that_fits(manifest, plan, 3, MIB)

@@ -1,17 +1,17 @@
-"""Promise (issue 14): a caller that stops reading slows itself, never the server, and
-holds no memory past the budget.
+"""Promise: a caller that stops reading slows itself, never the server, and holds no
+memory past the budget.
 
 A raw HTTP/2 client on a loopback socket announces a receive window of 0 bytes, so not
-one byte of any answer can reach it (`ZeroWindowClient`). Before, with a 768 MiB budget,
-its 12 Embeds of one 480-token text with every attention map (63 MiB each) all ran and
-were counted OK, the server sat at 2,687 MiB and stayed there after it hung up (40 such
-requests reached 8.5 GB): a response counted against the budget only while its batch ran.
-Now a response is held in the budget until gRPC has written it, one connection may hold
-a quarter of the budget beyond its first answer, and what it held is given back once it
-is gone. The same client on one EmbedStream stream gets one answer built, and the stream
-pulls no more requests until it is read. A connection may open 1,000 streams at once
-(there was no limit); more are refused by HTTP/2 itself (REFUSED_STREAM), and what the
-ones it opened carry is held against its share of the budget.
+one byte of any answer can reach it (`ZeroWindowClient`), and sends 12 Embeds of one
+480-token text with every attention map (63 MiB answers) against a 768 MiB budget. Were
+an answer to leave the budget once its batch ran, every one would run, be counted OK
+and stay in memory, unsendable, for as long as the connection lives. A response is held
+in the budget until gRPC has written it, one connection may hold a quarter of the budget
+beyond its first answer, and what it held is given back once it is gone. The same
+client on one EmbedStream stream gets one answer built, and the stream pulls no more
+requests until it is read. A connection may open 1,000 streams at once; more are refused
+by HTTP/2 itself (REFUSED_STREAM), and what the ones it opened carry is held against its
+share of the budget.
 """
 
 import json

@@ -1,4 +1,5 @@
-"""The pieces issue 14's fixes stand on, checked against the real libraries, no server:
+"""The pieces the hostile-input promises stand on, checked against the real libraries, no
+server:
 
 - a request parsed a slice at a time is the request parsed whole, and one with too many
   entries or too large a nested message is refused before it is parsed;

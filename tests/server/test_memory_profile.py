@@ -1,7 +1,7 @@
 """`attnserve memory-profile` on the tiny model: the table, the CSV/JSON/PNG, per-graph
 fits saved in memory_model.json under provider/precision/graph and loaded by the
 server's loader; peaks that hold what the graphs keep alive; a second run that counts
-the same bytes. And memory_model.json's formats: the old single model, the keyed one,
+the same bytes. And memory_model.json's formats: format 1 (one model), format 2 (keyed),
 a provider it has no fit for, a damaged file."""
 
 import csv

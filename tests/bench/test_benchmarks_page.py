@@ -1,0 +1,42 @@
+"""`attnserve bench --docs docs/benchmarks.md`: a run's section is headed by its machine and
+date, replaces the same machine's earlier run in place, goes first below the marker for a
+machine not yet in the page, and leaves the page's own prose as it was."""
+
+import pytest
+
+from attnserve.bench.report import RUNS_MARKER, docs_section, update_page
+
+PAGE = f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n### An older machine, by hand\n\nIts table.\n"
+
+
+def run(cpu: str, date: str, table: str) -> tuple[str, str]:
+    environment = {"cpu": cpu, "cores": 2, "threads": 2, "date": date, "attnserve": "0.1.0",
+                   "onnxruntime": "1.31.1", "python": "3.11.2",
+                   "command": "attnserve bench --docs docs/benchmarks.md"}
+    return docs_section({"environment": environment, "seconds": 600.0}, table, "bench-x.png")
+
+
+def test_a_section_names_the_machine_date_versions_and_plot():
+    key, section = run("Intel(R) Xeon(R) Processor", "2026-12-01", "| a | b |")
+    assert key == "Intel(R) Xeon(R) Processor, 2 cores"
+    lines = section.splitlines()
+    assert lines[1] == "### Intel(R) Xeon(R) Processor, 2 cores, 2026-12-01"
+    assert "onnxruntime 1.31.1" in lines[3] and "attnserve 0.1.0" in lines[3]
+    assert "![attnserve bench on Intel(R) Xeon(R) Processor, 2 cores](bench-x.png)" in lines
+    assert "| a | b |" in lines
+
+
+def test_a_new_machine_goes_first_below_the_marker_and_a_rerun_replaces_it():
+    first = update_page(PAGE, *run("CPU A", "2026-12-01", "| first |"))
+    second = update_page(first, *run("CPU B", "2026-12-02", "| other machine |"))
+    rerun = update_page(second, *run("CPU A", "2026-12-03", "| rerun |"))
+    assert rerun.startswith(f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n")
+    assert rerun.endswith("### An older machine, by hand\n\nIts table.\n")
+    assert rerun.index("### CPU B, 2 cores, 2026-12-02") < rerun.index("### CPU A, 2 cores, 2026-12-03")
+    assert "| first |" not in rerun and "2026-12-01" not in rerun
+    assert rerun.count("| rerun |") == 1 and rerun.count("| other machine |") == 1
+
+
+def test_a_page_without_the_marker_is_refused():
+    with pytest.raises(ValueError, match="no line"):
+        update_page("# Benchmarks\n", *run("CPU A", "2026-12-01", "| t |"))
