@@ -102,7 +102,7 @@ class Metrics:
             ["seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS, registry=registry)
         self.batch_peak_memory = Histogram(
             "attnserve_batch_peak_memory_bytes",
-            "Peak memory a batch added over what was in use before it (see README: Memory).",
+            "Peak memory a batch added over what was in use before it (see docs/memory.md).",
             ["seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
         self.batch_predicted_memory = Histogram(
             "attnserve_batch_predicted_memory_bytes",
@@ -120,7 +120,7 @@ class Metrics:
         self.unseen_shape_runs = Counter(
             "attnserve_unseen_shape_runs",
             "Batches run at a (batch, seq) shape their graph's session had never run before "
-            "(on CUDA such a run costs ~55 ms more); with shape buckets every embeddings "
+            "(on an H200 such a run costs ~55 ms more); with shape buckets every embeddings "
             "shape ran in warm-up, so graph=\"embeddings\" stays 0 after it.",
             ["graph"], registry=registry)
         self.worker_deaths = Counter(

@@ -44,10 +44,10 @@ MAX_PADDING_RATIO = 1.1
 TRIM_AFTER_BYTES = 16 << 20
 IDLE_TRIM_S = 0.05
 TRIM_NOW_BUDGET_SHARE = 0.25
-# Without the allocation hook (memory.MemoryProbe.exact: every batch measured), measuring a
-# batch's memory is not free: reading glibc's count before and after it took
-# 0.5 ms of a 1×16 call's 7, and the probe's sampling thread reads while it runs (see
-# memory.SAMPLE_MAX_SHARE). A batch predicted to take this much runs for about 0.1 s or
+# Without the allocation hook (MemoryProbe.exact: every batch measured), measuring a
+# batch's memory is not free: reading glibc's count before and after it costs 0.5 ms of
+# a 1×16 call's 7 ms, and the probe's sampling thread reads while it runs (see
+# memory/probe.py: SAMPLE_MAX_SHARE). A batch predicted to take this much runs for about 0.1 s or
 # more on the CPU (1×512: 16 MiB, 0.11 s), so measuring it costs under 1 %: every such
 # batch is measured. Of the smaller ones, the first of each length bucket (with or
 # without maps) and every SMALL_MEASURE_EVERY-th after it: enough for the dashboard's

@@ -38,8 +38,8 @@ from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResul
 DEADLINE_SLACK_S = 0.1
 
 # A big request's sequences are queued (and, when its caller leaves, taken out) this many
-# at a time, the event loop serving other calls between slices: 262,144 sequences took
-# 2.5 s to queue at once.
+# at a time, the event loop serving other calls between slices: queued at once, 262,144
+# sequences would hold the event loop for 2.5 s.
 SUBMIT_SLICE = 2048
 
 
@@ -303,8 +303,8 @@ class RequestQueue:
             job.future.set_exception(error)
 
     async def _drop_in_slices(self, job: Job, reason: str) -> None:
-        """`drop` for a caller that left, a slice at a time: a request of 262,144
-        sequences took 1 s to take out at once, stalling the event loop."""
+        """`drop` for a caller that left, a slice at a time: taken out at once, a request
+        of 262,144 sequences would stall the event loop for about 1 s."""
         job.dropping = True
         try:
             items = job.items

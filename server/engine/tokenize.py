@@ -7,8 +7,8 @@ cut to them keeping the closing special tokens. A long text is tokenized a prefi
 time: up to a point where nothing that follows can change the tokens before it (before
 whitespace; for BERT's pre-tokenizer also before punctuation and CJK characters, which
 it always splits off), growing the prefix only while it holds too few tokens to decide.
-A 4 MiB text took 6 s of tokenizing and 625 MiB at its peak when tokenized whole; its
-first 4,096 characters take a millisecond. A text with no such point (one 4 MiB word, or
+Tokenized whole, a 4 MiB text takes 6 s and 625 MiB at its peak; its first 4,096
+characters take a millisecond. A text with no such point (one 4 MiB word, or
 only whitespace) is still tokenized whole, its working memory held first.
 
 All of it goes through `encode_batch`, which lets the interpreter go while it works

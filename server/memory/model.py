@@ -6,14 +6,14 @@ A layer's memory peaks in one of two phases, and the batch's peak is the larger:
 
 - the feed-forward phase: per token, the hidden states alive around it and the 4×-wide
   intermediate and its GELU (b / (4·hidden) is how many float32 hidden-wide vectors per
-  token that is: 13 for all-MiniLM-L6-v2's fused graph on the CPU);
+  token that is: 14 for all-MiniLM-L6-v2's fused graph on the CPU);
 - the attention phase: per token, the hidden state, Q, K, V and the context, and per
   attention score (batch·heads·seq² of them per layer) the scores or probabilities the
   layer materialises while it runs. The CPU's fused Attention kernel holds one float32
   tensor of them (c = 4); a CUDA kernel that never materialises them, none.
 
 The attention phase takes over past a length where heads·seq outgrows the feed-forward's
-extra width (about 256 tokens for MiniLM on the CPU), so a model is one or more phases,
+extra width (about 224 tokens for MiniLM on the CPU), so a model is one or more phases,
 each
 
     bytes ≈ a + b·batch·seq + c·batch·heads·seq² + d·batch·heads·seq²·returned_layers

@@ -126,8 +126,8 @@ def allocated_bytes() -> int:
 
 SAMPLE_INTERVAL_S = 0.001
 # mallinfo2 walks every free chunk of the heap holding its lock, and onnxruntime's
-# allocations wait meanwhile: in a server's heap a read took 0.24-0.33 ms, and reading every
-# millisecond made 32×128 batches 18 % slower. The sampler waits long enough after each
+# allocations wait meanwhile: in a server's heap a read takes 0.24-0.33 ms, and reading every
+# millisecond makes 32×128 batches 18 % slower. The sampler waits long enough after each
 # read that reading takes at most this share of the time.
 SAMPLE_MAX_SHARE = 0.02
 

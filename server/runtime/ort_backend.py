@@ -35,6 +35,7 @@ from attnserve.artifact import (
     attention_output,
     cpu_session_config,
     pooled_output,
+    required_outputs,
 )
 from attnserve.server.config import ConfigError
 from attnserve.server.memory.probe import gpu_present, keep_freed_memory, trim_heap
@@ -42,6 +43,9 @@ from attnserve.server.runtime.backend import HIDDEN_ONLY, BatchOutput, Outputs
 from attnserve.server.runtime.shapes import Shape, ShapeBuckets
 
 log = logging.getLogger("attnserve.backend")
+# onnxruntime's usage telemetry: nothing of a server's is sent anywhere, and on a read-only
+# root it would try to write a device id under $HOME at every start.
+ort.disable_telemetry_events()
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -308,13 +312,12 @@ class OrtBackend:
                 raise ArtifactError(f"{path}: graph input {i.name} is {i.type} {i.shape}, "
                                     "expected tensor(int64) [batch, seq]")
         outputs = {o.name for o in session.get_outputs()}
-        wanted = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
-        if graph.attention:
-            wanted += [attention_output(k) for k in range(self.artifact.manifest.num_layers)]
+        wanted = required_outputs(graph, self.artifact.manifest.num_layers)
         missing = [name for name in wanted if name not in outputs]
         if missing:
             raise ArtifactError(f"{path}: graph lacks outputs {missing} (exported by an older "
-                                "attnserve? export it again)")
+                                "attnserve? export it again: attnserve export --unless-current "
+                                "--out DIR, as make serve does)")
         return session
 
     # --- threads -----------------------------------------------------------------------

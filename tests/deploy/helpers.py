@@ -51,6 +51,7 @@ SERVE_FLAGS = {
     "--shape-buckets",
     "--bucket-seq-multiple",
     "--sessions",
+    "--workers",
     "--cuda-graphs",
     "--tls-cert",
     "--tls-key",
