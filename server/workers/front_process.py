@@ -32,7 +32,13 @@ from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 from attnserve.server.workers import messages
 from attnserve.server.workers.channel import Channel
-from attnserve.server.workers.shared import CONFIG_ENV, SharedState, SharedTotals
+from attnserve.server.workers.shared import (
+    CONFIG_ENV,
+    DRAIN_TIMED_OUT,
+    DRAINED,
+    SharedState,
+    SharedTotals,
+)
 
 log = logging.getLogger("attnserve.workers")
 
@@ -173,16 +179,23 @@ class FrontProcess:
         await self.drain()
 
     async def drain(self) -> None:
-        """NOT_SERVING at once, UNAVAILABLE to new work, finish what was accepted."""
+        """NOT_SERVING at once, UNAVAILABLE to new work, finish what was accepted; the
+        ports stay open (answering NOT_SERVING) until every front end has finished, so a
+        probe never meets a closed port while the group drains."""
         self.draining = True
         await self.ports.set_health(False)
+        deadline = asyncio.get_running_loop().time() + self.config.drain_seconds
         try:
             await asyncio.wait_for(self.remote.idle.wait(), self.config.drain_seconds)
             finished = True
         except TimeoutError:
             finished = False
+        fields = self.shared.fields
+        fields.worker_drained[self.index] = DRAINED if finished else DRAIN_TIMED_OUT
+        while (not all(fields.worker_drained[i] for i in range(fields.workers))
+               and asyncio.get_running_loop().time() < deadline):
+            await asyncio.sleep(HEALTH_POLL_S)
         self.remote.channel.send(["bye"])
-        self.shared.fields.worker_drained[self.index] = int(finished)
         await self.ports.stop()
         log.info("event=front_end_stopped worker=%d all_finished=%s answered=%s", self.index,
                  finished, self.ports.answered())

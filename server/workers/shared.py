@@ -20,6 +20,7 @@ from attnserve.server.memory.ledger import Totals
 
 MAX_WORKERS = _MAX
 ENGINE_SLOT = MAX_WORKERS
+DRAINED, DRAIN_TIMED_OUT = 1, 2
 CONFIG_ENV = "ATTNSERVE_INTERNAL_CONFIG"
 """the environment variable a process of the group finds its settings in, as JSON"""
 """the ledger slot of the engine process (a front end's is its index)"""
@@ -43,7 +44,7 @@ class _Fields(ctypes.Structure):
         ("held", ctypes.c_int64 * (MAX_WORKERS + 1)),
         ("worker_pids", ctypes.c_int64 * MAX_WORKERS),
         ("worker_up", ctypes.c_int64 * MAX_WORKERS),
-        # Set once a process has drained: 1 if all it had accepted was answered in time.
+        # Set once a front end has drained: DRAINED, or DRAIN_TIMED_OUT.
         ("worker_drained", ctypes.c_int64 * MAX_WORKERS),
         ("engine_drained", ctypes.c_int64),
     ]

@@ -34,7 +34,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from attnserve.server.config import ServeConfig, config_to_json
 from attnserve.server.doors.ports import PortInUse
 from attnserve.server.memory.probe import gpu_present
-from attnserve.server.workers.shared import CONFIG_ENV, SharedState
+from attnserve.server.workers.shared import CONFIG_ENV, DRAINED, SharedState
 
 log = logging.getLogger("attnserve.workers")
 
@@ -110,6 +110,7 @@ class Group:
             fields.held[index] = 0
             fields.worker_up[index] = 0
             fields.worker_pids[index] = 0
+            fields.worker_drained[index] = 0
         mark_process_dead(worker.pid, self.metrics_dir)
 
     def _stop(self, signum, frame) -> None:
@@ -186,7 +187,7 @@ class Group:
         if self.engine is not None:
             failed |= _stop_all([self.engine], self.config.drain_seconds + EXIT_GRACE_S)
         fields = self.shared.fields
-        finished = bool(fields.engine_drained) and all(fields.worker_drained[i]
+        finished = bool(fields.engine_drained) and all(fields.worker_drained[i] == DRAINED
                                                        for i in range(self.count))
         log.info("event=stopped all_finished=%s answered=%s code=%d", finished,
                  _answered(self.metrics_dir), code or int(failed))

@@ -171,6 +171,14 @@ def _stalled_http_infer(server, model: str, ids: list[int]) -> socket.socket:
     return sock
 
 
+def _answering(sock: socket.socket) -> bool:
+    """The server has begun to write an answer on `sock`."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return False
+
+
 def test_http_callers_that_stop_reading_hold_their_answers_in_the_budget(server,
                                                                          minilm_artifact):
     """The HTTP port keeps the same promise: an answer is held in the memory budget until
@@ -193,6 +201,10 @@ def test_http_callers_that_stop_reading_hold_their_answers_in_the_budget(server,
                                 code="RESOURCE_EXHAUSTED")
                 return refused + sample(now, "attnserve_inflight_requests") >= 6
             assert wait_for(settled, timeout=120)
+            # The answers held are built and being written: their first bytes are in the
+            # sockets (which are never read).
+            held = sample(server.scrape(), "attnserve_inflight_requests")
+            assert wait_for(lambda: sum(map(_answering, sockets)) >= held, timeout=60)
             during = server.scrape()
             stalled_rss = server.status()["rss"]
             with grpc.insecure_channel(server.address) as channel:
