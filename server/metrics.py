@@ -1,18 +1,21 @@
 """Prometheus metrics. Names follow the conventions: prefix attnserve_, base units in the
 name, counters end in _total, and label sets stay small (lengths go into buckets).
 
-With --workers, each process counts into prometheus-client's multiprocess files (the
-PROMETHEUS_MULTIPROC_DIR its supervisor set) and the engine process serves them all
-merged, so one scrape shows the counts one process would; the values read when a scrape
-is taken (queue depth, device memory, health, the model's info) come from `Live`, in the
+With --workers, each front end counts into prometheus-client's multiprocess files (the
+PROMETHEUS_MULTIPROC_DIR its supervisor set) and the engine process, which counts in its
+own memory (a batch's dozen observations stay cheap), serves its counts and theirs
+merged, so one scrape shows what one process would. The values read when a scrape is
+taken (queue depth, device memory, health, the model's info) come from `Live`, in the
 process that serves /metrics."""
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.samples import Sample
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
@@ -66,14 +69,38 @@ class Live:
                                 "SERVING.", value=1 if self.serving() else 0)
 
 
+class Merged:
+    """This process's metrics and those the front ends count in `directory`, one family
+    a name, each sample summed over the processes (one that never counted adds 0)."""
+
+    def __init__(self, own: CollectorRegistry, directory: str):
+        self.own = own
+        self.files = MultiProcessCollector(None, directory)
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for metric in itertools.chain(self.own.collect(), self.files.collect()):
+            family = families.setdefault(metric.name, Metric(metric.name, metric.documentation,
+                                                             metric.type, metric.unit))
+            family.samples += metric.samples
+        for family in families.values():
+            totals: dict[tuple, Sample] = {}
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                seen = totals.get(key)
+                totals[key] = sample if seen is None else seen._replace(value=seen.value + sample.value)
+            family.samples = list(totals.values())
+        return families.values()
+
+
 class Metrics:
-    def __init__(self, max_positions: int, multiprocess: bool = False):
-        """`multiprocess`: this process is one of a server's several (--workers); its
-        counts go to the multiprocess files, and `registry` serves every process's."""
+    def __init__(self, max_positions: int, front_ends_dir: str | None = None):
+        """`front_ends_dir`: where a server's front ends count (--workers): `registry`
+        serves their counts with this process's."""
         counted = CollectorRegistry()
-        self.registry = CollectorRegistry() if multiprocess else counted
-        if multiprocess:
-            MultiProcessCollector(self.registry)
+        self.registry = counted if front_ends_dir is None else CollectorRegistry()
+        if front_ends_dir is not None:
+            self.registry.register(Merged(counted, front_ends_dir))
         registry = counted
         self.edges = length_edges(max_positions)
         self.request_duration = Histogram(

@@ -29,16 +29,17 @@ class Core:
     """The backend, the memory budget, the request queue and the batch loop."""
 
     def __init__(self, config: ServeConfig, artifact: Artifact, metrics: Metrics,
-                 totals: Callable[[float], Totals] = Totals):
+                 totals: Callable[[float], Totals] = Totals, alone: bool = True):
         """`totals(limit)`: the memory ledger's totals, under that limit (shared by a
-        server's processes with --workers)."""
+        server's processes with --workers); `alone`: no other process of the server needs
+        the cores (with --workers the front ends do)."""
         self.config, self.artifact, self.metrics = config, artifact, metrics
         manifest = artifact.manifest
         self.backend = OrtBackend(artifact, config.device, config.precision,
                                   config.intra_op_threads, Strategy(
                                       config.shape_buckets, config.bucket_seq_multiple,
                                       config.max_batch_size, config.sessions,
-                                      config.cuda_graphs == "on"))
+                                      config.cuda_graphs == "on", spinning=alone))
         self.probe = MemoryProbe(cuda=self.backend.provider == CUDA)
         try:
             self.memory_model = load_memory_model(artifact.directory, manifest,

@@ -80,11 +80,15 @@ def choose_provider(device: str) -> tuple[str, str]:
     return CUDA, why
 
 
-def session_options(threads: int, provider: str, precision: str = "fp32") -> ort.SessionOptions:
-    """The server's options for a session of `provider` running a graph of `precision`."""
+def session_options(threads: int, provider: str, precision: str = "fp32",
+                    spinning: bool = True) -> ort.SessionOptions:
+    """The server's options for a session of `provider` running a graph of `precision`;
+    `spinning`: its intra-op threads may spin while they wait for work."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     if provider == CPU:
@@ -124,6 +128,10 @@ class Strategy:
     max_batch_size: int = 64
     sessions: int = 0
     cuda_graphs: bool = False
+    spinning: bool = True
+    """onnxruntime's threads spin between ops (the fastest for a process that has the
+    cores to itself: 1×16 takes 1.3× as long without), or sleep, leaving the cores to the
+    other processes of a group (--workers on the CPU)"""
 
 
 Results = dict[str, np.ndarray]
@@ -298,7 +306,8 @@ class OrtBackend:
         path = self.artifact.path(graph.file)
         try:
             session = ort.InferenceSession(str(path), session_options(self.threads, provider,
-                                                                      graph.precision),
+                                                                      graph.precision,
+                                                                      self.strategy.spinning),
                                            providers=providers_for(provider, cuda_graph))
         except GRAPH_ERRORS as err:
             raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({err})") from err

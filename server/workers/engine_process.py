@@ -26,7 +26,13 @@ from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.ort_backend import CPU
 from attnserve.server.workers import messages
 from attnserve.server.workers.channel import Channel, encode
-from attnserve.server.workers.shared import CONFIG_ENV, ENGINE_SLOT, SharedState, SharedTotals
+from attnserve.server.workers.shared import (
+    CONFIG_ENV,
+    ENGINE_SLOT,
+    FRONT_ENDS_METRICS_ENV,
+    SharedState,
+    SharedTotals,
+)
 
 log = logging.getLogger("attnserve.workers")
 
@@ -96,13 +102,13 @@ class EngineProcess:
     def __init__(self, config, shared: SharedState, listener: socket.socket):
         self.config, self.shared, self.listener = config, shared, listener
         artifact = load_artifact(config.artifact)
-        self.metrics = Metrics(artifact.manifest.max_positions, multiprocess=True)
+        self.metrics = Metrics(artifact.manifest.max_positions, os.environ[FRONT_ENDS_METRICS_ENV])
 
         def totals(limit: float) -> SharedTotals:
             shared.fields.ledger_limit = limit
             return SharedTotals(shared, ENGINE_SLOT)
 
-        self.core = Core(config, artifact, self.metrics, totals)
+        self.core = Core(config, artifact, self.metrics, totals, alone=False)
         backend = self.core.backend
         self.facts = messages.EngineFacts(backend.provider, backend.precision,
                                           self.core.limits.memory_budget_bytes,

@@ -132,7 +132,7 @@ class FrontProcess:
         # What this process reads of the artifact is checked: its tokenizer (the engine
         # process checked the graphs it loads).
         self.artifact = load_artifact(config.artifact, verify=(TOKENIZER,))
-        self.metrics = Metrics(self.artifact.manifest.max_positions, multiprocess=True)
+        self.metrics = Metrics(self.artifact.manifest.max_positions)
         self.tokenizer = load_tokenizer(self.artifact)
         self.ports = Ports(config, self.metrics)
         self.draining = False

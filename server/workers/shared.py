@@ -23,6 +23,9 @@ ENGINE_SLOT = MAX_WORKERS
 DRAINED, DRAIN_TIMED_OUT = 1, 2
 CONFIG_ENV = "ATTNSERVE_INTERNAL_CONFIG"
 """the environment variable a process of the group finds its settings in, as JSON"""
+FRONT_ENDS_METRICS_ENV = "ATTNSERVE_INTERNAL_METRICS_DIR"
+"""where the engine process finds the front ends' metric files (they find it in
+prometheus-client's own PROMETHEUS_MULTIPROC_DIR)"""
 """the ledger slot of the engine process (a front end's is its index)"""
 
 
@@ -86,7 +89,8 @@ class SharedState:
 
     def held(self) -> int:
         """Bytes held in the ledger by every process of the group."""
-        return sum(self.fields.held)
+        f = self.fields
+        return sum(f.held[:f.workers]) + f.held[ENGINE_SLOT]
 
     def workers_up(self) -> bool:
         f = self.fields

@@ -34,7 +34,12 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from attnserve.server.config import ServeConfig, config_to_json
 from attnserve.server.doors.ports import PortInUse
 from attnserve.server.memory.probe import gpu_present
-from attnserve.server.workers.shared import CONFIG_ENV, DRAINED, SharedState
+from attnserve.server.workers.shared import (
+    CONFIG_ENV,
+    DRAINED,
+    FRONT_ENDS_METRICS_ENV,
+    SharedState,
+)
 
 log = logging.getLogger("attnserve.workers")
 
@@ -85,21 +90,21 @@ class Group:
         self.workers: list[subprocess.Popen | None] = [None] * workers
         self.stopping = False
 
-    def _env(self, config: ServeConfig) -> dict[str, str]:
-        return {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir,
-                CONFIG_ENV: config_to_json(config)}
-
     def _start_engine(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        env |= {CONFIG_ENV: config_to_json(self.config), FRONT_ENDS_METRICS_ENV: self.metrics_dir}
         self.engine = subprocess.Popen(
             [sys.executable, "-m", "attnserve.server.workers.engine_process",
              str(self.shared.fd), str(self.listener.fileno())],
-            pass_fds=(self.shared.fd, self.listener.fileno()), env=self._env(self.config))
+            pass_fds=(self.shared.fd, self.listener.fileno()), env=env)
 
     def _start_worker(self, index: int) -> None:
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir,
+               CONFIG_ENV: config_to_json(self.front_config)}
         worker = subprocess.Popen(
             [sys.executable, "-m", "attnserve.server.workers.front_process",
              str(self.shared.fd), str(index), self.address],
-            pass_fds=(self.shared.fd,), env=self._env(self.front_config))
+            pass_fds=(self.shared.fd,), env=env)
         self.workers[index] = worker
         self.shared.fields.worker_pids[index] = worker.pid
 
