@@ -251,7 +251,7 @@ class Server:
         offload = Offload(core.executors.requests, core.executors.responses)
         self.engine = Engine(self.artifact, self.tokenizer, core.queue, core.memory, offload,
                              self.metrics, core.backend.provider, core.backend.precision,
-                             lambda: self.serving)
+                             lambda: self.serving, config.max_chunking_chars)
         core.describe()
         self.metrics.health_serving.set_function(lambda: 1 if self.serving else 0)
         await self.front.start(self.engine, core.executors.requests)
