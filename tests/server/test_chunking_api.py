@@ -5,6 +5,7 @@ door's extension through the `openai` client, and a 1 MB document chunked with t
 queue, the memory budget and health checks intact."""
 
 import re
+import subprocess
 import time
 
 import grpc
@@ -15,6 +16,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from attnserve.client import EncoderClient
+from attnserve.harness import ATTNSERVE, REPO
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from tests.conftest import minilm_dir
@@ -210,6 +212,28 @@ def test_openai_client_gets_chunk_vectors_with_their_spans(minilm_server, client
         api.embeddings.create(model="all-MiniLM-L6-v2", input="x",
                               extra_body={"chunking": {"max_tokens": "many"}})
     assert bad.value.body["param"] == "chunking.max_tokens"
+
+
+def test_embed_command_prints_and_saves_chunks_with_their_spans(tiny_server, tmp_path):
+    document = tmp_path / "document.txt"
+    document.write_text(english(12, seed=4) + "\n")
+    text = document.read_text()
+    printed = subprocess.run([*ATTNSERVE, "embed", "--document", str(document), "--chunk-tokens",
+                              "16", "--address", tiny_server.address],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    spans = [tuple(map(int, m)) for m in re.findall(r"^  \[(\d+):(\d+)\] \d+ tokens", printed.stdout,
+                                                     re.M)]
+    assert spans and spans[0][0] == 0 and spans[-1][1] == len(text.rstrip())
+    out = tmp_path / "chunks.npz"
+    saved = subprocess.run([*ATTNSERVE, "embed", "--document", str(document), "--chunk-tokens",
+                            "16", "--isolated", "--out", str(out), "--address", tiny_server.address],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert saved.returncode == 0, saved.stderr
+    arrays = np.load(out)
+    assert [tuple(s) for s in arrays["spans"].tolist()] == spans
+    assert arrays["vectors"].shape == (len(spans), 32) and (arrays["text_index"] == 0).all()
+    assert (arrays["num_tokens"] <= 16).all()
 
 
 def test_a_megabyte_document_is_chunked_in_bounded_time_and_memory(tiny_artifact):
