@@ -169,7 +169,7 @@ class OpenAIEmbeddings:
             raise InvalidArgument("user", f"{quote(user)}; expected a string")
         if "input" not in body:
             raise InvalidArgument("input", f"required: {INPUT_FORMS}")
-        chunking = _chunking(body["chunking"]) if "chunking" in body else None
+        chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
         fields, names = _inputs(body["input"])
         per_float = FLOAT_BYTES if encoding == "float" else BASE64_FLOAT_BYTES
         item = ITEM_BYTES + self.dimensions * per_float

@@ -94,7 +94,8 @@ def openapi_document(info: ModelInfo) -> bytes:
                          "description": "cut texts longer than the model's positions instead of "
                                         "refusing them (an extension)"},
             "chunking": {
-                "type": "object", "required": ["max_tokens"], "additionalProperties": False,
+                "type": "object", "nullable": True, "required": ["max_tokens"],
+                "additionalProperties": False,
                 "description": "an extension: one vector per chunk of each text (texts only), "
                                "each text whole, never truncated; data then holds one item per "
                                "chunk, in order",
