@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.bench.coreference import CHUNK_TOKENS, DOCUMENTS
-from attnserve.bench.measure import OtherLoad
+from attnserve.bench.measure import OtherLoad, wait_quiet
 from attnserve.bench.run import DEFAULT_ARTIFACT, RESULTS, environment
 from attnserve.bench.serving import Measured, bench_server
 from attnserve.client import EncoderClient
@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads; 0: all cores")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="before each round, wait up to this long for the machine to be idle "
+                        "(other processes under 0.15 cores): for shared machines")
     return p.parse_args(argv)
 
 
@@ -96,8 +99,10 @@ def throughput(server, client: EncoderClient, texts: list[str], chunk_tokens: in
         other = OtherLoad().start()
         results = list(pool.map(lambda text: client.embed(
             [text], chunk_tokens=chunk_tokens, isolated=isolated, timeout=600)[0], texts))
-        other_load = other.stop()
+        busy = other.stop()
     summary = measured.summary()
+    # The server is a child still running: its CPU is in `busy`, not in this process's own.
+    other_load = max(0.0, busy - summary["server_cpu_s"] / measured.wall)
     document_tokens = sum(r.num_tokens for r in results)
     return {"wall_s": measured.wall, "document_tokens": document_tokens,
             "model_tokens": summary["real_tokens"], "chunks": sum(len(r.chunks) for r in results),
@@ -132,15 +137,16 @@ def reference_table(rows: list[dict]) -> str:
 
 def throughput_table(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
     lines = [f"| mode | document tokens/s (median of {args.rounds}) | rounds | tokens run per "
-             "document token | model tokens/s | chunks |",
-             "| --- | ---: | --- | ---: | ---: | ---: |"]
+             "document token | model tokens/s | chunks | other processes (cores) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
     for mode, rounds in runs.items():
         rates = [r["tokens_per_s"] for r in rounds]
         lines.append(f"| {mode} | {statistics.median(rates):,.0f} | "
                      f"{', '.join(f'{x:,.0f}' for x in rates)} | "
                      f"{rounds[0]['model_tokens'] / rounds[0]['document_tokens']:.2f} | "
                      f"{statistics.median(r['model_tokens_per_s'] for r in rounds):,.0f} | "
-                     f"{rounds[0]['chunks']} |")
+                     f"{rounds[0]['chunks']} | "
+                     f"{', '.join(format(r['other_load_cores'], '.2f') for r in rounds)} |")
     return "\n".join(lines)
 
 
@@ -199,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for round_ in range(args.rounds):
             for mode, isolated in MODES.items():
-                log.info("event=round round=%d mode=%s", round_, mode)
+                quiet = wait_quiet(args.wait_quiet) if args.wait_quiet else None
+                log.info("event=round round=%d mode=%s load_before_cores=%s", round_, mode, quiet)
                 runs[mode].append(throughput(server, client, texts, args.chunk_tokens,
                                              args.callers, isolated))
         result["throughput"] = runs
