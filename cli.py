@@ -152,11 +152,24 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p = sub.add_parser("embed", help="call a running server")
     p.add_argument("texts", nargs="*", help="texts to embed")
     p.add_argument("--file", type=Path, help="one text a line")
-    p.add_argument("--out", type=Path, help=".npy file for the pooled embeddings")
+    p.add_argument("--document", type=Path, action="append", default=[],
+                   help="a whole file as one text, after the others (repeatable): a long "
+                        "document for --chunk-tokens")
+    p.add_argument("--out", type=Path, help=".npy file for the pooled embeddings (with "
+                   "--chunk-tokens: an .npz of vectors, spans, text_index and num_tokens)")
     p.add_argument("--address", default="localhost:50051")
     p.add_argument("--pooling", default="default", choices=("default", "mean", "cls", "none"))
     p.add_argument("--normalize", action="store_true")
     p.add_argument("--truncate", action="store_true")
+    p.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
+                   help="one vector per chunk of at most N tokens, with its span in the text "
+                        "(texts are never truncated); late chunking: each chunk pools its "
+                        "tokens' embeddings in the context of the whole text")
+    p.add_argument("--isolated", action="store_true",
+                   help="with --chunk-tokens: embed each chunk alone instead")
+    p.add_argument("--window-overlap", type=int, default=0, metavar="N",
+                   help="with --chunk-tokens: tokens shared by consecutive model windows "
+                        "(0: the server's default)")
     p.add_argument("--attention", action="store_true", help="ask for attention maps")
     p.add_argument("--layers", default="", help="comma-separated layers (default: all)")
     p.add_argument("--heads", default="", help="comma-separated heads (default: all)")

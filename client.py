@@ -1,6 +1,6 @@
 """A Python client for EncoderService that returns numpy arrays."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -20,11 +20,24 @@ def to_numpy(tensor: pb.Tensor) -> np.ndarray | None:
 
 
 @dataclass
+class Chunk:
+    start: int
+    """the chunk's first code point in its text (a Python str index)"""
+    end: int
+    """exclusive: the chunk is text[start:end]"""
+    num_tokens: int
+    pooled: np.ndarray
+
+
+@dataclass
 class EmbeddingResult:
     pooled: np.ndarray | None
     token_embeddings: np.ndarray | None
     attentions: np.ndarray | None
     token_ids: list[int]
+    num_tokens: int = 0
+    chunks: list[Chunk] = field(default_factory=list)
+    """with chunking, in text order"""
 
 
 class EncoderClient:
@@ -53,8 +66,12 @@ class EncoderClient:
               pooling: str = "default", normalize: bool = False, token_embeddings: bool = False,
               attention_layers: list[int] | None = None, attention_heads: list[int] | None = None,
               average_heads: bool = False, float16: bool = False, truncate: bool = False,
+              chunk_tokens: int | None = None, isolated: bool = False, window_overlap: int = 0,
               timeout: float | None = None) -> list[EmbeddingResult]:
-        """`attention_layers=[]` asks for every layer; None asks for no attention maps."""
+        """`attention_layers=[]` asks for every layer; None asks for no attention maps.
+        `chunk_tokens`: one vector per chunk of at most that many tokens (`chunks`), late
+        chunking unless `isolated`, windows overlapping by `window_overlap` tokens (0: the
+        server's default)."""
         request = pb.EmbedRequest(
             texts=texts or [], token_ids=[pb.TokenIds(ids=ids) for ids in token_ids or []],
             truncate=truncate, pooling=POOLING[pooling], normalize=normalize,
@@ -64,9 +81,15 @@ class EncoderClient:
         if attention_layers is not None:
             request.attention.CopyFrom(pb.AttentionOptions(
                 layers=attention_layers, heads=attention_heads or [], average_heads=average_heads))
+        if chunk_tokens is not None:
+            request.chunking.CopyFrom(pb.Chunking(
+                max_tokens=chunk_tokens, window_overlap=window_overlap,
+                mode=pb.CHUNKING_MODE_ISOLATED if isolated else pb.CHUNKING_MODE_LATE))
         response = self.stub.Embed(request, timeout=timeout)
         return [EmbeddingResult(to_numpy(e.pooled), to_numpy(e.token_embeddings),
-                                to_numpy(e.attentions), list(e.token_ids))
+                                to_numpy(e.attentions), list(e.token_ids), e.num_tokens,
+                                [Chunk(c.start, c.end, c.num_tokens, to_numpy(c.pooled))
+                                 for c in e.chunks])
                 for e in response.embeddings]
 
     def tokenize(self, texts: list[str], truncate: bool = False) -> list[pb.Tokenization]:

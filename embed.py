@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.client import EncoderClient
+from attnserve.client import EmbeddingResult, EncoderClient
 
 
 def _ints(text: str) -> list[int]:
@@ -112,12 +112,40 @@ def heatmap(path: Path, attention: np.ndarray, tokens: list[str], title: str,
     return labels
 
 
+def _vector_head(vector: np.ndarray) -> str:
+    return " ".join(f"{x:+.4f}" for x in vector[:8])
+
+
+def _chunks_out(args: argparse.Namespace, texts: list[str], results: list[EmbeddingResult]) -> int:
+    """Each text's chunks: printed with their spans, or saved (--out) as an .npz of
+    `vectors` [chunks, hidden], `spans` [chunks, 2] (code points, end exclusive),
+    `text_index` and `num_tokens` [chunks]."""
+    rows = [(i, c) for i, result in enumerate(results) for c in result.chunks]
+    if args.out:
+        hidden = rows[0][1].pooled.size if rows else 0
+        np.savez(args.out, vectors=np.stack([c.pooled for _, c in rows]) if rows
+                 else np.zeros((0, hidden), np.float32),
+                 spans=np.asarray([(c.start, c.end) for _, c in rows], np.int64).reshape(-1, 2),
+                 text_index=np.asarray([i for i, _ in rows], np.int64),
+                 num_tokens=np.asarray([c.num_tokens for _, c in rows], np.int64))
+        print(f"wrote {len(rows)} chunk vectors of {len(texts)} texts, with their spans, to "
+              f"{args.out}")
+        return 0
+    for text, result in zip(texts, results, strict=True):
+        print(f"{text[:40]!r}: {result.num_tokens} tokens, {len(result.chunks)} chunks")
+        for c in result.chunks:
+            print(f"  [{c.start}:{c.end}] {c.num_tokens} tokens {text[c.start:c.end][:40]!r}: "
+                  f"dim={c.pooled.size} [{_vector_head(c.pooled)} …]")
+    return 0
+
+
 def run_embed(args: argparse.Namespace) -> int:
     texts = list(args.texts)
     if args.file:
         texts += [line.rstrip("\n") for line in args.file.read_text().splitlines() if line.strip()]
+    texts += [path.read_text() for path in args.document]
     if not texts:
-        print("attnserve embed: give texts as arguments or --file", file=sys.stderr)
+        print("attnserve embed: give texts as arguments, --file or --document", file=sys.stderr)
         return 2
     wants_maps = args.attention or args.heatmap is not None
     layers = _ints(args.layers) if wants_maps else None
@@ -126,24 +154,28 @@ def run_embed(args: argparse.Namespace) -> int:
     with EncoderClient(args.address, root_certificates=root) as client:
         results = []
         for start in range(0, len(texts), args.batch_size):
-            chunk = texts[start:start + args.batch_size]
-            results += client.embed(chunk, pooling=args.pooling, normalize=args.normalize,
+            batch = texts[start:start + args.batch_size]
+            results += client.embed(batch, pooling=args.pooling, normalize=args.normalize,
                                     truncate=args.truncate, attention_layers=layers,
                                     attention_heads=_ints(args.heads),
-                                    average_heads=args.average_heads)
+                                    average_heads=args.average_heads,
+                                    chunk_tokens=args.chunk_tokens, isolated=args.isolated,
+                                    window_overlap=args.window_overlap)
             if args.file:
                 done = min(start + args.batch_size, len(texts))
                 bar = "#" * (30 * done // len(texts))
                 print(f"\r[{bar:<30}] {done}/{len(texts)} texts", end="", file=sys.stderr)
         if args.file:
             print(file=sys.stderr)
-        tokens = client.tokenize(texts[:1], truncate=args.truncate)[0].tokens
+        tokens = client.tokenize(texts[:1], truncate=args.truncate)[0].tokens if args.heatmap else []
+    if args.chunk_tokens is not None:
+        return _chunks_out(args, texts, results)
     for text, result in zip(texts, results, strict=True):
         if result.pooled is not None:
             pooled.append(result.pooled)
         if not args.out:
             vector = result.pooled
-            shown = "" if vector is None else " ".join(f"{x:+.4f}" for x in vector[:8])
+            shown = "" if vector is None else _vector_head(vector)
             print(f"{text[:40]!r}: dim={0 if vector is None else vector.size} [{shown} …]"
                   + ("" if result.attentions is None else f" attentions={list(result.attentions.shape)}"))
     if args.out and pooled:

@@ -52,7 +52,7 @@ class Server:
         offload = Offload(core.executors.requests, core.executors.responses)
         self.engine = Engine(self.artifact, self.tokenizer, core.queue, core.memory, offload,
                              self.metrics, core.backend.provider, core.backend.precision,
-                             lambda: self.serving)
+                             lambda: self.serving, config.max_chunking_chars)
         core.describe()
         self.metrics.live.serving = lambda: self.serving
         await self.ports.start(self.engine, core.executors.requests)

@@ -39,6 +39,7 @@ class ServeConfig:
     max_wait_ms: float = 0.0
     max_queue_requests: int = 1024
     max_queue_tokens: int = 262144
+    max_chunking_chars: int = 1 << 20
     memory_budget_bytes: int = 0
     drain_seconds: float = 20.0
     max_message_bytes: int = 64 * 1024 * 1024
@@ -63,7 +64,8 @@ class ServeConfig:
                 raise ConfigError(name, f"{getattr(self, name)!r} is not one of "
                                         f"{', '.join(allowed)}")
         for name in ("max_batch_tokens", "max_batch_size", "max_queue_requests",
-                     "max_queue_tokens", "max_message_bytes", "http_max_body_bytes",
+                     "max_queue_tokens", "max_chunking_chars", "max_message_bytes",
+                     "http_max_body_bytes",
                      "bucket_seq_multiple"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
@@ -120,6 +122,10 @@ _HELP = {
                    "once (batches still form from what queues while one runs)",
     "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED",
     "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED",
+    "max_chunking_chars": "longest text (in Unicode code points) a request with chunking may "
+                          "carry; a longer one gets INVALID_ARGUMENT naming it. A chunked text "
+                          "is tokenized whole and costs what its windows or chunks cost "
+                          "against --max-queue-tokens and the memory budget",
     "memory_budget_bytes": "peak memory the batches in flight and the requests and answers "
                            "held may take together (on CUDA the batches alone: requests and "
                            "answers get half the machine's free memory); 0: half the device's "

@@ -6,11 +6,13 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
 from attnserve.server.doors.grpc_encoder_pack import (
+    CHUNKED_ADVICE,
     DTYPES,
     EMBED_ADVICE,
     POOLING_NAMES,
     AttentionPlan,
     EmbedPlan,
+    chunked_response_bytes,
     embed_response,
     embed_response_bytes,
     field_bytes,
@@ -19,16 +21,26 @@ from attnserve.server.doors.grpc_encoder_pack import (
 from attnserve.server.engine.engine import Engine
 from attnserve.server.engine.errors import InvalidArgument
 from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
-from attnserve.server.engine.requests import EmbedRequest, ResponseSize, TokenizeRequest
+from attnserve.server.engine.requests import (
+    Chunking,
+    ChunkingMode,
+    EmbedRequest,
+    ResponseSize,
+    TokenizeRequest,
+)
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 
 TOKENIZE_ADVICE = "send fewer texts per request"
+CHUNKING_MODES = {pb.CHUNKING_MODE_UNSPECIFIED: ChunkingMode.LATE,
+                  pb.CHUNKING_MODE_LATE: ChunkingMode.LATE,
+                  pb.CHUNKING_MODE_ISOLATED: ChunkingMode.ISOLATED}
 
 
 class TextNames:
     sequences = "texts"
+    chunking = "chunking"
 
     def sequence(self, index: int) -> str:
         return f"texts[{index}]"
@@ -39,6 +51,7 @@ class TextNames:
 
 class IdNames:
     sequences = "token_ids"
+    chunking = "chunking"
 
     def sequence(self, index: int) -> str:
         return f"token_ids[{index}]"
@@ -104,8 +117,27 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
         attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
                                   options.average_heads)
     return EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
-                     DTYPES[request.dtype], attention)
+                     DTYPES[request.dtype], attention, _chunking(request))
 
+
+def _chunking(request: pb.EmbedRequest) -> Chunking | None:
+    """The request's chunking, its fields checked against the rest of the request (the
+    engine checks their values against the model)."""
+    if not request.HasField("chunking"):
+        return None
+    options = request.chunking
+    if options.mode not in CHUNKING_MODES:
+        raise InvalidArgument("chunking.mode", f"unknown value {options.mode}")
+    if request.pooling not in (pb.POOLING_UNSPECIFIED, pb.POOLING_MEAN):
+        raise InvalidArgument("pooling", "chunk vectors are mean-pooled: leave pooling unset or "
+                              "POOLING_MEAN with chunking")
+    if request.return_token_embeddings:
+        raise InvalidArgument("return_token_embeddings", "not with chunking, which returns one "
+                              "vector per chunk; ask for token embeddings without it")
+    if request.HasField("attention"):
+        raise InvalidArgument("attention", "not with chunking, which returns one vector per "
+                              "chunk; ask for attention maps without it")
+    return Chunking(options.max_tokens, CHUNKING_MODES[options.mode], options.window_overlap)
 
 
 class EncoderService(pb_grpc.EncoderServiceServicer):
@@ -120,16 +152,20 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
     async def embed(self, request: pb.EmbedRequest, holds: Holds,
                     deadline: float | None) -> pb.EmbedResponse:
         plan = plan_embed(request, self.manifest)
-        size = ResponseSize(lambda lengths: embed_response_bytes(plan, lengths, self.manifest),
-                            self.max_message_bytes, EMBED_ADVICE)
+        measure, advice = ((chunked_response_bytes, CHUNKED_ADVICE) if plan.chunking
+                           else (embed_response_bytes, EMBED_ADVICE))
+        size = ResponseSize(lambda counts: measure(plan, counts, self.manifest),
+                            self.max_message_bytes, advice)
         embedded = await self.engine.embed(EmbedRequest(
             names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
             token_ids=IdLists(request.token_ids), truncate=request.truncate,
             outputs=outputs_for(plan),
-            layers=plan.attention.graph_layers if plan.attention else ()), holds, deadline)
-        response_bytes = size.measure(embedded.lengths)
+            layers=plan.attention.graph_layers if plan.attention else (),
+            chunking=plan.chunking, normalize=plan.normalize), holds, deadline)
+        counts = embedded.chunk_counts
+        response_bytes = size.measure(counts if plan.chunking else embedded.lengths)
         return await self.engine.pack(
-            len(embedded.ids) * RESULT_S + response_bytes * COPY_BYTE_S,
+            (len(embedded.ids) + int(counts.sum())) * RESULT_S + response_bytes * COPY_BYTE_S,
             embed_response, embedded, plan, self.manifest.model_name)
 
     async def Embed(self, request, context):

@@ -9,7 +9,7 @@ import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server.engine.requests import Embedded
+from attnserve.server.engine.requests import ChunkedText, Chunking, Embedded
 from attnserve.server.runtime.backend import Outputs, SequenceResult
 
 POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
@@ -45,6 +45,7 @@ class EmbedPlan:
     return_token_embeddings: bool
     dtype: type
     attention: AttentionPlan | None
+    chunking: Chunking | None = None
 
 
 def tensor(array: np.ndarray, dtype: type) -> pb.Tensor:
@@ -95,12 +96,23 @@ def embedding(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.Em
     return out
 
 
+def chunked_embedding(text: ChunkedText, dtype: type) -> pb.Embedding:
+    out = pb.Embedding(num_tokens=text.num_tokens)
+    for (start, end), count, vector in zip(text.spans.tolist(), text.token_counts.tolist(),
+                                           text.vectors, strict=True):
+        out.chunks.append(pb.Chunk(start=start, end=end, num_tokens=count,
+                                   pooled=tensor(vector, dtype)))
+    return out
+
+
 def embed_response(embedded: Embedded, plan: EmbedPlan, model: str) -> pb.EmbedResponse:
     response = pb.EmbedResponse(model=model, total_tokens=embedded.total_tokens)
     # One at a time: a list handed to the constructor is copied in one call that holds
     # the interpreter for as long as the whole response takes.
     for result, ids in zip(embedded.results, embedded.ids, strict=True):
         response.embeddings.append(embedding(result, ids, plan))
+    for text in embedded.chunked:
+        response.embeddings.append(chunked_embedding(text, plan.dtype))
     return response
 
 
@@ -141,11 +153,16 @@ def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, heads: int, vocab
     return total
 
 
+def _response_head_bytes(manifest: Manifest, tokens: int) -> int:
+    """model and total_tokens"""
+    return field_bytes(len(manifest.model_name.encode())) + 1 + varint_bytes(tokens)
+
+
 def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifest) -> int:
     """The EmbedResponse for sequences of `lengths` tokens, in bytes."""
     value_bytes = np.dtype(plan.dtype).itemsize
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
-    total = field_bytes(len(manifest.model_name.encode())) + 1 + varint_bytes(int(lengths.sum()))
+    total = _response_head_bytes(manifest, int(lengths.sum()))
     for length in np.flatnonzero(counts).tolist():
         count = int(counts[length])
         one = embedding_bytes(length, plan, manifest.hidden_size, manifest.num_heads,
@@ -154,5 +171,23 @@ def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifes
     return total
 
 
+# A chunk's start, end and num_tokens: a one-byte tag and a uint32 varint each, at the
+# largest; a chunked text's num_tokens likewise, and total_tokens at the largest int64.
+CHUNK_FIELDS_BYTES = 3 * (1 + 5)
+UINT32_FIELD_BYTES = 1 + 5
+INT64_MAX = (1 << 63) - 1
+
+
+def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manifest) -> int:
+    """The EmbedResponse for chunked texts of `counts` chunks each, in bytes."""
+    vector = field_bytes(tensor_bytes((manifest.hidden_size,), np.dtype(plan.dtype).itemsize))
+    chunk = field_bytes(CHUNK_FIELDS_BYTES + vector)
+    values, repeats = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
+    embeddings = sum(times * field_bytes(UINT32_FIELD_BYTES + n * chunk)
+                     for n, times in zip(values.tolist(), repeats.tolist(), strict=True))
+    return _response_head_bytes(manifest, INT64_MAX) + embeddings
+
+
 EMBED_ADVICE = ("ask for fewer attention layers or heads, set average_heads, use "
                 "dtype=DTYPE_FLOAT16, or send fewer texts")
+CHUNKED_ADVICE = "raise chunking.max_tokens, use dtype=DTYPE_FLOAT16, or send less text"

@@ -5,7 +5,13 @@ come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 
 Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
 included, as gRPC's token_ids are. Beyond OpenAI's fields, `truncate` (default false) cuts
-texts longer than the model's positions instead of refusing them."""
+texts longer than the model's positions instead of refusing them, and `chunking`
+({"max_tokens": N, "mode": "late" or "isolated", "window_overlap": N}, as attnserve.v1's
+Chunking) embeds each text as chunks: `data` then holds one item per chunk, in order,
+each with OpenAI's fields and `input_index` (the text it is a chunk of), `start` and `end`
+(code points into that text, end exclusive) and `num_tokens`. The `openai` client keeps
+fields it does not know (`model_extra`) and sends this one as `extra_body`. `usage`
+counts the tokens run through the model, every window's or chunk's."""
 
 import base64
 
@@ -17,7 +23,13 @@ from attnserve.server.doors.http_calls import HttpCalls
 from attnserve.server.engine.engine import Engine
 from attnserve.server.engine.errors import InvalidArgument, NotFound, RequestError, quote
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
-from attnserve.server.engine.requests import Embedded, EmbedRequest, ResponseSize
+from attnserve.server.engine.requests import (
+    Chunking,
+    ChunkingMode,
+    Embedded,
+    EmbedRequest,
+    ResponseSize,
+)
 from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"
@@ -29,7 +41,12 @@ FLOAT_BYTES = 16
 BASE64_FLOAT_BYTES = 6
 ITEM_BYTES = 64
 """{"object":"embedding","index":N,"embedding":...} around each vector"""
+CHUNK_ITEM_BYTES = 128
+""","input_index":N,"start":N,"end":N,"num_tokens":N in a chunk's item"""
 ADVICE = "send fewer inputs per request, or use encoding_format=base64"
+CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
+CHUNKING_MODES = {"late": ChunkingMode.LATE, "isolated": ChunkingMode.ISOLATED}
+CHUNKING_FIELDS = ("max_tokens", "mode", "window_overlap")
 # HTTP status -> OpenAI's error `type` and `code`.
 ERROR_KINDS = {
     400: ("invalid_request_error", None),
@@ -49,6 +66,7 @@ class InputNames:
     """OpenAI's names: `input[3]`, `input[3][5]`; a single string or id list is `input`."""
 
     sequences = "input"
+    chunking = "chunking"
 
     def __init__(self, single: bool):
         self.single = single
@@ -95,6 +113,26 @@ def _inputs(value) -> tuple[dict, InputNames]:
     raise InvalidArgument("input", f"expected {INPUT_FORMS}")
 
 
+def _chunking(value) -> Chunking:
+    if not isinstance(value, dict):
+        raise InvalidArgument("chunking", f"{quote(value)}; expected an object with max_tokens "
+                              "and, optionally, mode and window_overlap")
+    for name in value:
+        if name not in CHUNKING_FIELDS:
+            raise InvalidArgument("chunking", f"unknown field {quote(name)}; known: "
+                                  f"{', '.join(CHUNKING_FIELDS)}")
+    numbers = {}
+    for name, default in (("max_tokens", None), ("window_overlap", 0)):
+        number = value.get(name, default)
+        if type(number) is not int:  # bool is an int to Python, not to JSON
+            raise InvalidArgument(f"chunking.{name}", f"{quote(number)}; expected an integer")
+        numbers[name] = number
+    mode = value.get("mode", "late")
+    if not isinstance(mode, str) or mode not in CHUNKING_MODES:
+        raise InvalidArgument("chunking.mode", f"{quote(mode)}; expected 'late' or 'isolated'")
+    return Chunking(numbers["max_tokens"], CHUNKING_MODES[mode], numbers["window_overlap"])
+
+
 class OpenAIEmbeddings:
     def __init__(self, calls: HttpCalls, engine: Engine, max_response_bytes: int):
         self.calls = calls
@@ -131,21 +169,35 @@ class OpenAIEmbeddings:
             raise InvalidArgument("user", f"{quote(user)}; expected a string")
         if "input" not in body:
             raise InvalidArgument("input", f"required: {INPUT_FORMS}")
+        chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
         fields, names = _inputs(body["input"])
         per_float = FLOAT_BYTES if encoding == "float" else BASE64_FLOAT_BYTES
         item = ITEM_BYTES + self.dimensions * per_float
-        size = ResponseSize(lambda lengths: 256 + len(lengths) * item, self.max_response_bytes,
-                            ADVICE)
+        if chunking is None:
+            size = ResponseSize(lambda lengths: 256 + len(lengths) * item,
+                                self.max_response_bytes, ADVICE)
+        else:
+            size = ResponseSize(lambda counts: 256 + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
+                                self.max_response_bytes, CHUNKED_ADVICE)
         return EmbedRequest(names=names, size=size, truncate=truncate,
-                            outputs=frozenset({self.pooled}), **fields), encoding
+                            outputs=frozenset({self.pooled}), chunking=chunking, normalize=True,
+                            **fields), encoding
+
+    def _vector(self, vector, encoding: str):
+        return (base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                if encoding == "base64" else vector)
 
     def body(self, embedded: Embedded, encoding: str) -> bytes:
-        data = []
-        for index, result in enumerate(embedded.results):
-            vector = result.pooled[self.pooled]
-            data.append({"object": "embedding", "index": index,
-                         "embedding": (base64.b64encode(vector.astype("<f4").tobytes()).decode()
-                                       if encoding == "base64" else vector)})
+        data = [{"object": "embedding", "index": index,
+                 "embedding": self._vector(result.pooled[self.pooled], encoding)}
+                for index, result in enumerate(embedded.results)]
+        for text_index, text in enumerate(embedded.chunked):
+            for (start, end), count, vector in zip(text.spans.tolist(), text.token_counts.tolist(),
+                                                   text.vectors, strict=True):
+                data.append({"object": "embedding", "index": len(data),
+                             "embedding": self._vector(vector, encoding),
+                             "input_index": text_index, "start": start, "end": end,
+                             "num_tokens": count})
         tokens = embedded.total_tokens
         return orjson.dumps({"object": "list", "data": data, "model": self.model,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
@@ -157,7 +209,7 @@ class OpenAIEmbeddings:
         body = await self.calls.body(request, holds)
         embed_request, encoding = await self.calls.json(body, self.parse)
         embedded = await self.engine.embed(embed_request, holds, None)
-        count = len(embedded.results)
+        count = len(embedded.results) + int(embedded.chunk_counts.sum())
         payload = await self.engine.pack(count * (RESULT_S + self.dimensions * FLOAT_TEXT_S),
                                          self.body, embedded, encoding)
         return web.Response(body=payload, content_type="application/json")

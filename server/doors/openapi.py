@@ -93,7 +93,27 @@ def openapi_document(info: ModelInfo) -> bytes:
             "user": {"type": "string"},
             "truncate": {"type": "boolean", "default": False,
                          "description": "cut texts longer than the model's positions instead of "
-                                        "refusing them (an extension)"}}}
+                                        "refusing them (an extension)"},
+            "chunking": {
+                "type": "object", "nullable": True, "required": ["max_tokens"],
+                "additionalProperties": False,
+                "description": "an extension: one vector per chunk of each text (texts only), "
+                               "each text whole, never truncated; data then holds one item per "
+                               "chunk, in order",
+                "properties": {
+                    "max_tokens": {"type": "integer", "minimum": 1,
+                                   "description": "the most tokens in one chunk, at most the "
+                                                  "model's positions less its special tokens; "
+                                                  "chunks end on word and, where they can, "
+                                                  "sentence boundaries"},
+                    "mode": {"type": "string", "enum": ["late", "isolated"], "default": "late",
+                             "description": "late: the text runs whole in overlapping windows "
+                                            "and each chunk pools its tokens' contextual "
+                                            "embeddings; isolated: each chunk runs alone"},
+                    "window_overlap": {"type": "integer", "minimum": 0, "default": 0,
+                                       "description": "late only: tokens shared by "
+                                                      "consecutive windows, at least "
+                                                      "max_tokens - 1; 0 picks one"}}}}}
     embeddings_response = {
         "type": "object", "required": ["object", "data", "model", "usage"],
         "properties": {
@@ -106,7 +126,14 @@ def openapi_document(info: ModelInfo) -> bytes:
                     "index": {"type": "integer"},
                     "embedding": {"oneOf": [
                         {"type": "array", "items": {"type": "number"}},
-                        {"type": "string", "description": "base64 of little-endian float32"}]}}}},
+                        {"type": "string", "description": "base64 of little-endian float32"}]},
+                    "input_index": {"type": "integer",
+                                    "description": "with chunking: the input this is a chunk of"},
+                    "start": {"type": "integer", "description": "with chunking: the chunk's "
+                                                                "first code point in its input"},
+                    "end": {"type": "integer", "description": "with chunking: its end, exclusive"},
+                    "num_tokens": {"type": "integer",
+                                   "description": "with chunking: the chunk's tokens"}}}},
             "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
                       "properties": {"prompt_tokens": {"type": "integer"},
                                      "total_tokens": {"type": "integer"}}}}}
@@ -126,7 +153,8 @@ def openapi_document(info: ModelInfo) -> bytes:
         "/openapi.json": {"get": {"summary": "This document", "responses": {
             "200": _json({"type": "object"}, "the OpenAPI document")}}},
         "/v1/embeddings": {"post": {
-            "summary": "OpenAI-compatible embeddings (mean-pooled, normalised)",
+            "summary": "OpenAI-compatible embeddings (mean-pooled, normalised), one per input or, "
+                       "with chunking, one per chunk",
             "requestBody": {"required": True, "content": {
                 "application/json": {"schema": embeddings_request}}},
             "responses": {"200": _json(embeddings_response, "one vector per input, in order"),

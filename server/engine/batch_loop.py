@@ -9,7 +9,9 @@ to the inference threads at once (one per thread runs, `backend.concurrency` of 
 while they run, the next is formed, padded and queued behind them, so no inference thread
 waits on the event loop. The batches in flight hold their predicted memory together
 against the budget. A batch brings back from the backend only the outputs its requests
-need (the union of theirs): pooled vectors alone, unless someone asked for more.
+need (the union of theirs): pooled vectors alone, unless someone asked for more. A
+request that names token spans of its sequences (late chunking) gets each span's mean
+embedding, pooled on the inference thread, instead of the token embeddings.
 """
 
 import asyncio
@@ -67,6 +69,15 @@ def pad(sequences: list[np.ndarray], shape: Shape, pad_id: int) -> tuple[np.ndar
     return ids, mask
 
 
+def span_means(hidden: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """float32 [spans, hidden]: the mean of `hidden`'s rows over each [start, end) of
+    `spans` (ascending, not overlapping, none empty), summed in float64."""
+    edges = spans.reshape(-1)
+    # Summed between consecutive edges: every other sum is a span's, the rest the gaps'.
+    sums = np.add.reduceat(hidden[:edges[-1]], edges[:-1], axis=0, dtype=np.float64)[::2]
+    return (sums / np.diff(spans, axis=1)).astype(np.float32)
+
+
 @dataclass(eq=False)
 class Batch:
     items: list[Waiting]
@@ -99,6 +110,8 @@ class Ran:
     """bytes it added at its peak; None when not measured (see MEASURE_ALL_FROM_BYTES)"""
     predicted: float
     """the memory model's peak for the shape as run"""
+    span_means: dict[int, np.ndarray]
+    """row -> span_means of the rows whose requests named spans"""
 
 
 class BatchLoop:
@@ -202,12 +215,15 @@ class BatchLoop:
         out = self.backend.run(ids, mask, batch.layers, batch.outputs)
         seconds = time.perf_counter() - started
         peak = self.probe.batch_peak(baseline) if measure else None
+        # Here rather than on the event loop: a batch of long sequences takes milliseconds.
+        means = {row: span_means(out.hidden[row], w.job.spans[w.index])
+                 for row, w in enumerate(items) if w.job.spans is not None}
         took = predicted if peak is None else peak
         if took >= TRIM_NOW_BUDGET_SHARE * self.memory.budget:
             self.backend.release_memory()
         else:
             self.trim_pending |= took >= TRIM_AFTER_BYTES
-        return Ran(items, out, ids.shape, seconds, peak, predicted)
+        return Ran(items, out, ids.shape, seconds, peak, predicted, means)
 
     def _trim_when_idle(self) -> None:
         if self.trim_pending:
@@ -249,9 +265,11 @@ class BatchLoop:
                 continue
             job.results[w.index] = SequenceResult(
                 None if out.hidden is None or HIDDEN_OUTPUT not in job.outputs
+                or job.spans is not None
                 else out.hidden[row, :w.length],
                 {layer: maps[row, :, :w.length, :w.length] for layer, maps in out.attentions.items()},
                 {name: out.pooled[name][row] for name in job.outputs if name in out.pooled},
+                ran.span_means.get(row),
             )
             job.unanswered -= 1
             if job.unanswered == 0:

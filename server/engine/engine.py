@@ -5,7 +5,9 @@ requests.py), typed results or typed errors out. Everything a request goes throu
 between its door and the batch loop happens here, once, for every door: readiness,
 the cheap bounds before any work (entry counts, queue room, the response's size),
 tokenizing or reading ids, the memory budget and the call's holds, the deadline, and the
-choice of what runs inline and what on a pool (server/engine/offload.py).
+choice of what runs inline and what on a pool (server/engine/offload.py). A chunked
+request (server/engine/chunked.py) goes through the same steps, its texts cut into chunks
+and run as windows or chunks.
 
 It hands sequences to a scheduler (the request queue and batch loop in this process, or
 the engine process's with `--workers`) and gets back each sequence's share of a batch's
@@ -18,10 +20,14 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output
+from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output, pooled_output
+from attnserve.server.engine.chunked import TextPlan, window_overlap
+from attnserve.server.engine.chunking import cut
 from attnserve.server.engine.errors import InvalidArgument, Unavailable, quote
 from attnserve.server.engine.offload import (
+    CHUNK_S,
     COPY_BYTE_S,
+    CUT_CHAR_S,
     ID_SEQUENCE_S,
     TEXT_CHAR_S,
     TEXT_S,
@@ -30,6 +36,9 @@ from attnserve.server.engine.offload import (
     cost,
 )
 from attnserve.server.engine.requests import (
+    ChunkedText,
+    Chunking,
+    ChunkingMode,
     Embedded,
     EmbedRequest,
     FieldNames,
@@ -37,10 +46,11 @@ from attnserve.server.engine.requests import (
     InferRequest,
     InputTensor,
     ModelInfo,
+    ResponseSize,
     TensorInfo,
     TokenizeRequest,
 )
-from attnserve.server.engine.tokenize import Encoded, TextTokenizer, TooLong
+from attnserve.server.engine.tokenize import KEPT_BYTES_PER_ID, Encoded, TextTokenizer, TooLong
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
@@ -64,14 +74,15 @@ class Scheduler(Protocol):
 
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None) -> list[SequenceResult]:
+                     alone: float = 0.0, lengths: np.ndarray | None = None,
+                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
         ...
 
 
 class Engine:
     def __init__(self, artifact: Artifact, tokenizer: TextTokenizer, scheduler: Scheduler,
                  memory: MemoryBudget, offload: Offload, metrics: Metrics, provider: str,
-                 precision: str, ready: Callable[[], bool]):
+                 precision: str, ready: Callable[[], bool], max_chunking_chars: int):
         self.artifact = artifact
         self.manifest = artifact.manifest
         self.tokenizer = tokenizer
@@ -83,6 +94,8 @@ class Engine:
         self.precision = precision
         self.ready = ready
         """() -> bool: warmed up and not draining"""
+        self.max_chunking_chars = max_chunking_chars
+        """the longest text a chunked request may carry"""
         m = self.manifest
         self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
         self.output_layers |= {attention_output(i): (i,) for i in range(m.num_layers)}
@@ -113,16 +126,18 @@ class Engine:
         finally:
             self.metrics.stage_duration.labels("respond").observe(time.perf_counter() - started)
 
-    async def _run(self, sequences: list[np.ndarray], lengths: np.ndarray, names: FieldNames,
-                   layers: tuple[int, ...], outputs: Outputs, response_bytes: int, holds: Holds,
-                   deadline: float | None) -> list[SequenceResult]:
+    async def _run(self, sequences: list[np.ndarray], lengths: np.ndarray,
+                   field_of: Callable[[int], str], layers: tuple[int, ...], outputs: Outputs,
+                   response_bytes: int, holds: Holds, deadline: float | None,
+                   spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
         """Check the request against the memory budget, hold its response, and wait for
-        its sequences' results."""
+        its sequences' results; `field_of(i)`: the request's field sequence i comes from."""
         longest = int(lengths.argmax())
-        alone = self.memory.check(int(lengths[longest]), names.sequence(longest), len(layers),
+        alone = self.memory.check(int(lengths[longest]), field_of(longest), len(layers),
                                   response_bytes)
         self.hold_response(holds, response_bytes, on_top=alone if self.memory.shared else 0.0)
-        return await self.scheduler.submit(sequences, layers, deadline, outputs, alone, lengths)
+        return await self.scheduler.submit(sequences, layers, deadline, outputs, alone, lengths,
+                                           spans)
 
     # --- embed ------------------------------------------------------------------------
 
@@ -132,6 +147,8 @@ class Engine:
         count = len(request.texts) or len(request.token_ids)
         if not count:
             raise InvalidArgument(names.sequences, "empty: send at least one sequence")
+        if request.chunking is not None:
+            return await self._embed_chunked(request, holds, deadline)
         # The cheap bounds first, from the count of sequences alone (each has at least an
         # empty text's tokens, or one id): a request that cannot be served is refused
         # before any text is tokenized or any id read.
@@ -147,9 +164,102 @@ class Engine:
                 cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S), self._read_ids,
                 request.token_ids, request.truncate, names)
         size = request.size.check(lengths)
-        results = await self._run(ids, lengths, names, request.layers, request.outputs, size,
-                                  holds, deadline)
+        results = await self._run(ids, lengths, names.sequence, request.layers, request.outputs,
+                                  size, holds, deadline)
         return Embedded(ids, lengths, results)
+
+    # --- embed, chunked -----------------------------------------------------------------
+
+    async def _embed_chunked(self, request: EmbedRequest, holds: Holds,
+                             deadline: float | None) -> Embedded:
+        """Each text cut into chunks and run as its windows (LATE) or chunks (ISOLATED),
+        under the same bounds as any request, each as soon as it can be known: the queue
+        and the response from the count of texts, the response again from the count of
+        chunks, the queue from the tokens of every window, the memory budget from the
+        longest."""
+        names, texts, chunking = request.names, request.texts, request.chunking
+        if request.token_ids:
+            raise InvalidArgument(names.chunking, "chunking cuts texts into chunks: send texts, "
+                                  "not token ids")
+        specials = len(self.tokenizer.empty.ids)
+        overlap = window_overlap(chunking, names, self.manifest.max_positions - specials)
+        # A text may have no tokens, and so no chunks.
+        self.scheduler.admit(0, at_least=True)
+        request.size.check(np.zeros(len(texts), dtype=np.int64), at_least=True)
+        started = time.perf_counter()
+        try:
+            plans = await self.offload.request(
+                cost(texts, TEXT_S, TEXT_CHAR_S + CUT_CHAR_S), self._plan_chunks, texts,
+                chunking, overlap, names, request.size, holds)
+        finally:
+            self.metrics.stage_duration.labels("tokenize").observe(time.perf_counter() - started)
+        size = request.size.check(np.fromiter((p.chunks.count for p in plans), np.int64, len(plans)))
+        per_text = [p.lengths(specials) for p in plans]
+        lengths = np.concatenate(per_text)
+        late = chunking.mode is ChunkingMode.LATE
+        results: list[SequenceResult] = []
+        if len(lengths):
+            self.scheduler.admit(int(lengths.sum()))
+            sequences, spans = await self.offload.request(
+                cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._sequences,
+                plans, late, holds)
+            text_of = np.repeat(np.arange(len(plans)), list(map(len, per_text)))
+            outputs = HIDDEN_ONLY if late else frozenset({pooled_output("mean", request.normalize)})
+            results = await self._run(sequences, lengths, lambda i: names.sequence(int(text_of[i])),
+                                      (), outputs, size, holds, deadline, spans)
+        return Embedded([], lengths, [], await self.offload.request(
+            cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._chunk_vectors, plans,
+            list(map(len, per_text)), results, request.normalize))
+
+    def _plan_chunks(self, texts: Sequence[str], chunking: Chunking, overlap: int,
+                     names: FieldNames, size: ResponseSize, holds: Holds) -> list[TextPlan]:
+        """Each text tokenized whole, cut into chunks and (LATE) placed in windows that
+        overlap by `overlap` tokens."""
+        max_tokens = chunking.max_tokens
+        limit = self.max_chunking_chars
+        for i, text in enumerate(texts):
+            if len(text) > limit:
+                raise InvalidArgument(names.sequence(i), f"{len(text)} characters, more than "
+                                      f"the {limit} a text to chunk may have on this server "
+                                      "(--max-chunking-chars): split it")
+        tokens = self.tokenizer.encode_whole(texts, holds)
+        # Before any cutting: each text has at least this many chunks.
+        size.check(np.fromiter((-(-len(t.ids) // max_tokens) for t in tokens), np.int64,
+                               len(tokens)), at_least=True)
+        width = self.manifest.max_positions - len(self.tokenizer.empty.ids)
+        plans = []
+        for text, text_tokens in zip(texts, tokens, strict=True):
+            chunks = cut(text, text_tokens, max_tokens)
+            plans.append(TextPlan.late(text_tokens, chunks, width, overlap)
+                         if chunking.mode is ChunkingMode.LATE
+                         else TextPlan.isolated(text_tokens, chunks))
+        return plans
+
+    def _sequences(self, plans: list[TextPlan], late: bool,
+                   holds: Holds) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Every plan's sequences and, for windows (`late`), the chunks' token spans in
+        each."""
+        head, tail = self.tokenizer.head_ids, self.tokenizer.tail_ids
+        sequences: list[np.ndarray] = []
+        spans: list[np.ndarray] = []
+        for plan in plans:
+            sequences += plan.sequences(head, tail)
+            if late:
+                spans += plan.spans(len(head))
+        holds.take(KEPT_BYTES_PER_ID * sum(map(len, sequences)), "token ids")
+        return sequences, spans if late else None
+
+    def _chunk_vectors(self, plans: list[TextPlan], counts: list[int],
+                       results: list[SequenceResult], normalize: bool) -> list[ChunkedText]:
+        """Each text's chunks and their vectors; `counts`: the sequences each plan ran."""
+        pooled, hidden = pooled_output("mean", normalize), self.manifest.hidden_size
+        out, at = [], 0
+        for plan, count in zip(plans, counts, strict=True):
+            vectors = plan.vectors(results[at:at + count], pooled, normalize, hidden)
+            out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans,
+                                   plan.chunks.token_counts, vectors))
+            at += count
+        return out
 
     def _read_ids(self, token_ids: Sequence[Sequence[int]], truncate: bool,
                   names: FieldNames) -> tuple[list[np.ndarray], np.ndarray]:
@@ -218,7 +328,7 @@ class Engine:
         response_bytes = request.size(shapes).check(np.zeros(0, np.int64))
         sequences, lengths = await self.offload.request(
             batch * (ID_SEQUENCE_S + seq * 2 * TOKEN_ID_S), self._rows, request.inputs, batch, seq)
-        results = await self._run(sequences, lengths, _INFER_NAMES, layers,
+        results = await self._run(sequences, lengths, _INFER_NAMES.sequence, layers,
                                   frozenset({HIDDEN_OUTPUT}), response_bytes, holds, deadline)
         dense = await self.offload.response(
             response_bytes * COPY_BYTE_S, self._dense, shapes, layers, results)

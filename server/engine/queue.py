@@ -95,6 +95,9 @@ class Job:
     """the graph outputs its response is built from"""
     dropping: bool = False
     """its caller left and its sequences are being taken out a slice at a time"""
+    spans: list[np.ndarray] | None = None
+    """per sequence, the token spans whose mean embeddings its result carries instead of
+    its token embeddings (`submit`)"""
 
 
 class State(enum.Enum):
@@ -164,18 +167,23 @@ class RequestQueue:
 
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None) -> list[SequenceResult]:
+                     alone: float = 0.0, lengths: np.ndarray | None = None,
+                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
         """Queue a request's sequences and wait for their results, in order. `outputs`:
         the graph outputs the results must carry; `alone`: the peak of its largest batch
         run alone (MemoryBudget.check), kept free while it waits; `lengths`: the
-        sequences' lengths, when already known. A big request is queued a slice at a time,
-        so the event loop serves other calls in between."""
+        sequences' lengths, when already known; `spans`: per sequence, int64 [k, 2]
+        token ranges [start, end), ascending, not overlapping, none empty, whose mean
+        embeddings each result carries (SequenceResult.span_means) instead of the token
+        embeddings (`outputs` then HIDDEN_ONLY): a request of many long sequences keeps
+        a few vectors of each, not every batch output it ran in. A big request is queued
+        a slice at a time, so the event loop serves other calls in between."""
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         tokens = int(lengths.sum())
         self.admit(tokens)
         job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
-                  alone=alone, outputs=outputs)
+                  alone=alone, outputs=outputs, spans=spans)
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None

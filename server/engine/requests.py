@@ -5,6 +5,7 @@ own protocol. Where the engine finds a fault in a request, it names the field wi
 door's own names (`FieldNames`), so an error reaches each caller in the terms of the
 request it sent, with no rewriting."""
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +30,9 @@ class FieldNames(Protocol):
         """the field of id `position` of sequence `index` (`token_ids[3].ids[5]`)"""
         ...
 
+    chunking: str
+    """the field holding the chunking options (`chunking`)"""
+
 
 @dataclass(frozen=True)
 class ResponseSize:
@@ -36,7 +40,8 @@ class ResponseSize:
     it, and the most the door sends."""
 
     measure: Callable[[np.ndarray], int]
-    """bytes of the response for sequences of these lengths (never under the real size)"""
+    """bytes of the response for sequences of these lengths, or with chunking for texts of
+    these counts of chunks (never under the real size)"""
     limit: int
     advice: str
     """what the caller can change when the response would be too large"""
@@ -51,6 +56,25 @@ class ResponseSize:
                 f"{size / (1 << 20):.1f} MiB, over the {self.limit / (1 << 20):.1f} MiB message "
                 f"limit: {self.advice}")
         return size
+
+
+class ChunkingMode(enum.Enum):
+    LATE = "late"
+    """the text runs whole, in overlapping windows; a chunk pools its tokens' contextual
+    embeddings from the window where it has the most context on both sides"""
+    ISOLATED = "isolated"
+    """each chunk runs alone, with its own special tokens, mean-pooled"""
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """One vector per chunk of each text (server/engine/chunking.py)."""
+
+    max_tokens: int
+    """the most tokens in one chunk, special tokens aside"""
+    mode: ChunkingMode = ChunkingMode.LATE
+    window_overlap: int = 0
+    """LATE: tokens shared by consecutive windows; 0: chunking.default_overlap"""
 
 
 @dataclass(frozen=True)
@@ -68,19 +92,46 @@ class EmbedRequest:
     """pooled outputs (artifact.pooled_output) and HIDDEN_OUTPUT, as the response needs"""
     layers: tuple[int, ...] = ()
     """attention maps to return, each layer once, in order"""
+    chunking: Chunking | None = None
+    """texts only; mean-pooled chunk vectors, normalised when `normalize`, instead of
+    `outputs` and `layers` (which must be empty)"""
+    normalize: bool = False
+    """with chunking: L2-normalise each chunk's vector"""
+
+
+@dataclass(frozen=True)
+class ChunkedText:
+    """One text's chunks, in text order."""
+
+    num_tokens: int
+    """the text's tokens, special tokens aside"""
+    spans: np.ndarray
+    """int64 [chunks, 2]: start, end in code points, end exclusive"""
+    token_counts: np.ndarray
+    """int64 [chunks]: tokens in each chunk"""
+    vectors: np.ndarray
+    """float32 [chunks, hidden]"""
 
 
 @dataclass
 class Embedded:
     ids: list[np.ndarray]
-    """each sequence's token ids, special tokens included"""
+    """each sequence's token ids, special tokens included (none with chunking)"""
     lengths: np.ndarray
+    """each sequence's length as run (with chunking: each window's or chunk's)"""
     results: list[SequenceResult]
-    """in request order"""
+    """in request order (none with chunking)"""
+    chunked: list[ChunkedText] = field(default_factory=list)
+    """with chunking: each text's chunks, in request order"""
 
     @property
     def total_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    @property
+    def chunk_counts(self) -> np.ndarray:
+        """each chunked text's count of chunks (none without chunking)"""
+        return np.fromiter((len(c.spans) for c in self.chunked), np.int64, len(self.chunked))
 
 
 @dataclass(frozen=True)

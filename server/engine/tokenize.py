@@ -16,10 +16,16 @@ All of it goes through `encode_batch`, which lets the interpreter go while it wo
 event loop gets the interpreter between them. Each slice's working memory is taken from
 the call's memory holds before it runs and given back after; what the call keeps (the
 ids, and tokens and offsets when asked for) stays held until the call ends.
+
+Chunking needs a text whole, never truncated, with each token's place in it
+(`encode_whole`): it is tokenized a piece at a time, each piece ending at a cut point so
+that its tokens are the text's own, the pieces of a slice in one `encode_batch` (which
+runs them in parallel), and its offsets come back in code points, as Python indexes a
+str.
 """
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +54,10 @@ WORK_BYTES_PER_TEXT = 4 << 10
 KEPT_BYTES_PER_TEXT = 256
 KEPT_BYTES_PER_ID = 8
 KEPT_BYTES_PER_DETAIL = 160
+# A whole text is tokenized in pieces of about this many characters; what a call keeps
+# of each of its tokens: id, start, end (int64 each) and whether it starts a word.
+PIECE_CHARS = 16 << 10
+KEPT_BYTES_PER_WHOLE_TOKEN = 32
 # After tokenizing this much, the heap's freed pages go back to the OS.
 TRIM_AFTER_BYTES = 16 << 20
 
@@ -70,6 +80,20 @@ class Encoded:
     offsets: list[tuple[int, int]] | None
 
 
+@dataclass(frozen=True)
+class TextTokens:
+    """A whole text's tokens, special tokens aside, and where each lies in the text."""
+
+    ids: np.ndarray
+    """int64"""
+    starts: np.ndarray
+    """int64 code point offsets of each token's first character"""
+    ends: np.ndarray
+    """int64, exclusive"""
+    word_starts: np.ndarray
+    """bool: the token begins a word of the pre-tokenizer's (not a piece after ##)"""
+
+
 class TooLong(ValueError):
     def __init__(self, index: int, limit: int):
         self.index = index
@@ -85,6 +109,9 @@ class TextTokenizer:
         # decides (refuse or truncate) instead of a silent cut.
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.no_padding()
+        self.whole = Tokenizer.from_str(self.tokenizer.to_str())
+        """for encode_whole: no truncation"""
+        self.whole.no_truncation()
         self.tokenizer.enable_truncation(max_positions + 1)
         self.max_positions = max_positions
         probe = self.tokenizer.encode("a")
@@ -94,6 +121,10 @@ class TextTokenizer:
         empty = self.tokenizer.encode("")
         self.empty = Encoded(np.asarray(empty.ids, dtype=np.int64), empty.tokens, empty.offsets)
         """an empty text's encoding: the fewest tokens any text has"""
+        self.head_ids = self.empty.ids[:len(empty.ids) - self.tail]
+        """the special tokens before a text ([CLS])"""
+        self.tail_ids = self.empty.ids[len(empty.ids) - self.tail:]
+        """the special tokens after it ([SEP])"""
         bert = type(self.tokenizer.pre_tokenizer).__name__ == "BertPreTokenizer"
         self.cut_points = re.compile(_BERT_CUT if bert else _WHITESPACE_CUT)
 
@@ -104,7 +135,8 @@ class TextTokenizer:
         working memory while it works, what it returns for good."""
         out: list[Encoded] = []
         per_token = KEPT_BYTES_PER_ID + (KEPT_BYTES_PER_DETAIL if details else 0)
-        for start, end in self._slices(texts):
+        first = self._first_prefix()
+        for start, end in _slices([min(len(text), first) for text in texts]):
             encodings = self._encode_slice(texts[start:end], holds)
             kept = [self._keep(start + i, e, truncate, details) for i, e in enumerate(encodings)]
             del encodings
@@ -114,16 +146,6 @@ class TextTokenizer:
 
     def _first_prefix(self) -> int:
         return PREFIX_CHARS_PER_POSITION * self.max_positions
-
-    def _slices(self, texts: list[str]) -> Iterator[tuple[int, int]]:
-        start, chars = 0, 0
-        for i, text in enumerate(texts):
-            chars += min(len(text), self._first_prefix())
-            if i + 1 - start >= SLICE_TEXTS or chars >= SLICE_CHARS:
-                yield start, i + 1
-                start, chars = i + 1, 0
-        if start < len(texts):
-            yield start, len(texts)
 
     def _encode_slice(self, texts: list[str], holds: Holds) -> list:
         """Each text's encoding, from its shortest prefix that decides it: the whole text,
@@ -137,10 +159,13 @@ class TextTokenizer:
                 encodings[i] = self._tokenize([prefix], holds)[0]
         return encodings
 
-    def _tokenize(self, texts: list[str], holds: Holds) -> list:
+    def _tokenize(self, texts: list[str], holds: Holds, whole: bool = False) -> list:
+        """`whole`: untruncated, without special tokens."""
         work = WORK_BYTES_PER_TEXT * len(texts) + WORK_BYTES_PER_CHAR * sum(map(len, texts))
         holds.take(work, "tokenizing")
         try:
+            if whole:
+                return self.whole.encode_batch(texts, add_special_tokens=False)
             return self.tokenizer.encode_batch(texts)
         finally:
             holds.give_back(work)
@@ -149,14 +174,46 @@ class TextTokenizer:
 
     def _prefix(self, text: str, size: int) -> tuple[str, int]:
         """(text before its last cut point within `size` characters, the size looked
-        at); the whole text when it is that short. With no cut point near the end of the
-        prefix, it grows past the run that has none."""
-        while size < len(text):
-            points = list(self.cut_points.finditer(text, max(0, size - CUT_WINDOW), size))
+        at); the whole text when it is that short."""
+        end, size = self._cut(text, 0, size)
+        return text[:end], size
+
+    def _cut(self, text: str, start: int, size: int) -> tuple[int, int]:
+        """(the last cut point past `start` within `size` characters of it, the size
+        looked at); the text's end when the rest is that short. With no cut point near
+        the end, it looks further, past the run that has none."""
+        while start + size < len(text):
+            points = list(self.cut_points.finditer(
+                text, max(start + 1, start + size - CUT_WINDOW), start + size))
             if points:
-                return text[:points[-1].start()], size
+                return points[-1].start(), size
             size *= PREFIX_GROWTH
-        return text, len(text)
+        return len(text), len(text) - start
+
+    # --- whole texts, for chunking ------------------------------------------------------
+
+    def encode_whole(self, texts: Sequence[str], holds: Holds) -> list[TextTokens]:
+        """Each text's tokens, never truncated, special tokens aside; memory taken from
+        `holds` as `encode` takes it."""
+        pieces = [(i, start, end) for i, text in enumerate(texts)
+                  for start, end in self._pieces(text)]
+        parts: list[list[TextTokens]] = [[] for _ in texts]
+        for low, high in _slices([end - start for _, start, end in pieces]):
+            piece_slice = pieces[low:high]
+            encodings = self._tokenize([texts[i][start:end] for i, start, end in piece_slice],
+                                       holds, whole=True)
+            holds.take(KEPT_BYTES_PER_WHOLE_TOKEN * sum(map(len, encodings)), "tokens")
+            for (i, start, _), encoding in zip(piece_slice, encodings, strict=True):
+                parts[i].append(_piece_tokens(encoding, start))
+            del encodings
+        return [_joined(p) for p in parts]
+
+    def _pieces(self, text: str) -> Iterator[tuple[int, int]]:
+        start = 0
+        while start < len(text):
+            end, _ = self._cut(text, start, PIECE_CHARS)
+            yield start, end
+            start = end
 
     def _keep(self, index: int, encoding, truncate: bool, details: bool) -> Encoded:
         if len(encoding) <= self.max_positions:
@@ -172,6 +229,37 @@ class TextTokenizer:
             return Encoded(ids, None, None)
         tokens, offsets = encoding.tokens, encoding.offsets
         return Encoded(ids, tokens[head] + tokens[tail], offsets[head] + offsets[tail])
+
+
+def _slices(sizes: list[int]) -> Iterator[tuple[int, int]]:
+    """Consecutive ranges of texts (or pieces) of these sizes to tokenize, each at most
+    SLICE_TEXTS of them or about SLICE_CHARS characters."""
+    start, chars = 0, 0
+    for i, size in enumerate(sizes):
+        chars += size
+        if i + 1 - start >= SLICE_TEXTS or chars >= SLICE_CHARS:
+            yield start, i + 1
+            start, chars = i + 1, 0
+    if start < len(sizes):
+        yield start, len(sizes)
+
+
+def _piece_tokens(encoding, offset: int) -> TextTokens:
+    """A piece's tokens, placed in its text by the piece's `offset`."""
+    ids = np.asarray(encoding.ids, dtype=np.int64)
+    places = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + offset
+    words = np.asarray(encoding.word_ids, dtype=np.int64)
+    word_starts = np.ones(len(ids), dtype=bool)
+    word_starts[1:] = words[1:] != words[:-1]
+    return TextTokens(ids, places[:, 0], places[:, 1], word_starts)
+
+
+def _joined(parts: list[TextTokens]) -> TextTokens:
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return TextTokens(empty, empty, empty, np.zeros(0, dtype=bool))
+    return TextTokens(*(np.concatenate([getattr(p, name) for p in parts])
+                        for name in ("ids", "starts", "ends", "word_starts")))
 
 
 def load_tokenizer(artifact: Artifact) -> TextTokenizer:

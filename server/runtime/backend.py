@@ -47,6 +47,9 @@ class SequenceResult:
     """layer -> (heads, num_tokens, num_tokens)"""
     pooled: dict[str, np.ndarray] = field(default_factory=dict)
     """pooled output name -> (hidden,): those the request asked for"""
+    span_means: np.ndarray | None = None
+    """(spans, hidden): the mean token embedding over each token span the request named
+    for this sequence (RequestQueue.submit's `spans`), in place of `hidden`"""
 
 
 class Backend(Protocol):

@@ -52,11 +52,11 @@ class FrontEndLink:
     def message(self, header, arrays: list[np.ndarray]) -> None:
         kind = header[0]
         if kind == "submit":
-            _, job, layers, deadline, outputs, alone = header
-            sequences, lengths = messages.submitted(arrays)
+            _, job, layers, deadline, outputs, alone, _ = header
+            sequences, lengths, spans = messages.submitted(header, arrays)
             self.jobs[job] = asyncio.get_running_loop().create_task(
                 self.run(job, sequences, lengths, tuple(layers), deadline, frozenset(outputs),
-                         alone))
+                         alone, spans))
         elif kind == "cancel":
             task = self.jobs.get(header[1])
             if task is None:  # answered already: its place is free
@@ -66,10 +66,11 @@ class FrontEndLink:
         elif kind == "bye":
             self.said_bye = True
 
-    async def run(self, job: int, sequences, lengths, layers, deadline, outputs, alone) -> None:
+    async def run(self, job: int, sequences, lengths, layers, deadline, outputs, alone,
+                  spans) -> None:
         try:
             results = await self.engine.core.queue.submit(sequences, layers, deadline, outputs,
-                                                          alone, lengths)
+                                                          alone, lengths, spans)
             header, entries = messages.results(job, results, layers)
             del results
             nbytes = sum(part.nbytes for parts in entries for part in parts)

@@ -78,7 +78,8 @@ class RemoteScheduler:
 
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None) -> list[SequenceResult]:
+                     alone: float = 0.0, lengths: np.ndarray | None = None,
+                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         self.admit(int(lengths.sum()))
@@ -86,7 +87,8 @@ class RemoteScheduler:
         future = asyncio.get_running_loop().create_future()
         self.waiting[job] = (future, lengths)
         self.idle.clear()
-        self.channel.send(*messages.submit(job, sequences, lengths, layers, deadline, outputs, alone))
+        self.channel.send(*messages.submit(job, sequences, lengths, layers, deadline, outputs, alone,
+                                           spans))
         try:
             return await future
         except asyncio.CancelledError:
@@ -157,7 +159,7 @@ class FrontProcess:
         requests = ThreadPoolExecutor(1, thread_name_prefix="requests")
         offload = Offload(requests, ThreadPoolExecutor(1, thread_name_prefix="responses"))
         engine = Engine(self.artifact, self.tokenizer, self.remote, memory, offload, self.metrics,
-                        facts.provider, facts.precision, self.serving)
+                        facts.provider, facts.precision, self.serving, config.max_chunking_chars)
         await self.ports.start(engine, requests, shared_ports=True, metrics_port=False)
         self.shared.fields.worker_up[self.index] = 1
         log.info("event=front_end_up worker=%d port=%d http_port=%d", self.index, self.ports.port,

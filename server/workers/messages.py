@@ -1,11 +1,12 @@
 """What a front end and the engine process say to each other, as a channel's headers and
 arrays (server/workers/channel.py).
 
-front end -> engine: ["hello", index], ["submit", job, layers, deadline, outputs, alone]
-with the sequences' ids laid end to end and their lengths, ["cancel", job], ["bye"].
-engine -> front end: ["welcome", EngineFacts's fields], ["results", job, hidden, layers,
-pooled names] with the arrays, ["error", job, kind, message], ["cancelled", job] (a
-cancel was done: the job's place in the queue is free).
+front end -> engine: ["submit", job, layers, deadline, outputs, alone, has spans] with
+the sequences' ids laid end to end, their lengths and (late chunking) their token spans;
+["cancel", job]; ["bye"] (a drained front end leaving).
+engine -> front end: ["welcome", EngineFacts's fields]; ["results", job, hidden, layers,
+pooled names, has span means] with the arrays; ["error", job, kind, message];
+["cancelled", job] (a cancel was done: the job's place in the queue is free).
 
 Requests cross as token ids (int32: a vocabulary fits), results as float32 arrays laid
 end to end: one copy from the batch's outputs into the message, views on the other side."""
@@ -40,33 +41,49 @@ class EngineFacts:
 
 
 def submit(job: int, sequences: list[np.ndarray], lengths: np.ndarray, layers: tuple[int, ...],
-           deadline: float | None, outputs: Outputs, alone: float):
+           deadline: float | None, outputs: Outputs, alone: float,
+           spans: list[np.ndarray] | None):
     ids = [s.astype(np.int32, copy=False) for s in sequences]
-    return ["submit", job, list(layers), deadline, sorted(outputs), alone], [ids, [lengths]]
+    entries = [ids, [lengths]]
+    if spans is not None:  # late chunking: each sequence's [k, 2] token spans, and the ks
+        entries += [spans, [np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))]]
+    header = ["submit", job, list(layers), deadline, sorted(outputs), alone, spans is not None]
+    return header, entries
 
 
-def submitted(arrays: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
-    """The sequences (views of the message) and their lengths."""
-    ids, lengths = arrays
-    lengths = lengths.astype(np.int64)
-    ends = np.cumsum(lengths)
-    return [ids[end - n:end] for n, end in zip(lengths.tolist(), ends.tolist(), strict=True)], lengths
+def _split(flat: np.ndarray, counts: np.ndarray, width: int) -> list[np.ndarray]:
+    """`flat` cut into consecutive pieces of `counts` rows of `width`."""
+    ends = np.cumsum(counts).tolist()
+    rows = flat.reshape(-1, width)
+    return [rows[end - n:end] for n, end in zip(counts.tolist(), ends, strict=True)]
+
+
+def submitted(header, arrays: list[np.ndarray]):
+    """The sequences (views of the message), their lengths and their spans (or None)."""
+    lengths = arrays[1].astype(np.int64)
+    sequences = [s.reshape(-1) for s in _split(arrays[0], lengths, 1)]
+    spans = _split(arrays[2], arrays[3], 2) if header[6] else None
+    return sequences, lengths, spans
 
 
 def results(job: int, results: list[SequenceResult], layers: tuple[int, ...]):
     hidden = results[0].hidden is not None
+    means = results[0].span_means is not None
     names = sorted(results[0].pooled)
     entries = ([[r.hidden for r in results]] if hidden else []) + \
         [[r.attentions[layer] for r in results] for layer in layers] + \
         [[r.pooled[name] for r in results] for name in names]
-    return ["results", job, hidden, list(layers), names], entries
+    if means:
+        entries += [[r.span_means for r in results],
+                    [np.fromiter((len(r.span_means) for r in results), np.int64, len(results))]]
+    return ["results", job, hidden, list(layers), names, means], entries
 
 
 def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
              heads: int, width: int) -> list[SequenceResult]:
     """Each sequence's result, as views of the message: `lengths` are the sequences'
     (the front end sent them), `heads` and `width` the model's."""
-    _, _, hidden, layers, names = header
+    _, _, hidden, layers, names, means = header
     arrays = list(arrays)
     ends = np.cumsum(lengths).tolist()
     out_hidden = arrays.pop(0).reshape(-1, width) if hidden else None
@@ -78,9 +95,10 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
             at += heads * n * n
         maps.append(views)
     pooled = [arrays.pop(0).reshape(len(lengths), width) for _ in names]
+    span_means = _split(arrays[0], arrays[1], width) if means else [None] * len(lengths)
     return [SequenceResult(None if out_hidden is None else out_hidden[end - n:end],
                            {layer: maps[k][i] for k, layer in enumerate(layers)},
-                           {name: pooled[k][i] for k, name in enumerate(names)})
+                           {name: pooled[k][i] for k, name in enumerate(names)}, span_means[i])
             for i, (n, end) in enumerate(zip(lengths.tolist(), ends, strict=True))]
 
 

@@ -43,6 +43,7 @@ SERVE_FLAGS = {
     "--max-wait-ms",
     "--max-queue-requests",
     "--max-queue-tokens",
+    "--max-chunking-chars",
     "--memory-budget-bytes",
     "--drain-seconds",
     "--max-message-bytes",
