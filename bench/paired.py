@@ -33,6 +33,8 @@ from attnserve.harness import REPO, ServerProcess
 log = logging.getLogger("bench.paired")
 
 CONCURRENCY = (1, 8, 64)
+WORKERS = 2
+"""the front ends of the server measured beside the one-process server"""
 IDLE_S = 1.0
 
 
@@ -108,9 +110,12 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
         if int8:
             servers["int8"] = bench_server(artifact, work / "server-int8.log",
                                            [*server_extra, "--precision", "int8"], threads)
+        servers["workers"] = bench_server(artifact, work / "server-workers.log",
+                                          [*server_extra, "--workers", str(WORKERS)], threads)
         grpc_out: dict = {"args": server.args[2:], "idle_rss_bytes": server.status()["rss"],
-                          "shapes": {}, "http_shapes": {}, "int8_shapes": {}, "concurrency": {},
-                          "rounds": rounds}
+                          "shapes": {}, "http_shapes": {}, "int8_shapes": {},
+                          "workers_shapes": {}, "concurrency": {}, "rounds": rounds,
+                          "workers": WORKERS}
         clients = {name: EncoderClient(s.address) for name, s in servers.items()}
         http = HttpEmbedder(server, model_name)
         try:
@@ -122,7 +127,7 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
             for client in clients.values():
                 client.close()
         _mixed(workers, server, workload, graphs, rounds, raw, grpc_out)
-        _short(workers, server, workload, rounds, raw, grpc_out)
+        _short(workers, server, servers["workers"], workload, rounds, raw, grpc_out)
         raw["attention"] = worker.call("attention", quick=quick)
         grpc_out["attention"] = measure_attention(server, workload, reps["attention"], num_layers)
         grpc_out["final_rss_bytes"] = server.status()["rss"]
@@ -149,7 +154,8 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: dict, clients: dict,
     for key, (w, graph, tokenize) in raw_sides.items():
         if key != "opt":
             w.call("shape", name=shape.name, graph=graph, calls=0, warmup=1, tokenize=tokenize)
-    served_sides = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts)}
+    served_sides = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts),
+                    "grpc_workers": lambda: clients["workers"].embed(texts)}
     if "int8" in clients:
         served_sides["grpc_int8"] = lambda: clients["int8"].embed(texts)
     rss_before = server.status()["rss"]
@@ -177,7 +183,8 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: dict, clients: dict,
                      ("default", raw["default_shapes"]),
                      ("default_texts", raw["default_texts_shapes"]), ("int8", raw["int8_shapes"]),
                      ("grpc", grpc_out["shapes"]), ("http", grpc_out["http_shapes"]),
-                     ("grpc_int8", grpc_out["int8_shapes"])):
+                     ("grpc_int8", grpc_out["int8_shapes"]),
+                     ("grpc_workers", grpc_out["workers_shapes"])):
         if key in rows:
             out[shape.name] = rows[key]
     grpc_out["shapes"][shape.name]["server"] = Measured.merge(breakdowns)
@@ -242,10 +249,11 @@ def _mixed(workers: dict[str, RawWorker], server: ServerProcess, workload: Workl
     grpc_out["concurrency"]["64"]["paired_ratios_to_raw_ideal"] = paired_ratios
 
 
-def _short(workers: dict[str, RawWorker], server: ServerProcess, workload: Workload,
-           rounds: int, raw: dict, grpc_out: dict) -> None:
+def _short(workers: dict[str, RawWorker], server: ServerProcess, group: ServerProcess,
+           workload: Workload, rounds: int, raw: dict, grpc_out: dict) -> None:
     """Short texts: the raw sessions on their ideal batches against 64 callers of one
-    text each (order flipped every round)."""
+    text each, on one connection; and 64 callers on a connection each, against the server
+    and against the server of WORKERS front ends (order flipped every round)."""
     texts, tokens = workload.short.texts, sum(workload.short.lengths)
     sides = {"ideal": workers["server"], "ideal_default": workers["default"]}
     for w in sides.values():  # warm-up
@@ -266,13 +274,21 @@ def _short(workers: dict[str, RawWorker], server: ServerProcess, workload: Workl
             breakdowns.append(m.summary())
             runs.setdefault("callers", []).append(seconds)
             latencies.setdefault("callers", []).extend(lat)
+            for key, target in (("connections", server), ("workers", group)):
+                seconds, lat = asyncio.run(run_callers(target.address, texts, 64, 64))
+                runs.setdefault(key, []).append(seconds)
+                latencies.setdefault(key, []).extend(lat)
     raw["short_ideal"] = workload_row(runs["ideal"], latencies["ideal"], tokens)
     raw["default_short_ideal"] = workload_row(runs["ideal_default"], latencies["ideal_default"],
                                               tokens)
     grpc_out["short_callers"] = row = _callers_row(runs["callers"], latencies["callers"], tokens,
                                                    64, breakdowns)
-    log.info("phase=paired short callers=64 tokens_per_s=%.0f raw_ideal=%.0f",
-             row["tokens_per_s"], raw["short_ideal"]["tokens_per_s"])
+    for key in ("connections", "workers"):
+        grpc_out[f"short_{key}"] = workload_row(runs[key], latencies[key], tokens)
+    log.info("phase=paired short callers=64 tokens_per_s=%.0f raw_ideal=%.0f "
+             "connections_tokens_per_s=%.0f workers_tokens_per_s=%.0f", row["tokens_per_s"],
+             raw["short_ideal"]["tokens_per_s"], grpc_out["short_connections"]["tokens_per_s"],
+             grpc_out["short_workers"]["tokens_per_s"])
 
 
 def _callers_row(runs: list[float], latencies: list[float], tokens: int, callers: int,

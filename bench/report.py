@@ -10,9 +10,11 @@ RAW, PLAIN, DEFAULT, RAW_INT8 = ("raw ORT", "raw ORT plain graph", "raw ORT defa
                                  "raw ORT int8")
 DEFAULT_TEXTS = "tokenizer + raw ORT default options"
 GRPC, HTTP, GRPC_INT8 = "attnserve gRPC", "attnserve HTTP /v1/embeddings", "attnserve gRPC int8"
+GRPC_WORKERS = "attnserve gRPC, --workers 2"
 OURS, ST = "PyTorch eager (ours)", "sentence-transformers"
 MIXED_IDEAL, MIXED_ONE = "mixed, ideal batches", "mixed, one at a time"
 SHORT_IDEAL, SHORT_CALLERS = "short, ideal batches", "short, 64 callers"
+SHORT_CONNECTIONS = "short, 64 callers, a connection each"
 
 
 def callers_name(n: int) -> str:
@@ -48,13 +50,14 @@ def build_rows(result: dict, model: ModelShape) -> list[dict]:
                    (GRPC, grpc.get("shapes", {}).get(name)),
                    (HTTP, grpc.get("http_shapes", {}).get(name)),
                    (GRPC_INT8, grpc.get("int8_shapes", {}).get(name)),
+                   (GRPC_WORKERS, grpc.get("workers_shapes", {}).get(name)),
                    (OURS, torch.get("ours", {}).get("shapes", {}).get(name)),
                    (ST, torch.get("st", {}).get("shapes", {}).get(name))]
         served = grpc.get("shapes", {}).get(name)
         for system, data in sources:
             if data:
                 note = (f"{data['tokens_per_s'] / served['tokens_per_s']:.2f}× gRPC"
-                        if system in (HTTP, GRPC_INT8) and served else "")
+                        if system in (HTTP, GRPC_INT8, GRPC_WORKERS) and served else "")
                 rows.append(_row(name, system, data, flops, peak, ceiling, note))
     flops = model.workload_flops(workload["mixed_lengths"])
     ideal = raw.get("mixed_ideal")
@@ -85,6 +88,12 @@ def build_rows(result: dict, model: ModelShape) -> list[dict]:
         rows.append(_row(SHORT_CALLERS, GRPC, data, flops, peak, short,
                          f"padded/real {data['padded_over_real']:.2f}, mean batch "
                          f"{data['mean_batch_size']:.1f}"))
+        one = grpc.get("short_connections")
+        if one:
+            rows.append(_row(SHORT_CONNECTIONS, GRPC, one, flops, peak, short))
+            group = grpc["short_workers"]
+            rows.append(_row(SHORT_CONNECTIONS, GRPC_WORKERS, group, flops, peak, short,
+                             f"{group['tokens_per_s'] / one['tokens_per_s']:.2f}× gRPC"))
     return rows
 
 
@@ -336,7 +345,7 @@ def update_page(page: str, key: str, section: str) -> str:
 
 SYSTEM_COLORS = {RAW: "#1f77b4", PLAIN: "#aec7e8", DEFAULT: "#17becf", DEFAULT_TEXTS: "#bcbd22",
                  RAW_INT8: "#9edae5", GRPC: "#d62728", HTTP: "#ff9896", GRPC_INT8: "#8c564b",
-                 OURS: "#2ca02c", ST: "#ff7f0e"}
+                 GRPC_WORKERS: "#9467bd", OURS: "#2ca02c", ST: "#ff7f0e"}
 
 
 def plot(result: dict, rows: list[dict], path: Path) -> None:

@@ -115,15 +115,19 @@ class Measured:
 
 # --- measurements ----------------------------------------------------------------------------
 
-async def run_callers(address: str, texts: list[str], callers: int) -> tuple[float, list[float]]:
-    """`callers` concurrent callers, each sending one text per request until all are sent."""
+async def run_callers(address: str, texts: list[str], callers: int,
+                      connections: int = 1) -> tuple[float, list[float]]:
+    """`callers` concurrent callers over `connections` channels (a front end per
+    connection with --workers), each sending one text per request until all are sent."""
     latencies: list[float] = []
     next_index = 0
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.EncoderServiceStub(channel)
-        await stub.Embed(pb.EmbedRequest(texts=texts[:1]))
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                for _ in range(connections)]
+    try:
+        stubs = [pb_grpc.EncoderServiceStub(channel) for channel in channels]
+        await asyncio.gather(*(stub.Embed(pb.EmbedRequest(texts=texts[:1])) for stub in stubs))
 
-        async def caller():
+        async def caller(stub):
             nonlocal next_index
             while next_index < len(texts):
                 text = texts[next_index]
@@ -133,8 +137,11 @@ async def run_callers(address: str, texts: list[str], callers: int) -> tuple[flo
                 latencies.append(time.perf_counter() - t0)
 
         started = time.perf_counter()
-        await asyncio.gather(*(caller() for _ in range(callers)))
+        await asyncio.gather(*(caller(stubs[i % connections]) for i in range(callers)))
         return time.perf_counter() - started, latencies
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 ATTENTION_CONFIGS = (("none", None, False), ("none", None, True), ("one", [0], False),

@@ -162,10 +162,9 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             outputs=outputs_for(plan),
             layers=plan.attention.graph_layers if plan.attention else (),
             chunking=plan.chunking, normalize=plan.normalize), holds, deadline)
-        counts = embedded.chunk_counts
-        response_bytes = size.measure(counts if plan.chunking else embedded.lengths)
+        results = int(embedded.chunk_counts.sum()) if plan.chunking else len(embedded.ids)
         return await self.engine.pack(
-            (len(embedded.ids) + int(counts.sum())) * RESULT_S + response_bytes * COPY_BYTE_S,
+            results * RESULT_S + embedded.response_bytes * COPY_BYTE_S,
             embed_response, embedded, plan, self.manifest.model_name)
 
     async def Embed(self, request, context):

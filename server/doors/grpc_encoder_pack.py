@@ -164,10 +164,9 @@ def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifes
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
     total = _response_head_bytes(manifest, int(lengths.sum()))
     for length in np.flatnonzero(counts).tolist():
-        count = int(counts[length])
         one = embedding_bytes(length, plan, manifest.hidden_size, manifest.num_heads,
                               manifest.vocab_size, value_bytes)
-        total += count * field_bytes(one)
+        total += int(counts[length]) * field_bytes(one)
     return total
 
 

@@ -166,7 +166,7 @@ class Engine:
         size = request.size.check(lengths)
         results = await self._run(ids, lengths, names.sequence, request.layers, request.outputs,
                                   size, holds, deadline)
-        return Embedded(ids, lengths, results)
+        return Embedded(ids, lengths, results, response_bytes=size)
 
     # --- embed, chunked -----------------------------------------------------------------
 
@@ -209,7 +209,7 @@ class Engine:
                                       (), outputs, size, holds, deadline, spans)
         return Embedded([], lengths, [], await self.offload.request(
             cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._chunk_vectors, plans,
-            list(map(len, per_text)), results, request.normalize))
+            list(map(len, per_text)), results, request.normalize), size)
 
     def _plan_chunks(self, texts: Sequence[str], chunking: Chunking, overlap: int,
                      names: FieldNames, size: ResponseSize, holds: Holds) -> list[TextPlan]:

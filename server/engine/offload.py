@@ -94,17 +94,15 @@ class Offload:
         self.requests_pool = requests
         self.responses_pool = responses
 
-    @staticmethod
-    async def _run(pool: ThreadPoolExecutor, seconds: float, work: Callable[..., T], *args) -> T:
+    async def request(self, seconds: float, work: Callable[..., T], *args) -> T:
         if seconds < INLINE_S:
             return work(*args)
-        return await asyncio.get_running_loop().run_in_executor(pool, work, *args)
-
-    async def request(self, seconds: float, work: Callable[..., T], *args) -> T:
-        return await self._run(self.requests_pool, seconds, work, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.requests_pool, work, *args)
 
     async def response(self, seconds: float, work: Callable[..., T], *args) -> T:
-        return await self._run(self.responses_pool, seconds, work, *args)
+        if seconds < INLINE_S:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.responses_pool, work, *args)
 
 
 def on_every_thread(pool: ThreadPoolExecutor, threads: int, work: Callable[[], None]) -> list[Future]:

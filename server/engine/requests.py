@@ -123,6 +123,8 @@ class Embedded:
     """in request order (none with chunking)"""
     chunked: list[ChunkedText] = field(default_factory=list)
     """with chunking: each text's chunks, in request order"""
+    response_bytes: int = 0
+    """the door's response, as its ResponseSize measured it"""
 
     @property
     def total_tokens(self) -> int:

@@ -47,10 +47,12 @@ class Totals:
     def add(self, nbytes: int) -> None:
         self.held += nbytes
 
-    @contextlib.contextmanager
-    def exclusive(self):
+    def exclusive(self) -> contextlib.AbstractContextManager:
         """Held while a take is checked and made: the ledger's own lock suffices here."""
-        yield
+        return _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 class Ledger:
@@ -102,11 +104,13 @@ class Ledger:
                        own: int) -> None:
         """Refuse, or add `nbytes` with `on_top` more still free after it; `own`: what
         the calling call holds already (its connection's other calls hold the rest)."""
-        if nbytes + on_top > self.limit:
+        totals = self.totals
+        limit = totals.limit
+        if nbytes + on_top > limit:
             raise ResourceExhausted(
                 f"{what}: needs about {nbytes / MIB:.1f} MiB"
                 f"{f' beside {on_top / MIB:.0f} MiB for its batch' if on_top else ''}, more "
-                f"than the whole memory budget of {self.limit / MIB:.0f} MiB")
+                f"than the whole memory budget of {limit / MIB:.0f} MiB")
         mine = self.by_connection.get(connection, 0) if connection else 0
         if mine > own and mine + nbytes > self.connection_limit():
             raise ResourceExhausted(
@@ -116,15 +120,15 @@ class Ledger:
                 "spread calls over more connections")
         # Batches run in what the ledger leaves: it keeps free what those in flight hold,
         # and at least what the largest still waiting (or this call's own) needs alone.
-        kept = max(self.reserve, self.batches, on_top)
-        held = self.held
-        if nbytes > self.limit - held - kept:
+        kept = max(totals.reserve, totals.batches, on_top)
+        held = totals.held
+        if nbytes > limit - held - kept:
             raise ResourceExhausted(
                 f"{what}: needs about {nbytes / MIB:.1f} MiB, but of the memory budget of "
-                f"{self.limit / MIB:.0f} MiB, {held / MIB:.0f} MiB is held by requests "
+                f"{limit / MIB:.0f} MiB, {held / MIB:.0f} MiB is held by requests "
                 f"being parsed or tokenized and answers not yet sent and {kept / MIB:.0f} MiB "
                 "is kept for batches; retry with backoff")
-        self.totals.add(nbytes)
+        totals.add(nbytes)
         if connection:
             self.by_connection[connection] = mine + nbytes
 
