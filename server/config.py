@@ -150,7 +150,8 @@ _HELP = {
     "workers": "front-end processes (each parsing, tokenizing and packing on its own event "
                "loop, all on the same ports) around one engine process that owns the sessions, "
                "the queue, the batch loop and the memory budget; 1: one process, no hop "
-               "between them; auto: see docs/configuration.md",
+               "between them; auto: 1 on the CPU, on a GPU one for every two cores this "
+               "process may use (its CPU limit counted), at most 8",
     "cuda_graphs": "on: capture one CUDA graph per shape bucket (needs shape buckets) and "
                    "replay it, with fixed input and output buffers (IO binding); on the CPU "
                    "only the fixed buffers",

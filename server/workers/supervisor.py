@@ -18,6 +18,7 @@ up, with every pid of the group."""
 
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
@@ -234,10 +236,25 @@ def workers_for(config: ServeConfig) -> int:
     if config.workers != "auto":
         return int(config.workers)
     cuda = config.device == "cuda" or (config.device == "auto" and gpu_present()[0])
-    return auto_workers(cuda, len(os.sched_getaffinity(0)))
+    return auto_workers(cuda, usable_cores())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on, and no more than its cgroup's CPU quota (a
+    Kubernetes CPU limit) allows."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cores
+    return cores if quota == "max" else max(1, min(cores, math.ceil(int(quota) / int(period))))
 
 
 def auto_workers(cuda: bool, cores: int) -> int:
+    """One process on the CPU, where the model takes every core a front end would want
+    (a group pays off there only for a model far cheaper than its callers' calls:
+    bench/workers.py); on a GPU, a front end for every two cores, up to
+    MAX_AUTO_WORKERS, the rest left to the engine process."""
     if not cuda:
         return 1
     return max(1, min(MAX_AUTO_WORKERS, cores // 2))

@@ -67,11 +67,13 @@ def test_build_stage_generates_stubs_bakes_artifact_and_builds_wheel(device):
     steps = [
         "python -m venv .venv",
         "download.pytorch.org/whl/cpu",
-        "'.[export]'",
+        "'.[export,profile]'" if device == "cpu" else "'.[export]'",
         "make proto",
         # the CPU image measures memory with the allocation hook (the GPU's reads NVML)
         *(["alloc-hook"] if device == "cpu" else []),
         "attnserve export --out /artifact",
+        # the CPU image admits on a memory model fitted at build (the GPU's on its device)
+        *(["attnserve memory-profile --artifact /artifact"] if device == "cpu" else []),
         "pip wheel --no-deps --wheel-dir /wheels .",
     ]
     positions = [build.find(step) for step in steps]

@@ -188,8 +188,11 @@ def test_overlay_device_image_and_resources(rendered, name):
     limits = c["resources"]["limits"]
     assert flag(objs, "--device") == {"cpu": "cpu", "gpu": "cuda"}[name]
     assert c["image"].endswith(f"-{name}"), "the overlay runs the image built for its device"
-    # onnxruntime's pool sized to the pod's CPU, never to the node's cores.
-    assert int(flag(objs, "--intra-op-threads")) == cpu_quantity(limits["cpu"])
+    # onnxruntime's pool, and the front-end processes beside it, sized to the pod's CPU,
+    # never to the node's cores.
+    threads = int(flag(objs, "--intra-op-threads"))
+    workers = int(flag(objs, "--workers")) if "--workers" in flags(objs) else 1
+    assert (threads if workers == 1 else workers + threads) == cpu_quantity(limits["cpu"])
     if name == "gpu":
         assert str(limits["nvidia.com/gpu"]) == "1"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]

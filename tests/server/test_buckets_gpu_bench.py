@@ -1,6 +1,6 @@
 """The GPU benchmark's CPU dry run (bench/gpu_bench.sh --device cpu --quick), end to end:
-what it runs on a GPU runs here first. Two server configurations, tiny model, small
-workloads."""
+what it runs on a GPU runs here first. Three server configurations (one process, two
+front ends, CUDA graphs), tiny model, small workloads."""
 
 import json
 import os
@@ -13,14 +13,14 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_its_table(tmp_path, tiny_a
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
     env.update(OUT=str(tmp_path), TMPDIR=str(tmp_path), GPU_BENCH_TIMEOUT_S="500")
     done = subprocess.run([str(REPO / "bench" / "gpu_bench.sh"), "--device", "cpu", "--quick",
-                           "--artifact", str(tiny_artifact), "--configs", "default,CUDA graphs",
+                           "--artifact", str(tiny_artifact), "--configs", "default,2 workers,CUDA graphs",
                            "--budget-s", "450"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| 32x128, one caller, p50 |" in done.stdout
     result = json.loads((tmp_path / "gpu_bench.json").read_text())
     servers = result["servers"]
-    assert set(servers) == {"default", "CUDA graphs"}
+    assert set(servers) == {"default", "2 workers", "CUDA graphs"}
     for name, server in servers.items():
         assert "error" not in server, (name, server)
         assert server["mixed"]["requests"] == result["mixed_distribution"]["count"]
