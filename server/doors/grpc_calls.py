@@ -231,23 +231,19 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                 await refuse(refused, context)
             return handler._replace(request_deserializer=lambda data: None,
                                     **{kind: unauthenticated})
+        async def received(request, context):
+            holds = start(context)
+            if handler.request_streaming:
+                return checked(request, context, holds)
+            return (await decoded(request, context, holds))[0]
+
         if inspect.isasyncgenfunction(inner):
             async def behaviour(request, context):
-                holds = start(context)
-                if handler.request_streaming:
-                    request = checked(request, context, holds)
-                else:
-                    request, _ = await decoded(request, context, holds)
-                async for response in inner(request, context):
+                async for response in inner(await received(request, context), context):
                     yield response
         else:
             async def behaviour(request, context):
-                holds = start(context)
-                if handler.request_streaming:
-                    request = checked(request, context, holds)
-                else:
-                    request, _ = await decoded(request, context, holds)
-                return await inner(request, context)
+                return await inner(await received(request, context), context)
         return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
 
 

@@ -18,8 +18,6 @@ from grpc_status import rpc_status
 from attnserve.client import EncoderClient
 from attnserve.harness import ATTNSERVE, REPO
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from tests.conftest import minilm_dir
 from tests.hugging_face import HuggingFace
 from tests.server.reliability import MIB, HealthProbe, serve
 
@@ -45,23 +43,6 @@ def english(sentences: int, seed: int = 0) -> str:
                    f"and it did so {i} times.")
         out.append("\n\n" if i % 9 == 8 else " ")
     return "".join(out).strip()
-
-
-@pytest.fixture(scope="module")
-def client(minilm_server):
-    with EncoderClient(minilm_server.address) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def stub(minilm_server):
-    with grpc.insecure_channel(minilm_server.address) as channel:
-        yield pb_grpc.EncoderServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return HuggingFace(minilm_dir())
 
 
 def token_ranges(hf: HuggingFace, text: str, chunks) -> tuple[list[int], list[tuple[int, int]]]:

@@ -9,12 +9,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from attnserve.artifact import load_artifact
-from attnserve.client import EncoderClient, to_numpy
+from attnserve.client import to_numpy
 from attnserve.harness import delta
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from tests.conftest import minilm_dir
-from tests.hugging_face import HuggingFace
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers
@@ -29,23 +26,6 @@ TEXTS = [
 # these texts: hidden states 2.3e-6, attention maps 2.0e-6 at most.
 HIDDEN_ATOL = 2e-5
 MAPS_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def client(minilm_server):
-    with EncoderClient(minilm_server.address) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def stub(minilm_server):
-    with grpc.insecure_channel(minilm_server.address) as channel:
-        yield pb_grpc.EncoderServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return HuggingFace(minilm_dir())
 
 
 def test_pooled_embeddings_match_sentence_transformers(client):
