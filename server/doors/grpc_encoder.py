@@ -15,9 +15,9 @@ from attnserve.server.doors.grpc_encoder_pack import (
     chunked_response_bytes,
     embed_response,
     embed_response_bytes,
-    field_bytes,
     outputs_for,
 )
+from attnserve.server.doors.grpc_wire import field_bytes
 from attnserve.server.engine.engine import Engine
 from attnserve.server.engine.errors import InvalidArgument
 from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S

@@ -9,6 +9,7 @@ import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server.doors.grpc_wire import field_bytes, varint_bytes
 from attnserve.server.engine.requests import ChunkedText, Chunking, Embedded
 from attnserve.server.runtime.backend import Outputs, SequenceResult
 
@@ -122,15 +123,6 @@ def embed_response(embedded: Embedded, plan: EmbedPlan, model: str) -> pb.EmbedR
 # and length prefix. Where a figure depends on values not known yet (the ids), it counts
 # the largest, so the size is never under the real one: gRPC refuses to send a message
 # over its limit, after all the inference it took.
-
-
-def varint_bytes(value: int) -> int:
-    return max(1, (int(value).bit_length() + 6) // 7)
-
-
-def field_bytes(payload: int) -> int:
-    """A length-delimited field of `payload` bytes with a one-byte tag (fields 1-15)."""
-    return 1 + varint_bytes(payload) + payload
 
 
 def tensor_bytes(shape: tuple[int, ...], value_bytes: float) -> int:

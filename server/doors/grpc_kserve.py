@@ -13,7 +13,7 @@ import numpy as np
 from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
-from attnserve.server.doors.grpc_encoder_pack import field_bytes
+from attnserve.server.doors.grpc_wire import field_bytes
 from attnserve.server.engine.engine import Engine
 from attnserve.server.engine.errors import InvalidArgument, NotFound, quote
 from attnserve.server.engine.offload import COPY_BYTE_S

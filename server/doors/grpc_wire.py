@@ -146,3 +146,13 @@ def decode_in_slices(cls: type[Message], data: bytes, max_entries: int) -> Messa
     for start, end in itertools.pairwise(shape.cuts):
         message.MergeFromString(view[start:end])
     return message
+
+
+def varint_bytes(value: int) -> int:
+    """The bytes of `value` as a protobuf varint."""
+    return max(1, (int(value).bit_length() + 6) // 7)
+
+
+def field_bytes(payload: int) -> int:
+    """A length-delimited field of `payload` bytes with a one-byte tag (fields 1-15)."""
+    return 1 + varint_bytes(payload) + payload

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -291,12 +292,24 @@ def test_http_calls_are_counted_by_route_and_grpc_code(minilm_server):
     post(minilm_server.http_url + "/v1/embeddings", json.dumps(with_model(input="hi")).encode())
     post(minilm_server.http_url + "/v1/embeddings", json.dumps(with_model(input=[])).encode())
     post(minilm_server.http_url + f"/v2/models/{MODEL}/infer", json.dumps({"inputs": []}).encode())
+    calls = (("http:/v1/embeddings", "OK"), ("http:/v1/embeddings", "INVALID_ARGUMENT"),
+             ("http:/v2/infer", "INVALID_ARGUMENT"))
+    counts = [(name, rpc, code) for rpc, code in calls
+              for name in ("attnserve_requests_total", "attnserve_request_duration_seconds_count")]
+
+    def counted(after) -> bool:
+        return all(delta(before, after, name, rpc=rpc, code=code) == 1 for name, rpc, code in counts)
+
+    # A call is counted once its answer has been written to the socket, which the client
+    # can read (and scrape after) a moment before the server's event loop gets back to it.
     after = minilm_server.scrape()
-    for rpc, code in (("http:/v1/embeddings", "OK"), ("http:/v1/embeddings", "INVALID_ARGUMENT"),
-                      ("http:/v2/infer", "INVALID_ARGUMENT")):
-        assert delta(before, after, "attnserve_requests_total", rpc=rpc, code=code) == 1, (rpc, code)
-        assert delta(before, after, "attnserve_request_duration_seconds_count", rpc=rpc,
-                     code=code) == 1, (rpc, code)
+    for _ in range(100):
+        if counted(after):
+            break
+        time.sleep(0.05)
+        after = minilm_server.scrape()
+    for name, rpc, code in counts:
+        assert delta(before, after, name, rpc=rpc, code=code) == 1, (name, rpc, code)
 
 
 @pytest.fixture(scope="module")
