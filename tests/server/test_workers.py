@@ -162,10 +162,12 @@ def infer_request(model: str, ids: list[int]) -> bytes:
 def test_a_killed_front_end_fails_only_its_calls_and_is_replaced(minilm_artifact):
     model = load_artifact(minilm_artifact).manifest.model_name
     rng = np.random.default_rng(3)
-    with serve(minilm_artifact, "--workers", "2") as server:
+    # One onnxruntime thread and at most one batch's worth of sequences: the long request is
+    # one batch, seconds long, that outlasts the kill and the replacement.
+    with serve(minilm_artifact, "--workers", "2", "--intra-op-threads", "1") as server:
         a, b = children(server.proc.pid)["front"]
         with grpc.insecure_channel(server.address, options=BIG) as channel:
-            count = sequences_for(stub(channel), rng, 3.0)
+            count = sequences_for(stub(channel), rng, 8.0, most=32)
         # The engine busy with a long request (from b), a call queued behind it on each.
         long_call = connection_to(server, b, server.http_port)
         long_call.sendall(http_embed(model, ["word " * 500] * count))
