@@ -27,7 +27,7 @@ from attnserve.artifact import HIDDEN_OUTPUT
 from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.queue import Limits, RequestQueue, State, Waiting
 from attnserve.server.memory.budget import MemoryBudget
-from attnserve.server.memory.probe import MemoryProbe
+from attnserve.server.memory.probe import TRIM_AFTER_BYTES, MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import Backend, BatchOutput, Outputs, SequenceResult, Shape
 
@@ -37,13 +37,12 @@ log = logging.getLogger("attnserve.batch_loop")
 # batch of its own length instead. At 64 mixed-length callers 1.1 gave 10 % more
 # throughput than 1.2 (and 1.3 less): on the CPU, padding costs as much as real work.
 MAX_PADDING_RATIO = 1.1
-# After a batch that raised the resident set by this much, the memory it freed goes back
-# to the OS once the server has been idle for IDLE_TRIM_S. Not at once: a caller sending
+# After a batch that raised the resident set by TRIM_AFTER_BYTES, the memory it freed goes
+# back to the OS once the server has been idle for IDLE_TRIM_S. Not at once: a caller sending
 # batch after batch would have each one fault its memory in again (32×128: ~8 % slower);
 # meanwhile the next batch and the response reuse the freed memory instead. A batch that
 # took this share of the memory budget gives it back at once: kept beside the response
 # being built, it would overshoot the budget.
-TRIM_AFTER_BYTES = 16 << 20
 IDLE_TRIM_S = 0.05
 TRIM_NOW_BUDGET_SHARE = 0.25
 # Without the allocation hook (MemoryProbe.exact: every batch measured), measuring a

@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 
 from attnserve.artifact import TOKENIZER, Artifact, ArtifactError
 from attnserve.server.memory.ledger import Holds
-from attnserve.server.memory.probe import trim_heap
+from attnserve.server.memory.probe import TRIM_AFTER_BYTES, trim_heap
 
 # A slice: at most this many texts, or this many characters to tokenize.
 SLICE_TEXTS = 256
@@ -58,8 +58,6 @@ KEPT_BYTES_PER_DETAIL = 160
 # of each of its tokens: id, start, end (int64 each) and whether it starts a word.
 PIECE_CHARS = 16 << 10
 KEPT_BYTES_PER_WHOLE_TOKEN = 32
-# After tokenizing this much, the heap's freed pages go back to the OS.
-TRIM_AFTER_BYTES = 16 << 20
 
 _WHITESPACE_CUT = r"(?<=\S)\s"
 # BERT's pre-tokenizer splits off every punctuation character (these are the ASCII ones)

@@ -16,16 +16,15 @@ import threading
 from concurrent.futures import Executor
 
 from attnserve.server.engine.errors import ResourceExhausted
-from attnserve.server.memory.probe import trim_heap
+from attnserve.server.memory.probe import TRIM_AFTER_BYTES, trim_heap
 
 MIB = 1 << 20
 # One connection may hold this share of the ledger (any one call of it may hold more,
 # when nothing else of the connection is held), so a caller that stops reading (zero
 # HTTP/2 window) leaves the rest to the others.
 PER_CONNECTION_SHARE = 0.25
-# A call that held this much gives the heap's free pages back to the OS once it is over,
-# after a moment for the transport to free what it sent.
-TRIM_AFTER_BYTES = 16 << 20
+# A call that held TRIM_AFTER_BYTES gives the heap's free pages back to the OS once it is
+# over, after a moment for the transport to free what it sent.
 TRIM_DELAY_S = 0.05
 
 

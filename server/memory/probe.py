@@ -189,6 +189,12 @@ def keep_freed_memory() -> bool:
         (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
+# Work that held this much hands the heap's freed pages back to the OS after it (each
+# caller says when): below it, freed memory is cheaper kept for the next request than
+# faulted in again.
+TRIM_AFTER_BYTES = 16 << 20
+
+
 def trim_heap() -> bool:
     """Return the heap's free pages to the OS (glibc malloc_trim(0), all arenas)."""
     if _MALLOC_TRIM is None:

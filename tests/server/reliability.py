@@ -325,22 +325,36 @@ class ZeroWindowClient:
 
 
 class Peak:
-    """The server's resident peak: sampled every few milliseconds, and its VmHWM (which
-    the server resets at each batch start) read after each request."""
+    """The server's resident peak: its resident set sampled every few milliseconds
+    (`sampled`), and the sum of its processes' VmHWM read after each request (`marks`).
+    Each read starts a new window: it resets every process's VmHWM, as the engine resets
+    its own at each batch start, so a front end's mark does not keep an earlier request's
+    peak. With --workers the marks are an upper bound: they add the engine's peak in a batch
+    to a front end's in packing its answer, which happen one after the other."""
 
     def __init__(self, server: ServerProcess):
-        self.server, self.peak, self.stop = server, 0, threading.Event()
+        self.server, self.sampled, self.marks = server, 0, 0
+        self.stop = threading.Event()
+        self._new_window()
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
 
     def _sample(self) -> None:
         while not self.stop.is_set():
-            self.peak = max(self.peak, self.server.status()["rss"])
+            self.sampled = max(self.sampled, self.server.status()["rss"])
             time.sleep(0.002)
 
     def read(self) -> int:
-        self.peak = max(self.peak, self.server.status()["hwm"])
-        return self.peak
+        self.marks = max(self.marks, self.server.status()["hwm"])
+        self._new_window()
+        return max(self.sampled, self.marks)
+
+    def _new_window(self) -> None:
+        for pid in self.server.pids:
+            try:
+                Path(f"/proc/{pid}/clear_refs").write_text("5")  # 5: reset VmHWM to VmRSS
+            except OSError:  # a front end restarting
+                pass
 
     def close(self) -> int:
         self.stop.set()
