@@ -35,21 +35,28 @@ def bench_server(artifact: Path, log_path: Path, extra: list[str], threads: int)
 
 
 class HttpEmbedder:
-    """POST /v1/embeddings on one kept-alive connection, the body an OpenAI client sends."""
+    """POST /v1/embeddings on one kept-alive connection, the body an OpenAI client sends.
+    The server closes a connection idle for --http-header-timeout-seconds (between the
+    benchmark's blocks, say); a new one replaces it, as a client's connection pool does."""
 
     def __init__(self, server: ServerProcess, model: str):
         self.connection = http.client.HTTPConnection("127.0.0.1", server.http_port)
         self.model = model
 
     def embed(self, texts: list[str]) -> dict:
-        self.connection.request("POST", "/v1/embeddings",
-                                json.dumps({"input": texts, "model": self.model}),
-                                {"Content-Type": "application/json"})
-        response = self.connection.getresponse()
-        body = response.read()
+        body = json.dumps({"input": texts, "model": self.model})
+        headers = {"Content-Type": "application/json"}
+        try:
+            self.connection.request("POST", "/v1/embeddings", body, headers)
+            response = self.connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            self.connection.close()  # the next request opens a new connection
+            self.connection.request("POST", "/v1/embeddings", body, headers)
+            response = self.connection.getresponse()
+        answer = response.read()
         if response.status != 200:
-            raise RuntimeError(f"/v1/embeddings: HTTP {response.status}: {body[:300]!r}")
-        return json.loads(body)
+            raise RuntimeError(f"/v1/embeddings: HTTP {response.status}: {answer[:300]!r}")
+        return json.loads(answer)
 
     def close(self) -> None:
         self.connection.close()
