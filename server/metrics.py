@@ -9,7 +9,7 @@ taken (queue depth, device memory, health, the model's info) come from `Live`, i
 process that serves /metrics."""
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,6 +29,19 @@ def length_edges(max_positions: int) -> list[int]:
         edges.append(edge)
         edge *= 2
     return edges + [max_positions]
+
+
+def answered_by_code(families: Iterable[Metric]) -> str:
+    """Calls answered by status over the counts' life, e.g. OK:12,UNAVAILABLE:3 (every rpc
+    summed), from collected metric families: what callers must have received, to compare
+    against their count."""
+    counts: dict[str, int] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name == "attnserve_requests_total":
+                code = sample.labels["code"]
+                counts[code] = counts.get(code, 0) + int(sample.value)
+    return ",".join(f"{code}:{n}" for code, n in sorted(counts.items())) or "none"
 
 
 def seq_len_bucket(length: int, edges: list[int]) -> str:

@@ -18,7 +18,7 @@ from attnserve.server.doors.grpc_encoder import EncoderService
 from attnserve.server.doors.grpc_kserve import KServeService
 from attnserve.server.doors.http_server import HttpServers
 from attnserve.server.engine.engine import Engine
-from attnserve.server.metrics import Metrics
+from attnserve.server.metrics import Metrics, answered_by_code
 
 SERVICES = (
     encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
@@ -122,12 +122,5 @@ class Ports:
         await asyncio.gather(self.grpc.stop(grace=1.0), self.http.stop())
 
     def answered(self) -> str:
-        """Calls answered over the process's life by status, e.g. OK:12,UNAVAILABLE:3: what
-        callers must have received, to compare against their count."""
-        counts: dict[str, int] = {}
-        for metric in self.metrics.requests.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    code = sample.labels["code"]
-                    counts[code] = counts.get(code, 0) + int(sample.value)
-        return ",".join(f"{code}:{n}" for code, n in sorted(counts.items())) or "none"
+        """Calls this process answered, by status (metrics.answered_by_code)."""
+        return answered_by_code(self.metrics.requests.collect())

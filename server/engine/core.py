@@ -48,9 +48,7 @@ class Core:
             raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid memory model "
                                 f"({err})") from err
         budget = config.memory_budget_bytes or int(self.probe.available_bytes() * DEFAULT_BUDGET_SHARE)
-        self.limits = Limits(config.max_batch_size, config.max_batch_tokens,
-                             config.max_queue_requests, config.max_queue_tokens, budget,
-                             config.max_wait_ms / 1000)
+        self.limits = Limits.of(config, budget)
         # On CUDA the budget is the device's; requests and responses live in host memory,
         # under a limit of their own.
         shared = self.backend.provider == CPU

@@ -14,7 +14,6 @@ the engine process's with `--workers`) and gets back each sequence's share of a 
 outputs.
 """
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -120,11 +119,8 @@ class Engine:
     async def pack(self, seconds: float, build: Callable[..., T], *args) -> T:
         """`build(*args)`: a door's response built from a result, inline when it costs
         less than offload.INLINE_S, else on the responses pool."""
-        started = time.perf_counter()
-        try:
+        with self.metrics.stage_duration.labels("respond").time():
             return await self.offload.response(seconds, build, *args)
-        finally:
-            self.metrics.stage_duration.labels("respond").observe(time.perf_counter() - started)
 
     async def _run(self, sequences: list[np.ndarray], lengths: np.ndarray,
                    field_of: Callable[[int], str], layers: tuple[int, ...], outputs: Outputs,
@@ -182,17 +178,15 @@ class Engine:
             raise InvalidArgument(names.chunking, "chunking cuts texts into chunks: send texts, "
                                   "not token ids")
         specials = len(self.tokenizer.empty.ids)
-        overlap = window_overlap(chunking, names, self.manifest.max_positions - specials)
+        width = self.manifest.max_positions - specials  # a window's tokens, specials aside
+        overlap = window_overlap(chunking, names, width)
         # A text may have no tokens, and so no chunks.
         self.scheduler.admit(0, at_least=True)
         request.size.check(np.zeros(len(texts), dtype=np.int64), at_least=True)
-        started = time.perf_counter()
-        try:
+        with self.metrics.stage_duration.labels("tokenize").time():
             plans = await self.offload.request(
                 cost(texts, TEXT_S, TEXT_CHAR_S + CUT_CHAR_S), self._plan_chunks, texts,
-                chunking, overlap, names, request.size, holds)
-        finally:
-            self.metrics.stage_duration.labels("tokenize").observe(time.perf_counter() - started)
+                chunking, width, overlap, names, request.size, holds)
         size = request.size.check(np.fromiter((p.chunks.count for p in plans), np.int64, len(plans)))
         per_text = [p.lengths(specials) for p in plans]
         lengths = np.concatenate(per_text)
@@ -211,10 +205,10 @@ class Engine:
             cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._chunk_vectors, plans,
             list(map(len, per_text)), results, request.normalize), size)
 
-    def _plan_chunks(self, texts: Sequence[str], chunking: Chunking, overlap: int,
+    def _plan_chunks(self, texts: Sequence[str], chunking: Chunking, width: int, overlap: int,
                      names: FieldNames, size: ResponseSize, holds: Holds) -> list[TextPlan]:
-        """Each text tokenized whole, cut into chunks and (LATE) placed in windows that
-        overlap by `overlap` tokens."""
+        """Each text tokenized whole, cut into chunks and (LATE) placed in windows of
+        `width` tokens that overlap by `overlap`."""
         max_tokens = chunking.max_tokens
         limit = self.max_chunking_chars
         for i, text in enumerate(texts):
@@ -226,7 +220,6 @@ class Engine:
         # Before any cutting: each text has at least this many chunks.
         size.check(np.fromiter((-(-len(t.ids) // max_tokens) for t in tokens), np.int64,
                                len(tokens)), at_least=True)
-        width = self.manifest.max_positions - len(self.tokenizer.empty.ids)
         plans = []
         for text, text_tokens in zip(texts, tokens, strict=True):
             chunks = cut(text, text_tokens, max_tokens)
@@ -295,15 +288,13 @@ class Engine:
 
     async def _tokenize(self, texts: Sequence[str], truncate: bool, names: FieldNames,
                         holds: Holds, details: bool) -> list[Encoded]:
-        started = time.perf_counter()
         try:
-            return await self.offload.request(
-                cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate, holds,
-                details)
+            with self.metrics.stage_duration.labels("tokenize").time():
+                return await self.offload.request(
+                    cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
+                    holds, details)
         except TooLong as err:
             raise InvalidArgument(names.sequence(err.index), err.reason) from err
-        finally:
-            self.metrics.stage_duration.labels("tokenize").observe(time.perf_counter() - started)
 
     async def tokenize(self, request: TokenizeRequest, holds: Holds) -> list[Encoded]:
         """Ids, tokens and character offsets of each text; the door holds its response."""

@@ -22,6 +22,7 @@ from itertools import islice
 
 import numpy as np
 
+from attnserve.server.config import ServeConfig
 from attnserve.server.engine.errors import (
     DeadlineExceeded,
     RequestError,
@@ -51,6 +52,12 @@ class Limits:
     max_queue_tokens: int
     memory_budget_bytes: int
     max_wait_s: float
+
+    @classmethod
+    def of(cls, config: ServeConfig, budget: int) -> "Limits":
+        """The server's settings, with the memory budget it resolved (`budget`)."""
+        return cls(config.max_batch_size, config.max_batch_tokens, config.max_queue_requests,
+                   config.max_queue_tokens, budget, config.max_wait_ms / 1000)
 
 
 def check_room(limits: Limits, draining: bool, requests: int, waiting: int, tokens: int,

@@ -150,9 +150,7 @@ class FrontProcess:
         self.remote = RemoteScheduler(sock, self.shared, manifest.num_heads, manifest.hidden_size,
                                       lambda: asyncio.ensure_future(self.ports.set_health(False)))
         facts: messages.EngineFacts = await self.remote.welcome
-        self.remote.limits = Limits(config.max_batch_size, config.max_batch_tokens,
-                                    config.max_queue_requests, config.max_queue_tokens,
-                                    facts.budget, config.max_wait_ms / 1000)
+        self.remote.limits = Limits.of(config, facts.budget)
         model = load_memory_model(self.artifact.directory, manifest, facts.provider, facts.precision)
         memory = MemoryBudget(model, facts.budget, manifest.num_heads, manifest.hidden_size,
                               facts.responses_in_budget, totals=SharedTotals(self.shared, self.index))

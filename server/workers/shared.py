@@ -15,18 +15,17 @@ import mmap
 import os
 import threading
 
-from attnserve.server.config import MAX_WORKERS as _MAX
+from attnserve.server.config import MAX_WORKERS
 from attnserve.server.memory.ledger import Totals
 
-MAX_WORKERS = _MAX
 ENGINE_SLOT = MAX_WORKERS
+"""the ledger slot of the engine process (a front end's is its index)"""
 DRAINED, DRAIN_TIMED_OUT = 1, 2
 CONFIG_ENV = "ATTNSERVE_INTERNAL_CONFIG"
 """the environment variable a process of the group finds its settings in, as JSON"""
 FRONT_ENDS_METRICS_ENV = "ATTNSERVE_INTERNAL_METRICS_DIR"
 """where the engine process finds the front ends' metric files (they find it in
 prometheus-client's own PROMETHEUS_MULTIPROC_DIR)"""
-"""the ledger slot of the engine process (a front end's is its index)"""
 
 
 class _Fields(ctypes.Structure):

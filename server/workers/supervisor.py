@@ -36,6 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from attnserve.server.config import ServeConfig, config_to_json
 from attnserve.server.doors.ports import PortInUse
 from attnserve.server.memory.probe import gpu_present
+from attnserve.server.metrics import answered_by_code
 from attnserve.server.workers.shared import (
     CONFIG_ENV,
     DRAINED,
@@ -202,17 +203,10 @@ class Group:
 
 
 def _answered(metrics_dir: str) -> str:
-    """Calls the group answered over its life by status, e.g. OK:12,UNAVAILABLE:3, from
-    every process's counts: what callers must have received."""
+    """Calls the group answered by status, from every front end's counts."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry, metrics_dir)
-    counts: dict[str, int] = {}
-    for metric in registry.collect():
-        for sample in metric.samples:
-            if sample.name == "attnserve_requests_total":
-                code = sample.labels["code"]
-                counts[code] = counts.get(code, 0) + int(sample.value)
-    return ",".join(f"{code}:{n}" for code, n in sorted(counts.items())) or "none"
+    return answered_by_code(registry.collect())
 
 
 def _stop_all(processes: list[subprocess.Popen], timeout: float) -> bool:
