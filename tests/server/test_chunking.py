@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attnserve.harness import minilm_dir
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server.doors.grpc_encoder_pack import EmbedPlan, chunked_response_bytes, tensor
 from attnserve.server.engine.batch_loop import span_means
@@ -18,7 +19,6 @@ from attnserve.server.engine.chunked import TextPlan
 from attnserve.server.engine.chunking import best_windows, cut, default_overlap, windows
 from attnserve.server.engine.requests import Chunking
 from attnserve.server.engine.tokenize import TextTokenizer
-from tests.conftest import minilm_dir
 from tests.server.test_hostile_units import Unlimited
 
 BOUNDED = settings(max_examples=80, deadline=None, derandomize=True, database=None,
