@@ -9,7 +9,7 @@ PROTOS := proto/attnserve/v1/encoder.proto proto/inference/grpc_service.proto
 # Flags `make serve` adds to `attnserve serve`, e.g. SERVE_ARGS="--port 50052 --log-level debug".
 SERVE_ARGS ?=
 
-.PHONY: serve test proto alloc-hook export memory-model docs lint tools lint-deps
+.PHONY: serve test proto alloc-hook export memory-model docs lint tools lint-deps bench
 .PHONY: image image-deps image-test
 
 # The environment: torch pinned to 2.13.0 (pip's configured wheel directory may hold its
@@ -80,6 +80,12 @@ lint-deps: .venv-lint/bin/checkov
 test: $(PROTO_OUT)/.stamp $(ALLOC_HOOK) tools lint-deps image-deps
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m workers --server-workers 2
+
+# The benchmarks (bench/, a repository tool, not part of the installed package), from the
+# checkout: BENCH_ARGS="--quick", "--docs docs/benchmarks.md", ... (python -m bench --help).
+BENCH_ARGS ?=
+bench: memory-model $(ALLOC_HOOK)
+	$(BIN)/python -m bench --artifact $(ARTIFACT) $(BENCH_ARGS)
 
 lint: $(BIN)/attnserve
 	$(BIN)/ruff check .

@@ -6,12 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-
-def setup_logging(level: str = "info") -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
+from attnserve.server.logs import setup_logging
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -105,13 +100,6 @@ def cmd_memory_profile(args: argparse.Namespace) -> int:
     from attnserve.server.memory.profile import run_memory_profile
 
     return run_memory_profile(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    # Imported here: the benchmark drives torch and onnxruntime in subprocesses of its own.
-    from attnserve.bench.run import main as run_bench
-
-    return run_bench(args.bench_args)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -216,13 +204,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "callers and print measured / predicted peak memory per seq_len bucket")
     p.set_defaults(func=cmd_memory_profile)
 
-    # Its flags belong to bench/run.py (`attnserve bench --help`): "+" as the prefix lets
-    # every "--flag" through to it untouched.
-    p = sub.add_parser("bench", add_help=False, prefix_chars="+",
-                       help="raw onnxruntime vs attnserve over gRPC vs PyTorch, one table "
-                            "(--quick: a 2-minute smoke run; --help for its flags)")
-    p.add_argument("bench_args", nargs="*", help="flags for bench/run.py")
-    p.set_defaults(func=cmd_bench)
     return parser, dict(sub.choices)
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from attnserve.bench.run import main
+from bench.run import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m attnserve.bench.chunking`: late chunking against isolated chunks, on one
+"""`python -m bench.chunking`: late chunking against isolated chunks, on one
 `attnserve serve` (a subprocess on loopback, the client here).
 
   1. Reference: the hand-written documents of bench/coreference.py, whose later sentences
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.bench.coreference import CHUNK_TOKENS, DOCUMENTS
-from attnserve.bench.measure import OtherLoad, wait_quiet
-from attnserve.bench.run import DEFAULT_ARTIFACT, RESULTS, environment
-from attnserve.bench.serving import Measured, bench_server
 from attnserve.client import EncoderClient
+from bench.coreference import CHUNK_TOKENS, DOCUMENTS
+from bench.measure import OtherLoad, wait_quiet
+from bench.run import DEFAULT_ARTIFACT, RESULTS, environment
+from bench.serving import Measured, bench_server
 
 log = logging.getLogger("bench.chunking")
 MODES = {"LATE": False, "ISOLATED": True}
@@ -47,7 +47,7 @@ def quiet(rounds: list[dict]) -> list[dict]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m attnserve.bench.chunking", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.chunking", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
     p.add_argument("--out-dir", type=Path, default=RESULTS / "chunking")

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.bench.measure import Reps, latency_summary, time_calls
-from attnserve.bench.workloads import TextMaker, mixed_lengths
-from attnserve.harness import ATTNSERVE, REPO, ServerProcess, sample
+from bench.harness import ATTNSERVE, REPO, ServerProcess, sample
+from bench.measure import Reps, latency_summary, time_calls
+from bench.workloads import TextMaker, mixed_lengths
 
 log = logging.getLogger("bench.gpu_bench")
 
@@ -149,8 +149,8 @@ def raw_phase(artifact_dir: Path, device: str, plan: Plan, texts: Texts, budget:
     import onnxruntime as ort
 
     from attnserve.artifact import load_artifact, pooled_output
-    from attnserve.bench.workloads import padded_batch
     from attnserve.server.runtime.ort_backend import CPU, CUDA, BoundRunner, providers_for, session_options
+    from bench.workloads import padded_batch
 
     artifact = load_artifact(artifact_dir)
     manifest = artifact.manifest
@@ -258,9 +258,9 @@ def _client(address: str, requests: list[list[str]], callers: int, start_at: flo
 async def _callers(address: str, requests: list[list[str]], callers: int, start_at: float) -> dict:
     import grpc
 
-    from attnserve.bench.serving import CHANNEL_OPTIONS
     from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
     from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+    from bench.serving import CHANNEL_OPTIONS
 
     latencies: list[float] = []
     pending = iter(requests)

@@ -14,7 +14,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 [[ -f server/_proto/attnserve/v1/encoder_pb2.py ]] || { echo "gpu_bench: server/_proto missing (make proto, or carry it)" >&2; exit 2; }
-timeout --kill-after=10 "${GPU_BENCH_TIMEOUT_S:-480}" "$PYTHON" -m attnserve.bench.gpu_bench \
+timeout --kill-after=10 "${GPU_BENCH_TIMEOUT_S:-480}" "$PYTHON" -m bench.gpu_bench \
   --budget-s "${GPU_BENCH_BUDGET_S:-450}" "$@"
 status=$?
 [[ $status -eq 124 || $status -eq 137 ]] && echo "gpu_bench: stopped at the time limit" >&2

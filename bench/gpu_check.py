@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.bench.measure import Reps, time_calls
+from bench.measure import Reps, time_calls
 
 log = logging.getLogger("bench.gpu_check")
 

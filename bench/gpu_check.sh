@@ -58,7 +58,7 @@ except Exception as err:
 PY
 
 echo "== check"
-timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-470}" "$PYTHON" -m attnserve.bench.gpu_check \
+timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-470}" "$PYTHON" -m bench.gpu_check \
   --out "$OUT_DIR" --budget-s "${GPU_CHECK_BUDGET_S:-420}" "${args[@]}" \
   2> >(tee "$OUT_DIR/gpu_check.log" >&2)
 status=$?

@@ -18,17 +18,17 @@ import sys
 import time
 from pathlib import Path
 
-from attnserve.bench.measure import shape_row, time_calls, workload_row
-from attnserve.bench.serving import (
+from attnserve.client import EncoderClient
+from bench.harness import REPO, ServerProcess
+from bench.measure import shape_row, time_calls, workload_row
+from bench.serving import (
     HttpEmbedder,
     Measured,
     bench_server,
     measure_attention,
     run_callers,
 )
-from attnserve.bench.workloads import Workload
-from attnserve.client import EncoderClient
-from attnserve.harness import REPO, ServerProcess
+from bench.workloads import Workload
 
 log = logging.getLogger("bench.paired")
 
@@ -42,7 +42,7 @@ class RawWorker:
     def __init__(self, spec_path: Path, log_path: Path):
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "attnserve.bench.phases", "worker", str(spec_path)], cwd=REPO,
+            [sys.executable, "-m", "bench.phases", "worker", str(spec_path)], cwd=REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         line = self.proc.stdout.readline()
         if not line:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.bench.measure import (
+from bench.measure import (
     FULL,
     QUICK,
     Reps,
@@ -27,7 +27,7 @@ from attnserve.bench.measure import (
     time_each,
     workload_row,
 )
-from attnserve.bench.workloads import Workload, padded_batch
+from bench.workloads import Workload, padded_batch
 
 log = logging.getLogger("bench.phases")
 

@@ -4,7 +4,7 @@ section of docs/benchmarks.md."""
 import re
 from pathlib import Path
 
-from attnserve.bench.measure import ModelShape
+from bench.measure import ModelShape
 
 RAW, PLAIN, DEFAULT, RAW_INT8 = ("raw ORT", "raw ORT plain graph", "raw ORT default options",
                                  "raw ORT int8")

@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from attnserve.bench.measure import FULL, QUICK, ModelShape, OtherLoad, wait_quiet
-from attnserve.bench.paired import run_paired
-from attnserve.bench.report import (
+from bench.measure import FULL, QUICK, ModelShape, OtherLoad, wait_quiet
+from bench.paired import run_paired
+from bench.report import (
     build_rows,
     docs_section,
     machine,
@@ -41,8 +41,8 @@ from attnserve.bench.report import (
     targets,
     update_page,
 )
-from attnserve.bench.serving import measure_attention_memory
-from attnserve.bench.workloads import ATTENTION_SHAPE, IDEAL_BATCH, IDEAL_PADDING, build
+from bench.serving import measure_attention_memory
+from bench.workloads import ATTENTION_SHAPE, IDEAL_BATCH, IDEAL_PADDING, build
 
 log = logging.getLogger("bench")
 
@@ -92,7 +92,7 @@ def run_phase(name: str, spec: dict, work: Path, wait: float, env: dict | None =
     quiet = wait_quiet(wait) if wait else None
     other = OtherLoad().start()
     log.info("event=phase_start phase=%s", name)
-    subprocess.run([sys.executable, "-m", "attnserve.bench.phases", name, str(spec_path), str(out_path)],
+    subprocess.run([sys.executable, "-m", "bench.phases", name, str(spec_path), str(out_path)],
                    cwd=REPO, check=True, env={**os.environ, **(env or {})})
     result = json.loads(out_path.read_text())
     result["other_load_cores"] = other.stop()

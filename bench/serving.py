@@ -12,11 +12,11 @@ from pathlib import Path
 
 import grpc
 
-from attnserve.bench.measure import latency_summary, time_calls
-from attnserve.bench.workloads import Workload
-from attnserve.harness import Samples, ServerProcess, delta
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from bench.harness import Samples, ServerProcess, delta
+from bench.measure import latency_summary, time_calls
+from bench.workloads import Workload
 
 log = logging.getLogger("bench.serving")
 

@@ -1,4 +1,4 @@
-"""`python -m attnserve.bench.workers`: what front-end processes buy, and what the hop
+"""`python -m bench.workers`: what front-end processes buy, and what the hop
 between a front end and the engine costs.
 
 A front-end-bound load: Embed of one 16-token sequence from 64 callers, each on a
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.bench.measure import latency_summary, time_calls
-from attnserve.bench.run import environment
 from attnserve.client import EncoderClient
-from attnserve.harness import ServerProcess, make_tiny_checkpoint
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from bench.harness import ServerProcess, make_tiny_checkpoint
+from bench.measure import latency_summary, time_calls
+from bench.run import environment
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "workers"
@@ -113,7 +113,7 @@ def measure(artifact: Path, workers: int, seconds: float, client: str, body: Pat
 
 
 def sample_calls(server: ServerProcess) -> float:
-    from attnserve.harness import sample
+    from bench.harness import sample
 
     return sample(server.scrape(), "attnserve_requests_total", rpc="Embed", code="OK")
 
@@ -156,7 +156,7 @@ def plot(rows: dict[int, list[dict]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnserve.bench.workers", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.workers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", type=Path, default=None,
                    help="artifact to serve (default: the tests' tiny model, exported once)")

@@ -1,5 +1,5 @@
 """Assemble and run the server: artifact -> backend -> request queue and batch loop ->
-engine -> the doors on their ports; drain on SIGTERM. One process, or with --workers N
+data plane -> the doors on their ports; drain on SIGTERM. One process, or with --workers N
 (server/workers/) front-end processes around one engine process."""
 
 import asyncio
@@ -13,7 +13,7 @@ from attnserve.artifact import Artifact, load_artifact
 from attnserve.server.config import ServeConfig
 from attnserve.server.doors.ports import Ports
 from attnserve.server.engine.core import Core
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.tokenize import load_tokenizer
 from attnserve.server.metrics import Metrics
@@ -30,7 +30,7 @@ def write_ready_file(path: Path, ports: dict[str, int]) -> None:
 
 
 class Server:
-    """One process: the core and the doors, the engine between them."""
+    """One process: the core and the doors, the data plane between them."""
 
     def __init__(self, config: ServeConfig):
         """Every start-up check, and nothing bound yet: `serve --check-config` stops here."""
@@ -50,12 +50,12 @@ class Server:
         core, config = self.core, self.config
         core.start()
         offload = Offload(core.executors.requests, core.executors.responses)
-        self.engine = Engine(self.artifact, self.tokenizer, core.queue, core.memory, offload,
+        self.plane = DataPlane(self.artifact, self.tokenizer, core.queue, core.memory, offload,
                              self.metrics, core.backend.provider, core.backend.precision,
                              lambda: self.serving, config.max_chunking_chars)
         core.describe()
         self.metrics.live.serving = lambda: self.serving
-        await self.ports.start(self.engine, core.executors.requests)
+        await self.ports.start(self.plane, core.executors.requests)
         await core.warm_up()
         await self.ports.set_health(True)
         ports = self.ports

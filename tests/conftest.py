@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from attnserve import harness
-from attnserve.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
+from bench import harness
+from bench.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
 
 
 def pytest_addoption(parser):

@@ -47,7 +47,9 @@ def test_the_wheel_installs_one_top_level_package_that_works(tmp_path):
                                                          + ".dist-info"}
     assert "attnserve/server/_proto/attnserve/v1/encoder_pb2.py" in names
     assert ("attnserve/server/memory/_alloc_peak.so" in names) == HOOK.is_file()
-    assert not any(name.startswith(("attnserve/tests/", "attnserve/deploy/")) for name in names)
+    # The benchmarks and the test harness are repository tools, not part of the product.
+    assert not any(name.startswith(("attnserve/tests/", "attnserve/deploy/", "attnserve/bench/"))
+                   for name in names)
 
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     probe = ("import attnserve.cli as cli, attnserve.server._proto.attnserve.v1.encoder_pb2 as pb; "

@@ -1,5 +1,5 @@
 """attnserve.v1.EncoderService, the gRPC door of our own API: texts or token ids in,
-embeddings and attention maps out, through the engine."""
+embeddings and attention maps out, through the data plane."""
 
 from attnserve.artifact import Manifest
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
@@ -18,7 +18,7 @@ from attnserve.server.doors.grpc_encoder_pack import (
     outputs_for,
 )
 from attnserve.server.doors.grpc_wire import field_bytes
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import InvalidArgument
 from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.requests import (
@@ -64,7 +64,7 @@ TEXTS, IDS = TextNames(), IdNames()
 
 
 class IdLists:
-    """A request's TokenIds entries as lists of ids, each read when the engine reads it
+    """A request's TokenIds entries as lists of ids, each read when the data plane reads it
     (off the event loop for a big request)."""
 
     def __init__(self, entries):
@@ -100,7 +100,7 @@ def _tokenization(e: Encoded) -> pb.Tokenization:
 
 
 def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
-    """Validate everything but the sequences themselves (the engine reads those)."""
+    """Validate everything but the sequences themselves (the data plane reads those)."""
     if bool(request.texts) == bool(request.token_ids):
         which = "both are set" if request.texts else "both are empty"
         raise InvalidArgument("texts/token_ids", f"{which}; set exactly one of them")
@@ -122,7 +122,7 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
 
 def _chunking(request: pb.EmbedRequest) -> Chunking | None:
     """The request's chunking, its fields checked against the rest of the request (the
-    engine checks their values against the model)."""
+    data plane checks their values against the model)."""
     if not request.HasField("chunking"):
         return None
     options = request.chunking
@@ -141,13 +141,13 @@ def _chunking(request: pb.EmbedRequest) -> Chunking | None:
 
 
 class EncoderService(pb_grpc.EncoderServiceServicer):
-    def __init__(self, engine: Engine, metrics: Metrics, max_message_bytes: int):
-        self.engine = engine
-        self.manifest = engine.manifest
+    def __init__(self, plane: DataPlane, metrics: Metrics, max_message_bytes: int):
+        self.plane = plane
+        self.manifest = plane.manifest
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
         # The smallest Tokenization (an empty text's): the cheap size bound of a request.
-        self.least_tokenization = _tokenization(engine.tokenizer.empty).ByteSize()
+        self.least_tokenization = _tokenization(plane.tokenizer.empty).ByteSize()
 
     async def embed(self, request: pb.EmbedRequest, holds: Holds,
                     deadline: float | None) -> pb.EmbedResponse:
@@ -156,14 +156,14 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                            else (embed_response_bytes, EMBED_ADVICE))
         size = ResponseSize(lambda counts: measure(plan, counts, self.manifest),
                             self.max_message_bytes, advice)
-        embedded = await self.engine.embed(EmbedRequest(
+        embedded = await self.plane.embed(EmbedRequest(
             names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
             token_ids=IdLists(request.token_ids), truncate=request.truncate,
             outputs=outputs_for(plan),
             layers=plan.attention.graph_layers if plan.attention else (),
             chunking=plan.chunking, normalize=plan.normalize), holds, deadline)
         results = int(embedded.chunk_counts.sum()) if plan.chunking else len(embedded.ids)
-        return await self.engine.pack(
+        return await self.plane.pack(
             results * RESULT_S + embedded.response_bytes * COPY_BYTE_S,
             embed_response, embedded, plan, self.manifest.model_name)
 
@@ -191,10 +191,10 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                                 self.max_message_bytes, TOKENIZE_ADVICE)
             size.check(None, at_least=True)
             holds = call_holds()
-            encoded = await self.engine.tokenize(
+            encoded = await self.plane.tokenize(
                 TokenizeRequest(TEXTS, request.texts, request.truncate), holds)
             tokens = sum(len(e.ids) for e in encoded)
-            return await self.engine.pack(count * RESULT_S + tokens * TOKEN_S,
+            return await self.plane.pack(count * RESULT_S + tokens * TOKEN_S,
                                           self._tokenize_response, encoded, holds)
         return await answer(self.metrics, "Tokenize", context, handle)
 
@@ -204,12 +204,12 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             response.tokenizations.append(_tokenization(e))
         size = response.ByteSize()
         ResponseSize(lambda _: size, self.max_message_bytes, TOKENIZE_ADVICE).check(None)
-        self.engine.hold_response(holds, size)
+        self.plane.hold_response(holds, size)
         return response
 
     async def GetModelInfo(self, request, context):
         async def handle():
-            info = self.engine.model_info()
+            info = self.plane.model_info()
             return pb.GetModelInfoResponse(
                 model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
                 num_heads=info.num_heads, max_positions=info.max_positions,

@@ -1,5 +1,5 @@
 """inference.GRPCInferenceService: the Open Inference Protocol (KServe v2) over gRPC, so
-tritonclient and KServe tooling work unchanged; the tensors go to the engine's `infer`.
+tritonclient and KServe tooling work unchanged; the tensors go to the data plane's `infer`.
 
 Inputs: input_ids and attention_mask, INT64 [batch, seq]; each row's mask must be ones
 then zeros. Outputs: last_hidden_state (FP32 [batch, seq, hidden]), and on request
@@ -14,7 +14,7 @@ from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
 from attnserve.server.doors.grpc_wire import field_bytes
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import InvalidArgument, NotFound, quote
 from attnserve.server.engine.offload import COPY_BYTE_S
 from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
@@ -27,11 +27,11 @@ INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"
 
 
 class KServeService(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, engine: Engine, metrics: Metrics, max_message_bytes: int):
-        self.engine = engine
+    def __init__(self, plane: DataPlane, metrics: Metrics, max_message_bytes: int):
+        self.plane = plane
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self.model = engine.manifest.model_name
+        self.model = plane.manifest.model_name
 
     def check_model(self, name: str, version: str = "") -> None:
         if name != self.model:
@@ -45,12 +45,12 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.engine.ready())
+        return pb.ServerReadyResponse(ready=self.plane.ready())
 
     async def ModelReady(self, request, context):
         async def handle():
             self.check_model(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.engine.ready())
+            return pb.ModelReadyResponse(ready=self.plane.ready())
         return await answer(self.metrics, "ModelReady", context, handle)
 
     async def ServerMetadata(self, request, context):
@@ -59,7 +59,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         async def handle():
             self.check_model(request.name, request.version)
-            info = self.engine.model_info()
+            info = self.plane.model_info()
             meta = pb.ModelMetadataResponse.TensorMetadata
             return pb.ModelMetadataResponse(
                 name=info.model, versions=[MODEL_VERSION], platform="onnxruntime_onnx",
@@ -92,11 +92,11 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         async def handle():
             self.check_model(request.model_name, request.model_version)
-            inferred = await self.engine.infer(
+            inferred = await self.plane.infer(
                 InferRequest(self._inputs(request), [o.name for o in request.outputs],
                              self._size(request)), call_holds(), deadline_of(context))
             nbytes = sum(array.nbytes for _, array in inferred.outputs)
-            return await self.engine.pack(nbytes * COPY_BYTE_S, self._response, request.id,
+            return await self.plane.pack(nbytes * COPY_BYTE_S, self._response, request.id,
                                           inferred.outputs)
         return await answer(self.metrics, "ModelInfer", context, handle)
 

@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from attnserve.server.doors.front import CANCELLED, CallRecord
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import (
     Code,
     InvalidArgument,
@@ -95,11 +95,11 @@ def _peer(request: web.Request) -> str | None:
 
 
 class HttpCalls:
-    """Shared by the routes of one server: its engine, metrics and limits."""
+    """Shared by the routes of one server: its plane, metrics and limits."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_body_bytes: int,
+    def __init__(self, plane: DataPlane, metrics: Metrics, max_body_bytes: int,
                  body_timeout_s: float, max_entries: int):
-        self.engine = engine
+        self.plane = plane
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -166,7 +166,7 @@ class HttpCalls:
             except orjson.JSONDecodeError as err:
                 raise InvalidArgument("body", f"not valid JSON ({err})") from err
             return convert(parsed)
-        return await self.engine.offload.request(len(body) * JSON_BYTE_S, work)
+        return await self.plane.offload.request(len(body) * JSON_BYTE_S, work)
 
     async def answer(self, rpc: str, request: web.Request,
                      handler: Callable[[Holds], Awaitable[web.StreamResponse]],
@@ -180,7 +180,7 @@ class HttpCalls:
         gone to the socket, so a client that stops reading holds it, inside the budget,
         and its connection's share of it, as a gRPC caller does."""
         record = CallRecord(self.metrics, rpc)
-        holds = self.engine.holds(_peer(request))
+        holds = self.plane.holds(_peer(request))
         try:
             try:
                 response = await handler(holds)
@@ -191,7 +191,7 @@ class HttpCalls:
                 response = refusal(error, http_status(error))
                 if isinstance(error, RequestTimeout | TooLarge) or request.content.exception():
                     response.force_close()  # the rest of the body is not worth reading
-            if not self.engine.ready():
+            if not self.plane.ready():
                 response.force_close()  # a draining server sends keep-alive clients elsewhere
             await response.prepare(request)
             await response.write_eof()
@@ -201,5 +201,5 @@ class HttpCalls:
             raise
         finally:
             holds.release()
-            trim_after(holds, self.engine.offload.responses_pool, asyncio.get_running_loop())
+            trim_after(holds, self.plane.offload.responses_pool, asyncio.get_running_loop())
             record.end()

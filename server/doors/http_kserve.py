@@ -1,6 +1,6 @@
-"""The Open Inference Protocol (KServe v2) over HTTP/REST, through the engine: an infer
+"""The Open Inference Protocol (KServe v2) over HTTP/REST, through the data plane: an infer
 request's JSON (and binary data, Triton's binary tensor extension, which
-tritonclient.http uses by default) becomes the engine's tensors, and its outputs become
+tritonclient.http uses by default) becomes the data plane's tensors, and its outputs become
 JSON tensors or binary data, as asked.
 
 Every route is served with and without the model version (`/v2/models/{name}` and
@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from attnserve.server.doors.http_calls import HttpCalls
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import InvalidArgument, NotFound, RequestError, quote
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
 from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
@@ -138,7 +138,7 @@ class InferCall:
         return self.every_binary or name in self.binary
 
     def size(self, limit: int):
-        """The response's size for the engine's (name, shape) outputs: raw bytes for
+        """The response's size for the data plane's (name, shape) outputs: raw bytes for
         binary outputs, JSON text for the rest."""
         def for_outputs(shapes: list[tuple[str, tuple[int, ...]]]) -> ResponseSize:
             total = 256 + len(self.id or "") * 6
@@ -170,10 +170,10 @@ class InferCall:
 
 
 class KServeHttp:
-    def __init__(self, calls: HttpCalls, engine: Engine, max_response_bytes: int):
+    def __init__(self, calls: HttpCalls, plane: DataPlane, max_response_bytes: int):
         self.calls = calls
-        self.engine = engine
-        self.model = engine.manifest.model_name
+        self.plane = plane
+        self.model = plane.manifest.model_name
         self.max_response_bytes = max_response_bytes
 
     def routes(self) -> list[web.RouteDef]:
@@ -197,7 +197,7 @@ class KServeHttp:
         return _health("live", True)
 
     async def ready(self, request: web.Request) -> web.Response:
-        return _health("ready", self.engine.ready())
+        return _health("ready", self.plane.ready())
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return web.json_response({"name": SERVER_NAME, "version": SERVER_VERSION,
@@ -206,7 +206,7 @@ class KServeHttp:
     async def model_metadata(self, request: web.Request) -> web.StreamResponse:
         async def handle(holds: Holds) -> web.Response:
             self.check_model(request)
-            info = self.engine.model_info()
+            info = self.plane.model_info()
             tensors = {kind: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
                               for t in getattr(info, kind)] for kind in ("inputs", "outputs")}
             return web.json_response({"name": info.model, "versions": [MODEL_VERSION],
@@ -216,11 +216,11 @@ class KServeHttp:
     async def model_ready(self, request: web.Request) -> web.StreamResponse:
         async def handle(holds: Holds) -> web.Response:
             self.check_model(request)
-            return _health("ready", self.engine.ready(), name=self.model)
+            return _health("ready", self.plane.ready(), name=self.model)
         return await self.calls.answer("http:/v2/ready", request, handle, refusal)
 
     async def _infer(self, request: web.Request, holds: Holds) -> web.Response:
-        self.engine.check_ready()
+        self.plane.check_ready()
         self.check_model(request)
         self.calls.check_type(request, ("application/json", "application/octet-stream"),
                               optional=True)
@@ -236,12 +236,12 @@ class KServeHttp:
                 raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
             header, binary = body[:int(length)], body[int(length):]
         call = await self.calls.json(header, lambda parsed: InferCall(parsed, binary))
-        inferred = await self.engine.infer(
+        inferred = await self.plane.infer(
             InferRequest(call.inputs, call.outputs, call.size(self.max_response_bytes)), holds,
             call.deadline)
         values = sum(array.size for _, array in inferred.outputs)
         binary_only = all(call.travels_binary(name) for name, _ in inferred.outputs)
-        payload, header_length = await self.engine.pack(
+        payload, header_length = await self.plane.pack(
             values * (4 * COPY_BYTE_S if binary_only else FLOAT_TEXT_S), call.respond,
             self.model, inferred.outputs)
         if header_length is None:

@@ -1,4 +1,4 @@
-"""POST /v1/embeddings as OpenAI defines it, through the engine: the JSON body becomes an
+"""POST /v1/embeddings as OpenAI defines it, through the data plane: the JSON body becomes an
 EmbedRequest for mean-pooled, normalised vectors (as OpenAI's are), and the result
 becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
 come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
@@ -20,7 +20,7 @@ from aiohttp import web
 
 from attnserve.artifact import pooled_output
 from attnserve.server.doors.http_calls import HttpCalls
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import InvalidArgument, NotFound, RequestError, quote
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
@@ -134,16 +134,16 @@ def _chunking(value) -> Chunking:
 
 
 class OpenAIEmbeddings:
-    def __init__(self, calls: HttpCalls, engine: Engine, max_response_bytes: int):
+    def __init__(self, calls: HttpCalls, plane: DataPlane, max_response_bytes: int):
         self.calls = calls
-        self.engine = engine
-        self.model = engine.manifest.model_name
-        self.dimensions = engine.manifest.hidden_size
+        self.plane = plane
+        self.model = plane.manifest.model_name
+        self.dimensions = plane.manifest.hidden_size
         self.max_response_bytes = max_response_bytes
         self.pooled = pooled_output("mean", True)
 
     def parse(self, body) -> tuple[EmbedRequest, str]:
-        """(the engine's request, encoding_format)"""
+        """(the data plane's request, encoding_format)"""
         if not isinstance(body, dict):
             raise InvalidArgument("body", "expected a JSON object")
         if "model" not in body:
@@ -204,13 +204,13 @@ class OpenAIEmbeddings:
                             option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def _embed(self, request: web.Request, holds: Holds) -> web.Response:
-        self.engine.check_ready()
+        self.plane.check_ready()
         self.calls.check_type(request, ("application/json",))
         body = await self.calls.body(request, holds)
         embed_request, encoding = await self.calls.json(body, self.parse)
-        embedded = await self.engine.embed(embed_request, holds, None)
+        embedded = await self.plane.embed(embed_request, holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
-        payload = await self.engine.pack(count * (RESULT_S + self.dimensions * FLOAT_TEXT_S),
+        payload = await self.plane.pack(count * (RESULT_S + self.dimensions * FLOAT_TEXT_S),
                                          self.body, embedded, encoding)
         return web.Response(body=payload, content_type="application/json")
 

@@ -14,12 +14,10 @@ a deep backlog, so a burst of connections queues in the kernel instead of being 
 import asyncio
 import logging
 import ssl
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client.exposition import choose_encoder
 
 from attnserve.server.config import ServeConfig
 from attnserve.server.doors.front import ApiKeys, CallRecord
@@ -28,14 +26,12 @@ from attnserve.server.doors.http_kserve import KServeHttp
 from attnserve.server.doors.http_openai import OpenAIEmbeddings
 from attnserve.server.doors.http_openai import refusal as openai_refusal
 from attnserve.server.doors.openapi import openapi_document
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import NotFound, RequestError, Unauthenticated
+from attnserve.server.listener import Listener
 from attnserve.server.metrics import Metrics
+from attnserve.server.metrics_port import MetricsThread
 
-LISTEN_BACKLOG = 1024
-# After the request queue has drained, answers already computed get this long to be sent.
-SEND_GRACE_S = 1.0
-MAX_LINE_BYTES = 8190
 # Paths answered without an API key: health, for probes, and the API's description.
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready", "/openapi.json")
 
@@ -72,7 +68,7 @@ def _json_error(err: RequestError, status: int) -> web.Response:
     return web.json_response({"error": err.message}, status=status)
 
 
-def api_app(calls: HttpCalls, engine: Engine, keys: ApiKeys, openai: OpenAIEmbeddings,
+def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmbeddings,
             kserve: KServeHttp, document: bytes) -> web.Application:
     metrics = calls.metrics
 
@@ -102,7 +98,7 @@ def api_app(calls: HttpCalls, engine: Engine, keys: ApiKeys, openai: OpenAIEmbed
             return render(NotFound(f"{request.path[:64]}: no such route; see /openapi.json"), 404)
 
     async def health(request: web.Request) -> web.Response:
-        serving = engine.ready()
+        serving = plane.ready()
         return web.json_response({"status": "serving" if serving else "not_serving"},
                                  status=200 if serving else 503)
 
@@ -115,99 +111,18 @@ def api_app(calls: HttpCalls, engine: Engine, keys: ApiKeys, openai: OpenAIEmbed
     return app
 
 
-def metrics_app(metrics: Metrics) -> web.Application:
-    async def scrape(request: web.Request) -> web.Response:
-        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
-        response = web.Response(body=encode(metrics.registry))
-        response.headers["Content-Type"] = content_type
-        return response
-
-    app = web.Application()
-    app.add_routes([web.get("/metrics", scrape)])
-    return app
-
-
-class Listener:
-    """One aiohttp application on one port."""
-
-    def __init__(self, app: web.Application, header_timeout_s: float = 75.0):
-        # handler_cancellation: a caller that hangs up cancels its handler, which frees its
-        # place in the queue as a cancelled gRPC call does. No access log: one line per
-        # request is the metrics' job. aiohttp's keep-alive timer runs from a connection's
-        # opening and from each answer, until the next request's headers are in: the
-        # header timeout.
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=SEND_GRACE_S, auto_decompress=False,
-                                    keepalive_timeout=header_timeout_s,
-                                    max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES)
-        self.port = 0
-
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-                    reuse_port: bool = False) -> int:
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=ssl_context,
-                           reuse_port=reuse_port)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
-        return self.port
-
-    async def stop(self) -> None:
-        """Stop listening, let answers in progress finish within SEND_GRACE_S, close."""
-        await self.runner.cleanup()
-
-
-class MetricsThread:
-    """The metrics port on a thread with its own event loop: collecting and encoding a
-    scrape never runs on the event loop that serves calls and health probes."""
-
-    def __init__(self, metrics: Metrics, host: str, port: int):
-        self.listener = Listener(metrics_app(metrics))
-        self.host, self.requested = host, port
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-
-    def start(self) -> int:
-        started = threading.Event()
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            try:
-                self.port = self.loop.run_until_complete(self.listener.start(self.host,
-                                                                             self.requested))
-            except BaseException as err:  # noqa: BLE001 - reported to the starting thread
-                failed.append(err)
-                return
-            finally:
-                started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, name="metrics", daemon=True)
-        self.thread.start()
-        started.wait()
-        if failed:
-            raise failed[0]
-        return self.port
-
-    def stop(self) -> None:
-        future = asyncio.run_coroutine_threadsafe(self.listener.stop(), self.loop)
-        future.result(timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 class HttpServers:
     """The HTTP port and the metrics port of one server, each off when its port is 0."""
 
-    def __init__(self, config: ServeConfig, engine: Engine, metrics: Metrics, keys: ApiKeys,
+    def __init__(self, config: ServeConfig, plane: DataPlane, metrics: Metrics, keys: ApiKeys,
                  max_entries: int, metrics_port: bool = True):
         self.config = config
-        self.calls = HttpCalls(engine, metrics, config.http_max_body_bytes,
+        self.calls = HttpCalls(plane, metrics, config.http_max_body_bytes,
                                config.http_body_timeout_seconds, max_entries)
-        openai = OpenAIEmbeddings(self.calls, engine, config.max_message_bytes)
-        kserve = KServeHttp(self.calls, engine, config.max_message_bytes)
-        self.api = Listener(api_app(self.calls, engine, keys, openai, kserve,
-                                    openapi_document(engine.model_info())),
+        openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
+        kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
+        self.api = Listener(api_app(self.calls, plane, keys, openai, kserve,
+                                    openapi_document(plane.model_info())),
                             config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)
                         if metrics_port and config.metrics_port else None)

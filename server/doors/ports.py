@@ -1,6 +1,6 @@
 """The doors on their ports: attnserve.v1 and KServe over gRPC, beside grpc.health.v1 and
 reflection, and the HTTP port (with the metrics port where this process serves it), all
-of them through one engine."""
+of them through one data plane."""
 
 import asyncio
 import logging
@@ -17,7 +17,7 @@ from attnserve.server.doors.grpc_calls import DecodeRequests, QuietHungUpCalls
 from attnserve.server.doors.grpc_encoder import EncoderService
 from attnserve.server.doors.grpc_kserve import KServeService
 from attnserve.server.doors.http_server import HttpServers
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.metrics import Metrics, answered_by_code
 
 SERVICES = (
@@ -51,7 +51,7 @@ class PortInUse(OSError):
 
 class Ports:
     """The doors on their ports: attnserve.v1 and KServe over gRPC, beside grpc.health.v1
-    and reflection, and the HTTP port; all of them through one engine."""
+    and reflection, and the HTTP port; all of them through one data plane."""
 
     def __init__(self, config: ServeConfig, metrics: Metrics):
         self.config, self.metrics = config, metrics
@@ -60,7 +60,7 @@ class Ports:
         self.health = health.aio.HealthServicer()
         self.port = self.http_port = self.metrics_port = 0
 
-    async def start(self, engine: Engine, requests_pool, shared_ports: bool = False,
+    async def start(self, plane: DataPlane, requests_pool, shared_ports: bool = False,
                     metrics_port: bool = True) -> None:
         """Bind and start every port. `shared_ports`: the ports are shared with the other
         front ends of one server (SO_REUSEPORT); otherwise a port in use fails the start."""
@@ -83,18 +83,18 @@ class Ports:
                         ("grpc.max_connection_age_grace_ms", int(config.drain_seconds * 1000))]
         # No request carries more entries in one field than the queue holds tokens.
         max_entries = config.max_queue_tokens
-        decode = DecodeRequests(self.metrics, engine.memory.ledger, requests_pool, max_entries,
+        decode = DecodeRequests(self.metrics, plane.memory.ledger, requests_pool, max_entries,
                                 self.keys)
         self.grpc = grpc.aio.server(interceptors=[decode], options=options)
         logging.getLogger("grpc._cython.cygrpc").addFilter(QuietHungUpCalls())
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
-            EncoderService(engine, self.metrics, config.max_message_bytes), self.grpc)
+            EncoderService(plane, self.metrics, config.max_message_bytes), self.grpc)
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeService(engine, self.metrics, config.max_message_bytes), self.grpc)
+            KServeService(plane, self.metrics, config.max_message_bytes), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        self.http = HttpServers(config, engine, self.metrics, self.keys, max_entries, metrics_port)
+        self.http = HttpServers(config, plane, self.metrics, self.keys, max_entries, metrics_port)
         await self.set_health(False)
         address = f"{config.host}:{config.port}"
         try:

@@ -522,7 +522,7 @@ def mixed_load(artifact_dir: Path, calls: int) -> dict:
     import grpc
 
     from attnserve.client import EncoderClient
-    from attnserve.harness import ServerProcess
+    from bench.harness import ServerProcess
 
     manifest = load_artifact(artifact_dir).manifest
     requests = mixed_requests(calls, manifest.max_positions)

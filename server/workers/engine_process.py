@@ -17,12 +17,13 @@ import numpy as np
 
 from attnserve.artifact import load_artifact
 from attnserve.server.config import config_from_json
-from attnserve.server.doors.http_server import MetricsThread
 from attnserve.server.engine.core import Core
 from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
+from attnserve.server.logs import setup_logging
 from attnserve.server.memory.probe import resident_bytes_of
 from attnserve.server.metrics import Metrics
+from attnserve.server.metrics_port import MetricsThread
 from attnserve.server.runtime.ort_backend import CPU
 from attnserve.server.workers import messages
 from attnserve.server.workers.channel import Channel, encode
@@ -176,8 +177,6 @@ class EngineProcess:
 
 
 def main() -> int:
-    from attnserve.cli import setup_logging
-
     setup_logging()
     config = config_from_json(os.environ.pop(CONFIG_ENV))
     logging.getLogger().setLevel(config.log_level.upper())

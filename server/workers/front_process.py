@@ -21,11 +21,12 @@ import numpy as np
 from attnserve.artifact import TOKENIZER, load_artifact
 from attnserve.server.config import ServeConfig, config_from_json
 from attnserve.server.doors.ports import Ports
-from attnserve.server.engine.engine import Engine
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import Unavailable
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.queue import Limits, check_room
 from attnserve.server.engine.tokenize import load_tokenizer
+from attnserve.server.logs import setup_logging
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.metrics import Metrics
@@ -156,9 +157,9 @@ class FrontProcess:
                               facts.responses_in_budget, totals=SharedTotals(self.shared, self.index))
         requests = ThreadPoolExecutor(1, thread_name_prefix="requests")
         offload = Offload(requests, ThreadPoolExecutor(1, thread_name_prefix="responses"))
-        engine = Engine(self.artifact, self.tokenizer, self.remote, memory, offload, self.metrics,
-                        facts.provider, facts.precision, self.serving, config.max_chunking_chars)
-        await self.ports.start(engine, requests, shared_ports=True, metrics_port=False)
+        plane = DataPlane(self.artifact, self.tokenizer, self.remote, memory, offload, self.metrics,
+                          facts.provider, facts.precision, self.serving, config.max_chunking_chars)
+        await self.ports.start(plane, requests, shared_ports=True, metrics_port=False)
         self.shared.fields.worker_up[self.index] = 1
         log.info("event=front_end_up worker=%d port=%d http_port=%d", self.index, self.ports.port,
                  self.ports.http_port)
@@ -202,8 +203,6 @@ class FrontProcess:
 
 
 def main() -> int:
-    from attnserve.cli import setup_logging
-
     setup_logging()
     config = config_from_json(os.environ.pop(CONFIG_ENV))
     logging.getLogger().setLevel(config.log_level.upper())

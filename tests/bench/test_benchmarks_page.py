@@ -4,7 +4,7 @@ machine not yet in the page, and leaves the page's own prose as it was."""
 
 import pytest
 
-from attnserve.bench.report import RUNS_MARKER, docs_section, update_page
+from bench.report import RUNS_MARKER, docs_section, update_page
 
 PAGE = f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n### An older machine, by hand\n\nIts table.\n"
 

@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve.cli import main
-from attnserve.harness import ATTNSERVE, ServerProcess, free_port
+from bench.harness import ATTNSERVE, ServerProcess, free_port
 
 from .helpers import OVERLAYS, REPO, SERVE_FLAGS, find, kserve_predictor_pod, only_container
 

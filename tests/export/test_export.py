@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from attnserve.artifact import POOLED_OUTPUTS, ArtifactError, load_artifact
-from attnserve.harness import minilm_dir
+from bench.harness import minilm_dir
 from tests.conftest import ATTNSERVE, REPO, without_module
 from tests.hugging_face import FP16_HIDDEN_ATOL, FP16_MAPS_ATOL, HuggingFace
 

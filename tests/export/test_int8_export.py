@@ -10,7 +10,7 @@ import pytest
 
 from attnserve.artifact import MANIFEST, TOKENIZER, ArtifactError, attention_output, load_artifact
 from attnserve.export.quantize import pooled_cosines
-from attnserve.harness import make_tiny_checkpoint
+from bench.harness import make_tiny_checkpoint
 from tests.conftest import ATTNSERVE, REPO, export
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from attnserve.harness import make_tiny_checkpoint
 from attnserve.model import CheckpointError, load_checkpoint
+from bench.harness import make_tiny_checkpoint
 
 
 @pytest.fixture

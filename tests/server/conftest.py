@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from attnserve.client import EncoderClient
-from attnserve.harness import minilm_dir
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from bench.harness import minilm_dir
 from tests.hugging_face import HuggingFace
 
 

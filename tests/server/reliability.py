@@ -15,11 +15,11 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve.artifact import load_artifact
-from attnserve.harness import ServerProcess
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server.runtime.ort_backend import OrtBackend
+from bench.harness import ServerProcess
 
 CLS, SEP = 101, 102
 MIB = 1 << 20

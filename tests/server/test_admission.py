@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from attnserve.artifact import load_artifact
-from attnserve.harness import sample
 from attnserve.server.memory.budget import RESPONSE_COPIES
+from bench.harness import sample
 from tests.server.reliability import BIG, MIB, Peak, Reference, embed_ids, ids_of, serve, stub
 
 # Also run against a server of several processes (make test: --server-workers 2).

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from attnserve.client import EncoderClient
-from attnserve.harness import ServerProcess
 from attnserve.server.memory import alloc_hook
+from bench.harness import ServerProcess
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None,
                                 reason="no C compiler: the server samples memory instead")

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from attnserve.artifact import HIDDEN_OUTPUT, load_artifact, pooled_output
 from attnserve.client import EncoderClient
-from attnserve.harness import ATTNSERVE, REPO, ServerProcess, sample
 from attnserve.server.engine.batch_loop import BatchLoop
 from attnserve.server.engine.offload import create_executors, on_every_thread
 from attnserve.server.engine.queue import Limits, RequestQueue
@@ -28,6 +27,7 @@ from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY
 from attnserve.server.runtime.ort_backend import OrtBackend, Strategy
 from attnserve.server.runtime.shapes import ShapeBuckets
+from bench.harness import ATTNSERVE, REPO, ServerProcess, sample
 
 WAIT_S = 60
 MEAN = pooled_output("mean", False)

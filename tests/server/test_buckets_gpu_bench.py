@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 
-from attnserve.harness import REPO
+from bench.harness import REPO
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_its_table(tmp_path, tiny_artifact):

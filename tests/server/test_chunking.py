@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnserve.harness import minilm_dir
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server.doors.grpc_encoder_pack import EmbedPlan, chunked_response_bytes, tensor
 from attnserve.server.engine.batch_loop import span_means
@@ -19,6 +18,7 @@ from attnserve.server.engine.chunked import TextPlan
 from attnserve.server.engine.chunking import best_windows, cut, default_overlap, windows
 from attnserve.server.engine.requests import Chunking
 from attnserve.server.engine.tokenize import TextTokenizer
+from bench.harness import minilm_dir
 from tests.server.test_hostile_units import Unlimited
 
 BOUNDED = settings(max_examples=80, deadline=None, derandomize=True, database=None,

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnserve.harness import sample
+from bench.harness import sample
 from tests.server.reliability import (
     BIG,
     Reference,

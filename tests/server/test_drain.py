@@ -17,9 +17,9 @@ import grpc
 import numpy as np
 import pytest
 
-from attnserve.harness import sample
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
+from bench.harness import sample
 from tests.server.reliability import (
     BIG,
     Reference,

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from attnserve.artifact import load_artifact
-from attnserve.harness import delta, sample
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from bench.harness import delta, sample
 from tests.server.reliability import (
     BIG,
     MIB,

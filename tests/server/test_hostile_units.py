@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from attnserve.harness import minilm_dir
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server.doors.grpc_encoder_pack import AttentionPlan, EmbedPlan, embed_response_bytes, tensor
@@ -28,6 +27,7 @@ from attnserve.server.doors.grpc_wire import MAX_NESTED_BYTES, TooLarge, TooMany
 from attnserve.server.engine.errors import ResourceExhausted
 from attnserve.server.engine.tokenize import TextTokenizer, TooLong
 from attnserve.server.memory.ledger import PER_CONNECTION_SHARE, Ledger
+from bench.harness import minilm_dir
 
 MIB = 1 << 20
 BOUNDED = settings(max_examples=60, deadline=None, derandomize=True, database=None,

@@ -10,7 +10,7 @@ import pytest
 
 from attnserve.client import EncoderClient
 from attnserve.export.int8_texts import PARITY_TEXTS
-from attnserve.harness import make_tiny_checkpoint
+from bench.harness import make_tiny_checkpoint
 from tests.conftest import ATTNSERVE, REPO, ServerProcess, export
 
 TEXTS = list(PARITY_TEXTS[::4])

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.artifact import MANIFEST
 from attnserve.client import EncoderClient
-from attnserve.harness import ServerProcess
 from attnserve.server.memory import alloc_hook
 from attnserve.server.memory.model import MemoryModel
+from bench.harness import ServerProcess
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers

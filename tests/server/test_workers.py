@@ -23,10 +23,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve.artifact import load_artifact
-from attnserve.harness import ATTNSERVE, REPO, delta, sample
 from attnserve.server.memory.budget import RESPONSE_COPIES
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.workers.supervisor import auto_workers
+from bench.harness import ATTNSERVE, REPO, delta, sample
 from tests.server.reliability import (
     BIG,
     MIB,

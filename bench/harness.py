@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.artifact import TOKENIZER
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 ATTNSERVE = [sys.executable, "-m", "attnserve"]
 START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 60

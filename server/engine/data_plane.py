@@ -1,4 +1,4 @@
-"""The engine: one protocol-neutral entry point behind every door.
+"""The data plane: one protocol-neutral entry point behind every door.
 
 embed, tokenize, infer on tensors, model info: typed requests in (server/engine/
 requests.py), typed results or typed errors out. Everything a request goes through
@@ -78,7 +78,7 @@ class Scheduler(Protocol):
         ...
 
 
-class Engine:
+class DataPlane:
     def __init__(self, artifact: Artifact, tokenizer: TextTokenizer, scheduler: Scheduler,
                  memory: MemoryBudget, offload: Offload, metrics: Metrics, provider: str,
                  precision: str, ready: Callable[[], bool], max_chunking_chars: int):

@@ -1,0 +1,65 @@
+"""The Prometheus metrics port (GET /metrics) on a thread with its own event loop, so that
+collecting and encoding a scrape never runs on the event loop that serves calls and health
+probes. Served by whichever process owns the counts: the one process of a server, or the
+engine process of a server with --workers."""
+
+import asyncio
+import threading
+
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
+from attnserve.server.listener import Listener
+from attnserve.server.metrics import Metrics
+
+
+def metrics_app(metrics: Metrics) -> web.Application:
+    async def scrape(request: web.Request) -> web.Response:
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        response = web.Response(body=encode(metrics.registry))
+        response.headers["Content-Type"] = content_type
+        return response
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", scrape)])
+    return app
+
+
+class MetricsThread:
+    """The metrics port on a thread with its own event loop: collecting and encoding a
+    scrape never runs on the event loop that serves calls and health probes."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int):
+        self.listener = Listener(metrics_app(metrics))
+        self.host, self.requested = host, port
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+
+    def start(self) -> int:
+        started = threading.Event()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.port = self.loop.run_until_complete(self.listener.start(self.host,
+                                                                             self.requested))
+            except BaseException as err:  # noqa: BLE001 - reported to the starting thread
+                failed.append(err)
+                return
+            finally:
+                started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="metrics", daemon=True)
+        self.thread.start()
+        started.wait()
+        if failed:
+            raise failed[0]
+        return self.port
+
+    def stop(self) -> None:
+        future = asyncio.run_coroutine_threadsafe(self.listener.stop(), self.loop)
+        future.result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
