@@ -135,6 +135,8 @@ class Manifest:
     inputs: list[str] = field(default_factory=lambda: list(INPUT_NAMES))
     files: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    runtime: str = "onnx"
+    """the graphs' format, which picks the server's backend (server/runtime/backends.py)"""
 
     def graph(self, *, attention: bool, precision: str) -> Graph | None:
         """The graph to serve with: an optimised one when export kept it."""

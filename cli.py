@@ -41,8 +41,8 @@ def _cosine(text: str) -> float:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from attnserve.server.config import config_from_args
+    from attnserve.server.host import gpu_present
     from attnserve.server.memory import alloc_hook
-    from attnserve.server.memory.probe import gpu_present
 
     try:
         config = config_from_args(args)
@@ -96,8 +96,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 
 def cmd_memory_profile(args: argparse.Namespace) -> int:
-    # Imported here: a benchmark, with matplotlib, that serving never loads.
-    from attnserve.server.memory.profile import run_memory_profile
+    # Imported here: a measuring tool, with matplotlib, that serving never loads.
+    from attnserve.memory_profile import run_memory_profile
 
     return run_memory_profile(args)
 
@@ -169,7 +169,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     p = sub.add_parser("memory-profile",
                        help="peak memory of one batch against its shape (allocations counted "
-                            "on the CPU, a fresh session per shape on CUDA); fit the memory "
+                            "on the CPU, a fresh backend per shape on CUDA); fit the memory "
                             "model and save it beside the artifact")
     p.add_argument("--artifact", type=Path, required=True, help="artifact directory")
     p.add_argument("--seq-lens", default="16,32,64,128,256,384,512",
@@ -199,9 +199,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="do nothing when memory_model.json already holds a fit for the "
                         "provider and precision this run would measure (what `make serve` "
                         "runs)")
-    p.add_argument("--mixed-load", type=int, default=0, metavar="CALLS",
-                   help="then start a server on the artifact, send CALLS mixed requests from 8 "
-                        "callers and print measured / predicted peak memory per seq_len bucket")
     p.set_defaults(func=cmd_memory_profile)
 
     return parser, dict(sub.choices)

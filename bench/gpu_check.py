@@ -6,7 +6,7 @@ Two paths, chosen by what the machine has:
 * onnxruntime with CUDAExecutionProvider: the artifact's graphs on CUDA (fp32, and fp16
   when the artifact has fp16 graphs), parity against the CPU provider on the same inputs,
   tokens/s at the benchmark's shapes, and the peak memory of each shape on its own
-  (server/memory/profile.py's worker: a fresh session per shape, NVML's rise over one run;
+  (memory_profile.py's worker: a fresh backend per shape, NVML's rise over one run;
   batch 1–32, 16–512 tokens, with and without attention maps), with the memory model
   fitted per graph and its held-out error.
 * no CUDA provider (onnxruntime missing, CPU-only, or its CUDA libraries fail to load):
@@ -209,7 +209,7 @@ def check_memory(artifact_dir: Path, device: str, precision: str, quick: bool, b
     growth of one arena across a sequence of shapes, which hides every shape that fits in
     what an earlier one left."""
     from attnserve.artifact import load_artifact
-    from attnserve.server.memory import profile as mp
+    from attnserve import memory_profile as mp
 
     manifest = load_artifact(artifact_dir).manifest
     if manifest.graph(attention=False, precision=precision) is None:

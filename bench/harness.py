@@ -1,5 +1,5 @@
 """`attnserve serve` as a subprocess on loopback, for the tests, the benchmarks and
-`attnserve memory-profile --mixed-load` alike.
+`python -m bench.memory_load` alike.
 
 The server says when it is ready: started with `--ready-file`, it writes its ports and pid
 there once health is SERVING (`server/app.py`), and the harness waits for that file, for a

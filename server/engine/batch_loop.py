@@ -26,8 +26,9 @@ import numpy as np
 from attnserve.artifact import HIDDEN_OUTPUT
 from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.queue import Limits, RequestQueue, State, Waiting
+from attnserve.server.host import TRIM_AFTER_BYTES
 from attnserve.server.memory.budget import MemoryBudget
-from attnserve.server.memory.probe import TRIM_AFTER_BYTES, MemoryProbe
+from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import Backend, BatchOutput, Outputs, SequenceResult, Shape
 

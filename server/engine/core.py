@@ -12,12 +12,14 @@ from attnserve.server.config import ServeConfig
 from attnserve.server.engine.batch_loop import BatchLoop
 from attnserve.server.engine.offload import create_executors, on_every_thread
 from attnserve.server.engine.queue import Limits, RequestQueue
+from attnserve.server.host import machine_available_bytes
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.ledger import Totals
 from attnserve.server.memory.model import load_memory_model
-from attnserve.server.memory.probe import MemoryProbe, machine_available_bytes
+from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
-from attnserve.server.runtime.ort_backend import CPU, CUDA, OrtBackend, Strategy
+from attnserve.server.runtime.backend import Strategy
+from attnserve.server.runtime.backends import create_backend
 
 log = logging.getLogger("attnserve.server")
 
@@ -35,12 +37,12 @@ class Core:
         the cores (with --workers the front ends do)."""
         self.config, self.artifact, self.metrics = config, artifact, metrics
         manifest = artifact.manifest
-        self.backend = OrtBackend(artifact, config.device, config.precision,
-                                  config.intra_op_threads, Strategy(
-                                      config.shape_buckets, config.bucket_seq_multiple,
-                                      config.max_batch_size, config.sessions,
-                                      config.cuda_graphs == "on", spinning=alone))
-        self.probe = MemoryProbe(cuda=self.backend.provider == CUDA)
+        self.backend = create_backend(artifact, config.device, config.precision,
+                                      config.intra_op_threads, Strategy(
+                                          config.shape_buckets, config.bucket_seq_multiple,
+                                          config.max_batch_size, config.sessions,
+                                          config.cuda_graphs == "on", spinning=alone))
+        self.probe = MemoryProbe(cuda=self.backend.device == "cuda")
         try:
             self.memory_model = load_memory_model(artifact.directory, manifest,
                                                   self.backend.provider, self.backend.precision)
@@ -51,7 +53,7 @@ class Core:
         self.limits = Limits.of(config, budget)
         # On CUDA the budget is the device's; requests and responses live in host memory,
         # under a limit of their own.
-        shared = self.backend.provider == CPU
+        shared = self.backend.device == "cpu"
         ledger_limit = budget if shared else int(machine_available_bytes() * DEFAULT_BUDGET_SHARE)
         self.memory = MemoryBudget(self.memory_model, budget, manifest.num_heads,
                                    manifest.hidden_size, responses_in_budget=shared,

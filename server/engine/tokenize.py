@@ -33,8 +33,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from attnserve.artifact import TOKENIZER, Artifact, ArtifactError
+from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
 from attnserve.server.memory.ledger import Holds
-from attnserve.server.memory.probe import TRIM_AFTER_BYTES, trim_heap
 
 # A slice: at most this many texts, or this many characters to tokenize.
 SLICE_TEXTS = 256

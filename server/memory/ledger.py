@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import Executor
 
 from attnserve.server.engine.errors import ResourceExhausted
-from attnserve.server.memory.probe import TRIM_AFTER_BYTES, trim_heap
+from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
 
 MIB = 1 << 20
 # One connection may hold this share of the ledger (any one call of it may hold more,

@@ -21,7 +21,27 @@ Outputs = frozenset[str]
 (artifact.POOLED_OUTPUTS); attention maps are asked for by layer."""
 HIDDEN_ONLY: Outputs = frozenset({HIDDEN_OUTPUT})
 
-__all__ = ["HIDDEN_ONLY", "Backend", "BatchOutput", "Outputs", "SequenceResult", "Shape"]
+__all__ = ["HIDDEN_ONLY", "Backend", "BatchOutput", "Outputs", "SequenceResult", "Shape", "Strategy",
+           "DEFAULT_STRATEGY"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How batches run, as `attnserve serve` flags ask (each backend resolves the `auto`s
+    for the device it runs on, and ignores what it has no use for)."""
+
+    shape_buckets: str = "auto"
+    bucket_seq_multiple: int = 32
+    max_batch_size: int = 64
+    sessions: int = 0
+    cuda_graphs: bool = False
+    spinning: bool = True
+    """the backend's threads may spin between operations (the fastest for a process that
+    has the cores to itself: onnxruntime's 1×16 takes 1.3× as long without), or must sleep,
+    leaving the cores to the other processes of a group (--workers on the CPU)"""
+
+
+DEFAULT_STRATEGY = Strategy()
 
 
 @dataclass
@@ -54,7 +74,11 @@ class SequenceResult:
 
 class Backend(Protocol):
     provider: str
-    """where batches run, e.g. CPUExecutionProvider"""
+    """the backend's name for where batches run, e.g. CPUExecutionProvider"""
+    device: str
+    """cpu or cuda"""
+    platform: str
+    """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
     precision: str
     """fp32, fp16 or int8"""
     concurrency: int

@@ -32,14 +32,22 @@ from attnserve.artifact import (
     Artifact,
     ArtifactError,
     Graph,
+    Manifest,
     attention_output,
     cpu_session_config,
     pooled_output,
     required_outputs,
 )
 from attnserve.server.config import ConfigError
-from attnserve.server.memory.probe import gpu_present, keep_freed_memory, trim_heap
-from attnserve.server.runtime.backend import HIDDEN_ONLY, BatchOutput, Outputs
+from attnserve.server.host import gpu_present, keep_freed_memory, trim_heap
+from attnserve.server.runtime.backend import (
+    DEFAULT_STRATEGY,
+    HIDDEN_ONLY,
+    BatchOutput,
+    Outputs,
+    Strategy,
+)
+from attnserve.server.runtime.backends import Placement, register
 from attnserve.server.runtime.shapes import Shape, ShapeBuckets
 
 log = logging.getLogger("attnserve.backend")
@@ -80,6 +88,32 @@ def choose_provider(device: str) -> tuple[str, str]:
     return CUDA, why
 
 
+def preload_cuda_libraries() -> None:
+    """CUDA and cuDNN from the nvidia-* wheels, where the system has none: onnxruntime-gpu
+    finds them once they are loaded (older builds lack preload_dlls; the libraries may then
+    be the system's)."""
+    try:
+        ort.preload_dlls()
+    except Exception as err:  # noqa: BLE001 - the session's own error says more, if any
+        log.info("event=preload_dlls_skipped reason=%r", str(err))
+
+
+def place(manifest: Manifest, device: str, precision: str) -> Placement:
+    """The provider `--device` picks and the graphs' precision (`auto`: fp16 on CUDA when
+    the artifact has fp16 graphs, else fp32), both checked against the artifact."""
+    provider, why = choose_provider(device)
+    if precision == "auto":
+        has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
+        precision = "fp16" if provider == CUDA and has_fp16 else "fp32"
+    if manifest.graph(attention=False, precision=precision) is None or \
+            manifest.graph(attention=True, precision=precision) is None:
+        raise ArtifactError(f"{manifest.model_name}: no {precision} graphs (export with --{precision})")
+    if precision == "int8" and provider == CUDA:
+        # Their quantized kernels (QAttention, DynamicQuantizeMatMul) are CPU ones.
+        raise ConfigError("precision", "int8 graphs run on the CPU: add --device cpu")
+    return Placement(provider, precision, "cuda" if provider == CUDA else "cpu", why)
+
+
 def session_options(threads: int, provider: str, precision: str = "fp32",
                     spinning: bool = True) -> ort.SessionOptions:
     """The server's options for a session of `provider` running a graph of `precision`;
@@ -117,21 +151,6 @@ def providers_for(provider: str, cuda_graph: bool = False) -> list:
             options["enable_cuda_graph"] = "1"
         return [(CUDA, options), CPU]
     return [CPU]
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """How batches run, as `attnserve serve` flags ask (`auto`s resolved per provider)."""
-
-    shape_buckets: str = "auto"
-    bucket_seq_multiple: int = 32
-    max_batch_size: int = 64
-    sessions: int = 0
-    cuda_graphs: bool = False
-    spinning: bool = True
-    """onnxruntime's threads spin between ops (the fastest for a process that has the
-    cores to itself: 1×16 takes 1.3× as long without), or sleep, leaving the cores to the
-    other processes of a group (--workers on the CPU)"""
 
 
 Results = dict[str, np.ndarray]
@@ -234,23 +253,17 @@ class OrtBackend:
     """`sessions` lanes of sessions (embeddings only, and with attention maps), one
     provider, shape buckets and CUDA graphs as the strategy says."""
 
+    platform = "onnxruntime_onnx"
+    """what KServe's model metadata calls this backend"""
+
     def __init__(self, artifact: Artifact, device: str = "auto", precision: str = "auto",
-                 intra_op_threads: int = 0, strategy: Strategy = Strategy()):
+                 intra_op_threads: int = 0, strategy: Strategy = DEFAULT_STRATEGY):
         self.artifact = artifact
         self.strategy = strategy
-        provider, why = choose_provider(device)
-        manifest = artifact.manifest
-        if precision == "auto":
-            has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
-            precision = "fp16" if provider == CUDA and has_fp16 else "fp32"
-        self.precision = precision
-        self.embed_graph = manifest.graph(attention=False, precision=precision)
-        self.attn_graph = manifest.graph(attention=True, precision=precision)
-        if self.embed_graph is None or self.attn_graph is None:
-            raise ArtifactError(f"{artifact.directory}: no {precision} graphs (export with --{precision})")
-        if precision == "int8" and provider == CUDA:
-            # Their quantized kernels (QAttention, DynamicQuantizeMatMul) are CPU ones.
-            raise ConfigError("precision", "int8 graphs run on the CPU: add --device cpu")
+        placement = place(artifact.manifest, device, precision)
+        provider, why, self.precision = placement.provider, placement.why, placement.precision
+        self.embed_graph = artifact.manifest.graph(attention=False, precision=self.precision)
+        self.attn_graph = artifact.manifest.graph(attention=True, precision=self.precision)
         try:
             self._build(provider, intra_op_threads)
         except (DeviceError, ConfigError):
@@ -266,7 +279,7 @@ class OrtBackend:
         self._bind_lock = threading.Lock()
         self._bound = 0
         log.info("event=provider provider=%s precision=%s threads=%d sessions=%d shape_buckets=%s "
-                 "cuda_graphs=%s reason=%r graphs=%s,%s", provider, precision, self.threads,
+                 "cuda_graphs=%s reason=%r graphs=%s,%s", provider, self.precision, self.threads,
                  self.concurrency, "off" if self.buckets is None else
                  f"rows_pow2_to_{self.buckets.max_batch_size},seq_multiple_{self.buckets.seq_multiple}",
                  self.cuda_graphs, why, self.embed_graph.file, self.attn_graph.file)
@@ -293,6 +306,8 @@ class OrtBackend:
         device = "cuda" if provider == CUDA else "cpu"
         if provider == CPU:
             keep_freed_memory()
+        else:
+            preload_cuda_libraries()
         self.lanes = []
         for index in range(self.concurrency):
             embed_session = self._session(self.embed_graph, provider, s.cuda_graphs)
@@ -301,6 +316,7 @@ class OrtBackend:
             attend = PlainRunner(self._session(self.attn_graph, provider, False))
             self.lanes.append(Lane(index, embed, attend))
         self.provider = provider
+        self.device = device
 
     def _session(self, graph: Graph, provider: str, cuda_graph: bool) -> ort.InferenceSession:
         path = self.artifact.path(graph.file)
@@ -403,3 +419,16 @@ class OrtBackend:
                 if done % every == 0 or done == len(shapes):
                     log.info("event=warm_up lane=%d shapes=%d/%d last=%dx%d seconds=%.2f",
                              lane.index, done, len(shapes), *shape, time.perf_counter() - started)
+
+
+class OnnxKind:
+    """The "onnx" artifacts: graphs run by onnxruntime."""
+
+    place = staticmethod(place)
+
+    def create(self, artifact: Artifact, device: str, precision: str, intra_op_threads: int,
+               strategy: Strategy) -> OrtBackend:
+        return OrtBackend(artifact, device, precision, intra_op_threads, strategy)
+
+
+register("onnx", OnnxKind())

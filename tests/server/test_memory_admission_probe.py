@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnserve.server.memory.probe import allocated_bytes
+from attnserve.server.host import allocated_bytes
 
 MIB = 1 << 20
 BATCH, SEQ = 32, 128

@@ -16,18 +16,18 @@ What one shape's peak is (`PeakMeter`, in a worker process that measures every s
   moment the run starts: onnxruntime's intermediate tensors, its outputs and the numpy
   arrays they come back in. Memory the allocator hands out again counts again, so the
   figure does not depend on what ran before, and a rerun gives the same bytes.
-  The measuring sessions take the server's session options (memory patterns off among
-  them) with onnxruntime's CPU arena off whatever the server uses, so each tensor is an
-  allocation of its own: with the arena on, its growth would be counted, which depends on
-  what ran before and on its rounding.
-* CUDA: a fresh session per shape (its own arena, grown by what is asked:
+  The shapes run through the server's own backend (server/runtime/backends.py), with its
+  session options: onnxruntime's CPU arena and memory patterns off, so each tensor is an
+  allocation of its own (with an arena, its growth would be counted, which depends on what
+  ran before and on its rounding).
+* CUDA: a fresh backend per shape (its sessions' arena grown by what is asked:
   kSameAsRequested), run once at a tiny shape so cuBLAS/cuDNN workspaces exist, then the
   shape; the rise of the device memory NVML reports in use over the run is the arena's
   growth to the shape's peak. NVML counts the whole GPU: run it on an idle one.
 
 The measurements are fitted per graph by least squares on relative error, every
-coefficient ≥ 0, as one phase or the larger of two (server/memory/model.py gives the
-form and what each term stands for): first on the shapes off one diagonal in three of
+coefficient ≥ 0, as one phase or the larger of two (server/memory/fit.py; model.py gives
+the form and what each term stands for): first on the shapes off one diagonal in three of
 the batch × seq grid, to report the error on those held out, then on all of them. The
 final fits are saved beside the artifact in memory_model.json under
 `provider/precision/graph` (other providers' entries are kept), which the server loads
@@ -35,16 +35,14 @@ to admit batches and to predict each one's peak.
 
 It prints a table (and, when --out already holds a run of the same shapes, how far this
 run is from it) and writes memory_profile.csv, memory_profile.json and memory_profile.png
-to --out. With --mixed-load it then serves the artifact under a mixed load from 8 callers
-and prints the server's measured over predicted peak memory per seq_len bucket (the
-dashboard's ratio). It asserts nothing.
+to --out. It asserts nothing. (How the fit holds up under a served mixed load, measured ÷
+predicted per bucket, is `python -m bench.memory_load` in a checkout.)
 """
 
 import argparse
 import csv
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -56,9 +54,9 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.artifact import MEMORY_MODEL, load_artifact
+from attnserve.server.memory.fit import NOISE_FLOOR_BYTES, features, fit_with_holdout, formula, predict
 from attnserve.server.memory.model import (
     ATTENTION,
-    COEFFICIENTS,
     EMBEDDINGS,
     GRAPH_KINDS,
     MemoryModel,
@@ -68,15 +66,10 @@ from attnserve.server.memory.model import (
 
 log = logging.getLogger("attnserve.memory_profile")
 
-REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
-# Relative errors are scored over shapes whose peak reaches this; the fit weighs smaller
-# ones as if they were at it (a few hundred KiB of per-run overhead is not what a memory
-# budget is about).
-NOISE_FLOOR_BYTES = 1 << 20
 CPU_METHOD = ("memray native tracking: high-water mark of the bytes allocated and not yet "
               "freed during the run (every thread; onnxruntime's CPU arena off)")
-CUDA_METHOD = ("fresh session per shape (arena kSameAsRequested), warmed at 1x8: rise of the "
+CUDA_METHOD = ("fresh backend per shape (arena kSameAsRequested), warmed at 1x8: rise of the "
                "device memory in use (NVML) over the run")
 
 
@@ -113,59 +106,39 @@ class Measurement:
 # --- the worker: every shape, one process -------------------------------------------------
 
 
-def served_precision(manifest, provider: str, precision: str) -> str:
-    """The precision `serve --precision` would run: `auto` is fp16 on CUDA when the
-    artifact has fp16 graphs, fp32 elsewhere."""
-    if precision != "auto":
-        return precision
-    from attnserve.server.runtime.ort_backend import CUDA
-
-    has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
-    return "fp16" if provider == CUDA and has_fp16 else "fp32"
-
-
 class PeakMeter:
-    """The artifact's graphs on one provider, and one shape's peak (module docstring)."""
+    """The artifact's graphs on one device, through the server's own backend, and one
+    shape's peak (module docstring)."""
 
     def __init__(self, artifact_dir: Path, device: str, precision: str, threads: int):
         from attnserve.server.memory.probe import MemoryProbe
-        from attnserve.server.runtime.ort_backend import CUDA, choose_provider
+        from attnserve.server.runtime.backends import place
 
         self.artifact = load_artifact(artifact_dir)
         self.manifest = self.artifact.manifest
-        self.provider, _ = choose_provider(device)
-        self.precision = precision = served_precision(self.manifest, self.provider, precision)
-        self.threads = threads or len(os.sched_getaffinity(0))
-        self.cuda = self.provider == CUDA
+        self.device, self.threads = device, threads
+        placement = place(self.artifact, device, precision)
+        self.provider, self.precision = placement.provider, placement.precision
+        self.cuda = placement.device == "cuda"
         self.probe = MemoryProbe(cuda=True) if self.cuda else None
-        if self.cuda:
-            import onnxruntime as ort
+        self.graphs = {kind: self.manifest.graph(attention=kind == ATTENTION,
+                                                 precision=self.precision).file
+                       for kind in GRAPH_KINDS}
+        # On the CPU one backend serves every shape: memray's count does not depend on
+        # what ran before. On CUDA each shape gets a backend (its sessions, its arena) of
+        # its own.
+        self.backend = None if self.cuda else self._backend()
 
-            try:  # CUDA/cuDNN from the nvidia-* wheels, where the system has none
-                ort.preload_dlls()
-            except Exception as err:  # noqa: BLE001 - older builds lack it; the libraries may be the system's
-                log.info("event=preload_dlls_skipped reason=%r", str(err))
-        self.graphs = {}
-        for kind in GRAPH_KINDS:
-            graph = self.manifest.graph(attention=kind == ATTENTION, precision=precision)
-            if graph is None:
-                raise SystemExit(f"{self.artifact.directory}: no {precision} graphs (export with "
-                                 f"--{precision})")
-            self.graphs[kind] = graph.file
-        # On the CPU one session per graph serves every shape: memray's count does not
-        # depend on what ran before. On CUDA each shape gets a session of its own.
-        self.sessions = {} if self.cuda else {kind: self._session(kind) for kind in GRAPH_KINDS}
+    def _backend(self):
+        from attnserve.server.runtime.backend import Strategy
+        from attnserve.server.runtime.backends import create_backend
 
-    def _session(self, kind: str):
-        import onnxruntime as ort
-
-        from attnserve.server.runtime.ort_backend import providers_for, session_options
-
-        options = session_options(self.threads, self.provider, self.precision)
-        session = ort.InferenceSession(str(self.artifact.path(self.graphs[kind])), options,
-                                       providers=providers_for(self.provider))
-        self._run(session, kind, *self._inputs(1, 8), 1)  # kernels, thread pool, workspaces
-        return session
+        # One lane, no shape buckets: one session per graph, each shape run as it is.
+        backend = create_backend(self.artifact, self.device, self.precision, self.threads,
+                                 Strategy(shape_buckets="off", sessions=1))
+        for kind in GRAPH_KINDS:  # kernels, thread pool, workspaces
+            self._run(backend, kind, *self._inputs(1, 8), 1)
+        return backend
 
     def _inputs(self, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seq * 1000 + batch)
@@ -173,43 +146,41 @@ class PeakMeter:
         return ids, np.ones_like(ids)
 
     @staticmethod
-    def _run(session, kind: str, ids: np.ndarray, mask: np.ndarray, returned_layers: int) -> list:
-        # As the server runs it: the attention graph asked only for the maps returned.
-        names = ["last_hidden_state"]
-        if kind == ATTENTION:
-            names += [f"attentions.{layer}" for layer in range(returned_layers)]
-        return session.run(names, {"input_ids": ids, "attention_mask": mask})
+    def _run(backend, kind: str, ids: np.ndarray, mask: np.ndarray, returned_layers: int):
+        # As the server runs it: the hidden state, and from the attention graph only the
+        # maps returned.
+        layers = tuple(range(returned_layers)) if kind == ATTENTION else ()
+        return backend.run(ids, mask, layers)
 
     def _cpu_peak(self, shape: Shape, ids: np.ndarray, mask: np.ndarray) -> int:
         import memray
 
-        session = self.sessions[shape.graph]
         with tempfile.TemporaryDirectory(prefix="memory-profile-") as scratch:
             capture = Path(scratch) / "run.bin"
             with memray.Tracker(capture, native_traces=False, trace_python_allocators=False,
                                 file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS):
-                out = self._run(session, shape.graph, ids, mask, shape.returned_layers)
+                out = self._run(self.backend, shape.graph, ids, mask, shape.returned_layers)
                 del out
             with memray.FileReader(capture) as reader:
                 return int(reader.metadata.peak_memory)
 
-    def _cuda_peak(self, session, shape: Shape, ids: np.ndarray, mask: np.ndarray) -> int:
+    def _cuda_peak(self, backend, shape: Shape, ids: np.ndarray, mask: np.ndarray) -> int:
         before = self.probe.device_memory().used
-        out = self._run(session, shape.graph, ids, mask, shape.returned_layers)
+        out = self._run(backend, shape.graph, ids, mask, shape.returned_layers)
         peak = self.probe.device_memory().used - before
         del out
         return max(0, peak)
 
     def measure(self, shape: Shape, repeats: int) -> Measurement:
         ids, mask = self._inputs(shape.batch, shape.seq)
-        session = self._session(shape.graph) if self.cuda else None
+        backend = self._backend() if self.cuda else None
         peaks, times = [], []
         for _ in range(repeats):
             started = time.perf_counter()
-            peaks.append(self._cuda_peak(session, shape, ids, mask) if self.cuda
+            peaks.append(self._cuda_peak(backend, shape, ids, mask) if self.cuda
                          else self._cpu_peak(shape, ids, mask))
             times.append(time.perf_counter() - started)
-        del session
+        del backend
         return Measurement(shape.graph, shape.batch, shape.seq, shape.returned_layers, max(peaks),
                            peaks, min(times), self.provider, self.precision,
                            self.graphs[shape.graph], CUDA_METHOD if self.cuda else CPU_METHOD)
@@ -225,12 +196,12 @@ def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precisi
     left_out: list[str] = []
     todo = list(shapes)
     while todo:
-        command = [sys.executable, "-m", "attnserve.server.memory.profile", "--worker",
+        command = [sys.executable, "-m", "attnserve.memory_profile", "--worker",
                    "--artifact", str(Path(artifact_dir).resolve()), "--device", device,
                    "--precision", precision, "--threads", str(threads), "--repeats", str(repeats),
                    "--shapes", json.dumps([asdict(s) for s in todo])]
         with tempfile.TemporaryFile("w+") as errors:
-            worker = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=errors,
+            worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
                                       text=True)
             stop = threading.Timer(timeout_s, worker.kill)
             stop.start()
@@ -257,133 +228,7 @@ def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precisi
     return rows, left_out
 
 
-# --- the fit ------------------------------------------------------------------------------
-
-
-def features(graph: str, batch: int, seq: int, heads: int, returned_layers: int) -> list[float]:
-    quadratic = float(batch) * heads * seq * seq
-    return [1.0, float(batch) * seq, quadratic, quadratic * returned_layers if graph == ATTENTION else 0.0]
-
-
-def _matrix(rows: list[Measurement], heads: int) -> np.ndarray:
-    return np.array([features(r.graph, r.batch, r.seq, heads, r.returned_layers) for r in rows])
-
-
-def fit_phase(rows: list[Measurement], heads: int) -> np.ndarray:
-    """a, b, c, d of one phase: least squares on relative error (each row weighted by
-    1/measured, floored at the noise floor), every coefficient kept ≥ 0 (a negative term
-    would predict less memory for a larger batch: one that comes out negative is dropped
-    and the rest refitted; so is one no row varies)."""
-    x = _matrix(rows, heads)
-    y = np.array([float(r.peak_bytes) for r in rows])
-    weight = 1.0 / np.maximum(y, NOISE_FLOOR_BYTES)
-    active = [k for k in range(x.shape[1]) if x[:, k].any()]
-    coef = np.zeros(len(COEFFICIENTS))
-    while active:
-        solution, *_ = np.linalg.lstsq(x[:, active] * weight[:, None], y * weight, rcond=None)
-        if (solution >= 0).all():
-            coef[active] = solution
-            break
-        del active[int(np.argmin(solution))]
-    return coef
-
-
-def predict(phases: list[np.ndarray], row: Measurement, heads: int) -> float:
-    values = features(row.graph, row.batch, row.seq, heads, row.returned_layers)
-    return max(float(np.dot(p, values)) for p in phases)
-
-
-def _mean_error(phases: list[np.ndarray], rows: list[Measurement], heads: int) -> float:
-    return float(np.mean([abs(predict(phases, r, heads) - r.peak_bytes) / max(r.peak_bytes, NOISE_FLOOR_BYTES)
-                          for r in rows]))
-
-
-# A second phase must earn its four coefficients: at least this much lower mean error.
-PHASE_GAIN = 0.01
-
-
-def fit_phases(rows: list[Measurement], heads: int) -> list[np.ndarray]:
-    """One graph's model: one phase, or two whose larger is the peak (the feed-forward
-    phase below some length, the attention phase above it; server/memory/model.py).
-    Since both phases scale with batch·seq, which is larger depends on seq alone: each
-    measured length is tried as the boundary, each side fitted, then every row given to
-    the phase that predicts more for it and both refitted, until that settles."""
-    best = [fit_phase(rows, heads)]
-    best_error = _mean_error(best, rows, heads) - PHASE_GAIN
-    width = len(COEFFICIENTS)
-    for boundary in sorted({r.seq for r in rows})[:-1]:
-        groups = [[r for r in rows if r.seq <= boundary], [r for r in rows if r.seq > boundary]]
-        phases = None
-        for _ in range(8):
-            if min(len(g) for g in groups) < width - 1:
-                break
-            phases = [fit_phase(g, heads) for g in groups]
-            regrouped: list[list[Measurement]] = [[], []]
-            for r in rows:
-                values = features(r.graph, r.batch, r.seq, heads, r.returned_layers)
-                regrouped[int(np.dot(phases[1], values) > np.dot(phases[0], values))].append(r)
-            if regrouped == groups:
-                break
-            groups = regrouped
-        if phases is not None and _mean_error(phases, rows, heads) < best_error:
-            best, best_error = phases, _mean_error(phases, rows, heads)
-    return best
-
-
-def relative_errors(fits: dict[str, list[np.ndarray]], rows: list[Measurement], heads: int) -> dict:
-    """|predicted - measured| / measured over the rows at or above the noise floor."""
-    errors = [abs(predict(fits[r.graph], r, heads) - r.peak_bytes) / r.peak_bytes
-              for r in rows if r.peak_bytes >= NOISE_FLOOR_BYTES]
-    return {"shapes": len(rows), "shapes_scored": len(errors),
-            "mean_rel_error": float(np.mean(errors)) if errors else None,
-            "max_rel_error": float(np.max(errors)) if errors else None}
-
-
-def held_out_flags(rows: list[Measurement], every: int) -> list[bool]:
-    """Which rows are held out: along the diagonals of each graph's batch × seq grid
-    (rank of its seq + rank of its batch ≡ -1 mod `every`), so every length and every
-    batch size keeps shapes on both sides."""
-    flags = []
-    for r in rows:
-        mine = [x for x in rows if x.graph == r.graph]
-        seqs, batches = sorted({x.seq for x in mine}), sorted({x.batch for x in mine})
-        flags.append((seqs.index(r.seq) + batches.index(r.batch)) % every == every - 1)
-    return flags
-
-
-def fit_with_holdout(rows: list[Measurement], heads: int, every: int) -> dict:
-    """Per graph: a fit on the shapes not held out, scored on those held out; then the
-    fit on all of them."""
-    flags = held_out_flags(rows, every)
-    train_fits, held, train, fits = {}, [], [], {}
-    for kind in GRAPH_KINDS:
-        mine = [(r, f) for r, f in zip(rows, flags, strict=True) if r.graph == kind]
-        if not mine:
-            continue
-        fits[kind] = fit_phases([r for r, _ in mine], heads)
-        out = [r for r, f in mine if f]
-        kept = [r for r, f in mine if not f]
-        if out and len(kept) >= len(COEFFICIENTS):
-            train_fits[kind] = fit_phases(kept, heads)
-            held += out
-            train += kept
-    holdout = None
-    if held:
-        holdout = relative_errors(train_fits, held, heads) | {
-            "every": every, "train_shapes": len(train),
-            "by_graph": {kind: relative_errors(train_fits, [r for r in held if r.graph == kind], heads)
-                         for kind in train_fits}}
-    return {"fits": fits, "holdout": holdout, "in_sample": relative_errors(fits, rows, heads),
-            "held": {i for i, f in enumerate(flags) if f}}
-
-
 # --- output -------------------------------------------------------------------------------
-
-
-def formula(phase: np.ndarray) -> str:
-    a, b, c, d = phase
-    return (f"{a:.4g} + {b:.4g}·batch·seq + {c:.4g}·batch·heads·seq² "
-            f"+ {d:.4g}·batch·heads·seq²·returned_layers")
 
 
 def _mib(value: float) -> str:
@@ -491,87 +336,6 @@ def agreement(rows: list[Measurement], previous: dict[Shape, int]) -> dict | Non
             "mean_rel_change": float(np.mean(changes))}
 
 
-# --- the server under a mixed load -------------------------------------------------------
-
-MIXED_SEED = 12
-MIXED_CALLERS = 8
-
-
-def mixed_requests(calls: int, max_len: int) -> list[tuple[list[list[int]], list[int] | None]]:
-    """`calls` requests: three in four of 1-8 sequences of 8 to `max_len` tokens, one in
-    four asking for every layer's attention maps of 1-2 sequences of up to 192 tokens
-    (their responses grow with the square: these stay under the default 64 MiB message
-    limit); seeded, so every run sends the same."""
-    rng = np.random.default_rng(MIXED_SEED)
-    out = []
-    for _ in range(calls):
-        maps = rng.random() < 0.25
-        longest, most = (min(max_len, 192), 2) if maps else (max_len, 8)
-        lengths = rng.integers(8, longest + 1, size=int(rng.integers(1, most + 1)))
-        out.append(([[1000 + int(t) for t in rng.integers(0, 20000, size=n)] for n in lengths],
-                    [] if maps else None))
-    return out
-
-
-def mixed_load(artifact_dir: Path, calls: int) -> dict:
-    """A real `attnserve serve` on loopback, MIXED_CALLERS callers sending `calls` mixed
-    requests at once; then, from its /metrics, measured over predicted peak memory per
-    seq_len bucket and maps or not (the dashboard's ratio panel)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-
-    from attnserve.client import EncoderClient
-    from bench.harness import ServerProcess
-
-    manifest = load_artifact(artifact_dir).manifest
-    requests = mixed_requests(calls, manifest.max_positions)
-    with ServerProcess(Path(artifact_dir)) as server:
-        def caller(mine: list) -> list[str]:
-            codes = []
-            with EncoderClient(server.address) as client:
-                for token_ids, layers in mine:
-                    try:
-                        client.embed(token_ids=token_ids, attention_layers=layers, timeout=600)
-                        codes.append("OK")
-                    except grpc.RpcError as err:  # refused (memory, size): counted, not fatal
-                        codes.append(err.code().name)
-            return codes
-
-        with ThreadPoolExecutor(MIXED_CALLERS) as pool:
-            codes = [c for mine in pool.map(caller, [requests[i::MIXED_CALLERS]
-                                                    for i in range(MIXED_CALLERS)]) for c in mine]
-        samples = server.scrape()
-    answered = codes.count("OK")
-    refused = {code: codes.count(code) for code in sorted(set(codes) - {"OK"})}
-    buckets: dict[tuple[str, str], dict] = {}
-    for (name, labels), value in samples.items():
-        kind = {"attnserve_batch_peak_memory_bytes_sum": "measured_bytes",
-                "attnserve_batch_predicted_memory_bytes_sum": "predicted_bytes",
-                "attnserve_batch_peak_memory_bytes_count": "batches"}.get(name)
-        if kind:
-            key = (dict(labels)["seq_len_bucket"], dict(labels)["attention"])
-            buckets.setdefault(key, {})[kind] = value
-    rows = [{"seq_len_bucket": b, "attention": a, **v,
-             "ratio": v["measured_bytes"] / v["predicted_bytes"] if v.get("predicted_bytes") else None}
-            for (b, a), v in sorted(buckets.items(), key=lambda kv: (kv[0][1], int(kv[0][0].split("-")[0])))]
-    return {"calls": calls, "answered": answered, "refused": refused, "callers": MIXED_CALLERS,
-            "buckets": rows}
-
-
-def mixed_table(result: dict) -> str:
-    lines = [f"under a mixed load ({result['answered']} of {result['calls']} requests answered, "
-             f"refused: {result['refused'] or 'none'}; {result['callers']} callers): measured / "
-             "predicted peak memory per batch",
-             f"{'bucket':>9} {'maps':>5} {'batches':>7} {'measured MiB':>13} {'predicted MiB':>14} "
-             f"{'ratio':>6}"]
-    for r in result["buckets"]:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        lines.append(f"{r['seq_len_bucket']:>9} {r['attention']:>5} {r['batches']:>7.0f} "
-                     f"{r['measured_bytes'] / MIB:>13.1f} {r['predicted_bytes'] / MIB:>14.1f} {ratio:>6}")
-    return "\n".join(lines)
-
-
 # --- the command --------------------------------------------------------------------------
 
 
@@ -635,19 +399,20 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     if skipped:
         print(f"skipping seq lens {skipped}: over the model's {manifest.max_positions} "
               "positions", file=sys.stderr)
-    from attnserve.server.runtime.ort_backend import CPU, DeviceError, choose_provider
+    from attnserve.server.runtime.backends import place
 
     try:
-        provider = choose_provider(args.device)[0]
-    except DeviceError as err:
+        placement = place(artifact, args.device, args.precision)
+    except (ValueError, RuntimeError) as err:  # ConfigError, ArtifactError, DeviceError
         print(f"memory-profile: {err}", file=sys.stderr)
         return 2
-    if args.unless_fitted and fitted_already(artifact, provider, served_precision(
-            manifest, provider, args.precision), args.attention):
+    provider = placement.provider
+    if args.unless_fitted and fitted_already(artifact, provider, placement.precision,
+                                             args.attention):
         print(f"memory-profile: {artifact.path(MEMORY_MODEL)} already holds a fit for "
               f"{provider}; kept (run without --unless-fitted to measure again)")
         return 0
-    if provider == CPU and not memray_importable():
+    if placement.device == "cpu" and not memray_importable():
         print("memory-profile: on the CPU it counts allocations with memray, which is not "
               "installed: pip install 'attnserve[profile]'", file=sys.stderr)
         return 2
@@ -682,7 +447,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
             "holdout": (result["holdout"] or {}).get("by_graph", {}).get(kind),
         } for kind, model in models.items()}
     title = (f"{manifest.model_name} on {provider} ({precision}): peak memory of one batch "
-             f"({'allocation high-water mark' if method == CPU_METHOD else 'arena growth, fresh session'})")
+             f"({'allocation high-water mark' if method == CPU_METHOD else 'arena growth, fresh backend'})")
     written = [out / "memory_profile.csv", out / "memory_profile.json"]
     write_csv(written[0], rows, fits, heads)
     if plot(out / "memory_profile.png", rows, fits, heads, held, title):
@@ -736,16 +501,11 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     if model_path:
         print(f"memory model saved to {model_path} under {provider}/{precision}/"
               f"{{{','.join(fits)}}} (the server loads it at start)")
-    if args.mixed_load:
-        mixed = mixed_load(artifact.directory, args.mixed_load)
-        (out / "mixed_load.json").write_text(json.dumps(mixed, indent=2) + "\n")
-        print(mixed_table(mixed))
-        print(f"wrote {out / 'mixed_load.json'}")
     return 0
 
 
 def _worker(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="attnserve.server.memory.profile --worker")
+    parser = argparse.ArgumentParser(prog="attnserve.memory_profile --worker")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--artifact", type=Path, required=True)
     parser.add_argument("--shapes", required=True, help="JSON list of Shape fields")

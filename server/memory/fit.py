@@ -1,0 +1,151 @@
+"""The memory model fitted to measured peaks (server/memory/model.py gives its form and
+what each term stands for; `attnserve memory-profile` measures the peaks).
+
+Per graph, by least squares on relative error, every coefficient ≥ 0, as one phase or the
+larger of two; scored on shapes held out along the diagonals of the batch × seq grid, then
+fitted on all of them."""
+
+from typing import Protocol
+
+import numpy as np
+
+from attnserve.server.memory.model import ATTENTION, COEFFICIENTS, GRAPH_KINDS
+
+# Relative errors are scored over shapes whose peak reaches this; the fit weighs smaller
+# ones as if they were at it (a few hundred KiB of per-run overhead is not what a memory
+# budget is about).
+NOISE_FLOOR_BYTES = 1 << 20
+
+
+class Measured(Protocol):
+    """One shape's measured peak."""
+
+    graph: str
+    """embeddings or attention"""
+    batch: int
+    seq: int
+    returned_layers: int
+    peak_bytes: int
+
+
+def features(graph: str, batch: int, seq: int, heads: int, returned_layers: int) -> list[float]:
+    quadratic = float(batch) * heads * seq * seq
+    return [1.0, float(batch) * seq, quadratic, quadratic * returned_layers if graph == ATTENTION else 0.0]
+
+
+def _matrix(rows: list[Measured], heads: int) -> np.ndarray:
+    return np.array([features(r.graph, r.batch, r.seq, heads, r.returned_layers) for r in rows])
+
+
+def fit_phase(rows: list[Measured], heads: int) -> np.ndarray:
+    """a, b, c, d of one phase: least squares on relative error (each row weighted by
+    1/measured, floored at the noise floor), every coefficient kept ≥ 0 (a negative term
+    would predict less memory for a larger batch: one that comes out negative is dropped
+    and the rest refitted; so is one no row varies)."""
+    x = _matrix(rows, heads)
+    y = np.array([float(r.peak_bytes) for r in rows])
+    weight = 1.0 / np.maximum(y, NOISE_FLOOR_BYTES)
+    active = [k for k in range(x.shape[1]) if x[:, k].any()]
+    coef = np.zeros(len(COEFFICIENTS))
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active] * weight[:, None], y * weight, rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            break
+        del active[int(np.argmin(solution))]
+    return coef
+
+
+def predict(phases: list[np.ndarray], row: Measured, heads: int) -> float:
+    values = features(row.graph, row.batch, row.seq, heads, row.returned_layers)
+    return max(float(np.dot(p, values)) for p in phases)
+
+
+def _mean_error(phases: list[np.ndarray], rows: list[Measured], heads: int) -> float:
+    return float(np.mean([abs(predict(phases, r, heads) - r.peak_bytes) / max(r.peak_bytes, NOISE_FLOOR_BYTES)
+                          for r in rows]))
+
+
+# A second phase must earn its four coefficients: at least this much lower mean error.
+PHASE_GAIN = 0.01
+
+
+def fit_phases(rows: list[Measured], heads: int) -> list[np.ndarray]:
+    """One graph's model: one phase, or two whose larger is the peak (the feed-forward
+    phase below some length, the attention phase above it; server/memory/model.py).
+    Since both phases scale with batch·seq, which is larger depends on seq alone: each
+    measured length is tried as the boundary, each side fitted, then every row given to
+    the phase that predicts more for it and both refitted, until that settles."""
+    best = [fit_phase(rows, heads)]
+    best_error = _mean_error(best, rows, heads) - PHASE_GAIN
+    width = len(COEFFICIENTS)
+    for boundary in sorted({r.seq for r in rows})[:-1]:
+        groups = [[r for r in rows if r.seq <= boundary], [r for r in rows if r.seq > boundary]]
+        phases = None
+        for _ in range(8):
+            if min(len(g) for g in groups) < width - 1:
+                break
+            phases = [fit_phase(g, heads) for g in groups]
+            regrouped: list[list[Measured]] = [[], []]
+            for r in rows:
+                values = features(r.graph, r.batch, r.seq, heads, r.returned_layers)
+                regrouped[int(np.dot(phases[1], values) > np.dot(phases[0], values))].append(r)
+            if regrouped == groups:
+                break
+            groups = regrouped
+        if phases is not None and _mean_error(phases, rows, heads) < best_error:
+            best, best_error = phases, _mean_error(phases, rows, heads)
+    return best
+
+
+def relative_errors(fits: dict[str, list[np.ndarray]], rows: list[Measured], heads: int) -> dict:
+    """|predicted - measured| / measured over the rows at or above the noise floor."""
+    errors = [abs(predict(fits[r.graph], r, heads) - r.peak_bytes) / r.peak_bytes
+              for r in rows if r.peak_bytes >= NOISE_FLOOR_BYTES]
+    return {"shapes": len(rows), "shapes_scored": len(errors),
+            "mean_rel_error": float(np.mean(errors)) if errors else None,
+            "max_rel_error": float(np.max(errors)) if errors else None}
+
+
+def held_out_flags(rows: list[Measured], every: int) -> list[bool]:
+    """Which rows are held out: along the diagonals of each graph's batch × seq grid
+    (rank of its seq + rank of its batch ≡ -1 mod `every`), so every length and every
+    batch size keeps shapes on both sides."""
+    flags = []
+    for r in rows:
+        mine = [x for x in rows if x.graph == r.graph]
+        seqs, batches = sorted({x.seq for x in mine}), sorted({x.batch for x in mine})
+        flags.append((seqs.index(r.seq) + batches.index(r.batch)) % every == every - 1)
+    return flags
+
+
+def fit_with_holdout(rows: list[Measured], heads: int, every: int) -> dict:
+    """Per graph: a fit on the shapes not held out, scored on those held out; then the
+    fit on all of them."""
+    flags = held_out_flags(rows, every)
+    train_fits, held, train, fits = {}, [], [], {}
+    for kind in GRAPH_KINDS:
+        mine = [(r, f) for r, f in zip(rows, flags, strict=True) if r.graph == kind]
+        if not mine:
+            continue
+        fits[kind] = fit_phases([r for r, _ in mine], heads)
+        out = [r for r, f in mine if f]
+        kept = [r for r, f in mine if not f]
+        if out and len(kept) >= len(COEFFICIENTS):
+            train_fits[kind] = fit_phases(kept, heads)
+            held += out
+            train += kept
+    holdout = None
+    if held:
+        holdout = relative_errors(train_fits, held, heads) | {
+            "every": every, "train_shapes": len(train),
+            "by_graph": {kind: relative_errors(train_fits, [r for r in held if r.graph == kind], heads)
+                         for kind in train_fits}}
+    return {"fits": fits, "holdout": holdout, "in_sample": relative_errors(fits, rows, heads),
+            "held": {i for i, f in enumerate(flags) if f}}
+
+
+def formula(phase: np.ndarray) -> str:
+    a, b, c, d = phase
+    return (f"{a:.4g} + {b:.4g}·batch·seq + {c:.4g}·batch·heads·seq² "
+            f"+ {d:.4g}·batch·heads·seq²·returned_layers")
