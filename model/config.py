@@ -38,10 +38,10 @@ class EncoderConfig:
         """Read a Hugging Face BERT-family config.json; `pooler` says whether the
         weights carry BERT's pooler head (config.json does not say)."""
         if hf.get("hidden_act", "gelu") != "gelu":
-            raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (gelu)")
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (gelu)")
         if hf.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(
-                "config.json: position_embedding_type "
+                "position_embedding_type "
                 f"{hf['position_embedding_type']!r} is not supported (absolute)"
             )
         return cls(
