@@ -129,7 +129,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "in one line and export (what `make serve` runs)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("serve", help="serve an artifact over gRPC")
+    p = sub.add_parser("serve", help="serve an artifact over gRPC and HTTP")
     add_serve_arguments(p)
     p.add_argument("--check-config", action="store_true",
                    help="run every start-up check (flags and their environment twins, the "

@@ -139,9 +139,9 @@ class RequestQueue:
         self.metrics = metrics
         # The queue, oldest first, as insertion-ordered dicts used as sets, and the same
         # sequences indexed by (layers, length) -> oldest first: forming a batch, taking
-        # it out and dropping a request cost the same however long the queue is (a list
-        # scanned and sorted per batch made one request of 50k tiny texts take a minute
-        # and stall the event loop).
+        # it out and dropping a request cost the same however long the queue is (with a
+        # list scanned and sorted per batch, one request of 50k tiny texts would take a
+        # minute and stall the event loop).
         self.index: dict[Waiting, None] = {}
         self.by_length: dict[tuple[int, ...], dict[int, dict[Waiting, None]]] = {}
         self.jobs: dict[Job, None] = {}

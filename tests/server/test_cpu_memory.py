@@ -1,6 +1,6 @@
-"""On the CPU onnxruntime's arena stays on (without it a long batch runs about 1.5x slower),
-and the memory a long batch took goes back once the server is idle: the resident set of a
-real server process, read from /proc."""
+"""On the CPU the memory a long batch took goes back to the OS once the server is idle
+(glibc keeps freed pages for the next batch until then: server/host.py keep_freed_memory):
+the resident set of a real server process, read from /proc."""
 
 import re
 import threading
@@ -54,16 +54,20 @@ def test_memory_of_a_long_batch_goes_back_once_idle(server):
     long_text = " ".join(["attention maps show which tokens a model looked at"] * 80)
     with EncoderClient(server.address) as client:
         client.embed(["warm up"], timeout=60)
-        time.sleep(1.0)
         before = resident_bytes(server.proc.pid)
         with PeakWatcher(server.proc.pid) as watcher:
             client.embed([long_text] * LONG_BATCH, truncate=True, timeout=300)
+    took = watcher.peak - before
     # The batch did take memory: otherwise the test below could not fail.
-    assert watcher.peak - before > 200 * MIB, (before, watcher.peak)
+    assert took > 200 * MIB, (before, watcher.peak)
+    # Given back within a bounded wait (the server trims once idle for 50 ms): at least
+    # three quarters of what the batch took.
     deadline, after = time.monotonic() + SETTLE_S, resident_bytes(server.proc.pid)
-    while after > before + 50 * MIB and time.monotonic() < deadline:
+    while watcher.peak - after < 0.75 * took and time.monotonic() < deadline:
         time.sleep(0.1)
         after = resident_bytes(server.proc.pid)
-    assert after <= before + 50 * MIB, (
+    assert watcher.peak - after >= 0.75 * took, (
         f"resident {after / MIB:.0f} MiB {SETTLE_S:.0f} s after the batch, "
-        f"{before / MIB:.0f} MiB before it (peak {watcher.peak / MIB:.0f} MiB)")
+        f"{before / MIB:.0f} MiB before it, peak {watcher.peak / MIB:.0f} MiB")
+    print(f"\nlong batch: took {took / MIB:.0f} MiB over {before / MIB:.0f} MiB, gave back "
+          f"{(watcher.peak - after) / MIB:.0f} MiB once idle")

@@ -16,7 +16,6 @@ share of the budget.
 
 import json
 import socket
-import time
 
 import grpc
 import numpy as np
@@ -124,13 +123,20 @@ def test_a_stream_that_is_not_read_pulls_no_more_requests(server):
         stalled.stream(EMBED_STREAM, [big_request(rng) for _ in range(12)])
         assert wait_for(lambda: delta(before, server.scrape(), "attnserve_requests_total",
                                       rpc="EmbedStream", code="OK") >= 1, timeout=120)
-        time.sleep(2)  # time enough to run more, were it pulling them
-        answered = delta(before, server.scrape(), "attnserve_requests_total", rpc="EmbedStream",
-                         code="OK")
+        # A call on another connection, sent once the stream's first answer is computed,
+        # is queued, run and answered: the event loop and the batch loop have been free
+        # since, so a stream that pulled requests before its answer was sent would have
+        # queued its second by then, ahead of this one (the queue serves the oldest first).
+        with grpc.insecure_channel(server.address) as channel:
+            stub(channel).Embed(embed_ids([ids_of(rng, 16)]), timeout=120)
+        after = server.scrape()
+        answered = delta(before, after, "attnserve_requests_total", rpc="EmbedStream", code="OK")
+        queued = delta(before, after, "attnserve_sequence_length_tokens_count")
         rss = server.status()["rss"]
     finally:
         stalled.close()
     assert answered == 1, answered
+    assert queued == 2, queued  # the stream's first request and the other call's: no more
     assert rss <= server.baseline + BUDGET + SLACK, (rss - server.baseline) / MIB
     print(f"\nstalled stream: 12 requests sent, {answered:.0f} answered, "
           f"{(rss - server.baseline) / MIB:.0f} MiB over idle while stalled")
