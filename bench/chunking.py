@@ -30,8 +30,9 @@ import numpy as np
 
 from attnserve.client import EncoderClient
 from bench.coreference import CHUNK_TOKENS, DOCUMENTS
+from bench.machine import environment, machine
 from bench.measure import OtherLoad, wait_quiet
-from bench.run import DEFAULT_ARTIFACT, RESULTS, environment
+from bench.run import DEFAULT_ARTIFACT, RESULTS
 from bench.serving import Measured, bench_server
 
 log = logging.getLogger("bench.chunking")
@@ -226,9 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[mode].append(throughput(server, client, texts, args.chunk_tokens,
                                              args.callers, isolated))
         result["throughput"] = runs
-    tables = (f"Late vs isolated chunking, {result['environment']['cpu']} "
-              f"({result['environment']['cores']} cores), {result['date']}, commit "
-              f"{result['environment']['commit']}\n\n"
+    tables = (f"Late vs isolated chunking, {machine(result['environment'])}, {result['date']}, "
+              f"commit {result['environment']['commit']}\n\n"
               f"{reference_table(result['reference'])}\n\n{throughput_table(runs)}")
     print(tables)
     (args.out_dir / "chunking.md").write_text(tables + "\n")

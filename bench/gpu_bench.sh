@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The GPU benchmark: raw onnxruntime CUDA session vs `attnserve serve --device cuda` over
-# gRPC, shape buckets, CUDA graphs, 1 vs N sessions, cold start; prints its table with the
-# GPU, driver and date (bench/gpu_bench.py; docs/benchmarks.md) in about 7 minutes.
+# The GPU benchmark (bench/gpu_bench.py; docs/benchmarks.md): the server's backend at fp32 and
+# fp16 (parity against the CPU, tokens/s), onnxruntime at its default options against
+# `attnserve serve --device cuda` over gRPC (shape buckets, CUDA graphs, 1 vs N sessions,
+# 1 to 8 front ends, cold start), and peak memory against the shape; prints its table with
+# the GPU, driver and date. Phases that would not fit in the budget are skipped.
 #
 # From the checkout root, on a machine with an NVIDIA GPU and onnxruntime-gpu:
-#   bench/gpu_bench.sh                      # exports the fp16 artifact from $CKPT (or the default model)
-#   bench/gpu_bench.sh --artifact DIR       # an artifact exported with --fp16 already
+#   bench/gpu_bench.sh                            # exports the fp16 artifact from $CKPT (or the default model)
+#   bench/gpu_bench.sh --artifact DIR             # an artifact exported with --fp16 already
+#   bench/gpu_bench.sh --phases backend,memory    # parity, tokens/s and memory alone
 # The checkout need not be installed (gpu_env.sh makes it importable as `attnserve`).
 # Dry run without a GPU:  bench/gpu_bench.sh --device cpu --quick --artifact DIR
 # Other flags go to bench/gpu_bench.py (--help). Results: $OUT (else bench/results/gpu_bench/).

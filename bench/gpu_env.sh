@@ -1,4 +1,4 @@
-# Sourced by gpu_bench.sh and gpu_check.sh: the checkout as the working directory, the
+# Sourced by gpu_bench.sh: the checkout as the working directory, the
 # interpreter ($PYTHON, default .venv/bin/python, else python3), and `attnserve`
 # importable. `attnserve` is the repository root, so a checkout that was never installed
 # (a GPU machine without a package index, say) imports only through an entry of that name

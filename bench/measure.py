@@ -23,6 +23,20 @@ class Reps:
     """past this, 3 repetitions are enough (the 32 × 512 rows take seconds a call)"""
 
 
+class Budget:
+    """A run's time limit: a phase that would not fit in what is left is skipped, and what
+    was measured before it is still reported."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def enough(self, seconds: float) -> bool:
+        return self.left() > seconds
+
+
 FULL = {"shape": Reps(5, 30, 3.0), "workload": Reps(3, 3, 0.0, warmup=0),
         "attention": Reps(3, 10, 2.0)}
 QUICK = {"shape": Reps(3, 10, 1.0), "workload": Reps(2, 2, 0.0, warmup=0),

@@ -100,11 +100,12 @@ def run_paired(artifact: Path, workload: Workload, spec_path: Path, work: Path,
                      "shapes": {}, "plain_shapes": {}, "default_shapes": {},
                      "default_texts_shapes": {}, "int8_shapes": {},
                      "rounds": rounds}
-        # The raw sessions on the server's options: key -> (worker, session name).
-        graphs = {"opt": (worker, "opt")}
-        if "plain" in workers and "plain_graph" in workers["plain"].info:
-            graphs["plain"] = (workers["plain"], "plain")
-            raw["plain_graph"] = workers["plain"].info["plain_graph"]
+        # The server's backend on each fp32 graph: the one it serves, and the unfused one
+        # where that is another file.
+        graphs = {"opt": worker}
+        if "plain" in workers and workers["plain"].info["graph"] != worker.info["graph"]:
+            graphs["plain"] = workers["plain"]
+            raw["plain_graph"] = workers["plain"].info["graph"]
         servers["fp32"] = server = bench_server(artifact, work / "server.log", server_extra,
                                                 threads)
         if int8:
@@ -145,15 +146,15 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: dict, clients: dict,
     """One fixed shape: every raw session and every served API, in alternating blocks."""
     texts = shape.inputs.texts
     worker = workers["server"]
-    first = worker.call("shape", name=shape.name, graph="opt", calls=1, warmup=1)["seconds"][0]
-    # key: (worker, graph, tokenize)
-    raw_sides = {key: (w, graph, False) for key, (w, graph) in graphs.items()}
-    raw_sides |= {engine: (workers[engine], "opt", False) for engine in ("default", "int8")
+    first = worker.call("shape", name=shape.name, calls=1, warmup=1)["seconds"][0]
+    # key: (worker, tokenize)
+    raw_sides = {key: (w, False) for key, w in graphs.items()}
+    raw_sides |= {engine: (workers[engine], False) for engine in ("default", "int8")
                   if engine in workers}
-    raw_sides["default_texts"] = (workers["default"], "opt", True)
-    for key, (w, graph, tokenize) in raw_sides.items():
+    raw_sides["default_texts"] = (workers["default"], True)
+    for key, (w, tokenize) in raw_sides.items():
         if key != "opt":
-            w.call("shape", name=shape.name, graph=graph, calls=0, warmup=1, tokenize=tokenize)
+            w.call("shape", name=shape.name, calls=0, warmup=1, tokenize=tokenize)
     served_sides = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts),
                     "grpc_workers": lambda: clients["workers"].embed(texts)}
     if "int8" in clients:
@@ -167,8 +168,8 @@ def _shape(shape, workers: dict[str, RawWorker], graphs: dict, clients: dict,
     for round_ in range(rounds):
         for side in _order(round_):
             if side == "raw":
-                for key, (w, graph, tokenize) in raw_sides.items():
-                    samples[key] += w.call("shape", name=shape.name, graph=graph, calls=calls,
+                for key, (w, tokenize) in raw_sides.items():
+                    samples[key] += w.call("shape", name=shape.name, calls=calls,
                                            tokenize=tokenize)["seconds"]
                 continue
             for key, call in served_sides.items():
@@ -207,20 +208,20 @@ def _mixed(workers: dict[str, RawWorker], server: ServerProcess, workload: Workl
     latencies: dict[str, list[float]] = {}
     breakdowns: dict[int, list[dict]] = {c: [] for c in CONCURRENCY}
     padded = 0
-    for w, graph in [*graphs.values(), (default, "opt")]:  # warm-up
-        w.call("mixed", kind="ideal", graph=graph)
+    for w in [*graphs.values(), default]:  # warm-up
+        w.call("mixed", kind="ideal")
     asyncio.run(run_callers(server.address, texts[:64], 8))
     paired_ratios = []
     for round_ in range(rounds):
         for side in _order(round_):
             if side == "raw":
-                ideal = [(f"ideal_{key}", w, graph) for key, (w, graph) in graphs.items()]
-                for key, w, graph in [*ideal, ("ideal_default", default, "opt")]:
-                    r = w.call("mixed", kind="ideal", graph=graph)
+                ideal = [(f"ideal_{key}", w) for key, w in graphs.items()]
+                for key, w in [*ideal, ("ideal_default", default)]:
+                    r = w.call("mixed", kind="ideal")
                     runs.setdefault(key, []).append(r["run_seconds"])
                     latencies.setdefault(key, []).extend(r["latencies"])
                     padded = r["padded_tokens"]
-                r = worker.call("mixed", kind="one", graph="opt")
+                r = worker.call("mixed", kind="one")
                 runs.setdefault("one", []).append(r["run_seconds"])
                 latencies.setdefault("one", []).extend(r["latencies"])
                 continue
@@ -257,7 +258,7 @@ def _short(workers: dict[str, RawWorker], server: ServerProcess, group: ServerPr
     texts, tokens = workload.short.texts, sum(workload.short.lengths)
     sides = {"ideal": workers["server"], "ideal_default": workers["default"]}
     for w in sides.values():  # warm-up
-        w.call("mixed", kind="ideal", graph="opt", texts="short")
+        w.call("mixed", kind="ideal", texts="short")
     runs: dict[str, list[float]] = {}
     latencies: dict[str, list[float]] = {}
     breakdowns = []
@@ -265,7 +266,7 @@ def _short(workers: dict[str, RawWorker], server: ServerProcess, group: ServerPr
         for side in _order(round_):
             if side == "raw":
                 for key, w in sides.items():
-                    r = w.call("mixed", kind="ideal", graph="opt", texts="short")
+                    r = w.call("mixed", kind="ideal", texts="short")
                     runs.setdefault(key, []).append(r["run_seconds"])
                     latencies.setdefault(key, []).extend(r["latencies"])
                 continue

@@ -3,9 +3,10 @@
     python -m bench.phases {peak,memory,torch} SPEC.json OUT.json
     python -m bench.phases worker SPEC.json      (the raw session, driven over stdin)
 
-`peak` imports numpy and torch; `worker` and `memory` onnxruntime (through the server's
-own OrtBackend); `torch` our PyTorch model and sentence-transformers. None imports another's
-engine, and the torch phase never runs while the server or the raw worker is up.
+`peak` imports numpy and torch; `worker` and `memory` onnxruntime (the server's own
+backend, or onnxruntime at its default options: bench/engines.py); `torch` our PyTorch
+model and sentence-transformers. None imports another's engine, and the torch phase never
+runs while the server or the raw worker is up.
 """
 
 import json
@@ -30,7 +31,6 @@ from bench.measure import (
 from bench.workloads import Workload, padded_batch
 
 log = logging.getLogger("bench.phases")
-
 
 
 # --- FLOP peak --------------------------------------------------------------------------
@@ -75,54 +75,48 @@ def _rss_probe():
 
 
 class RawEngine:
-    """One engine of the raw side, in-process, by `spec["engine"]`:
+    """One engine of the raw side, in-process, by `spec["engine"]` (bench/engines.py):
 
-    - `server`: the server's own OrtBackend (same graph file, same session options, the
-      same process-wide malloc settings);
-    - `plain`: the unfused graph with them, in a process of its own (a second busy session
-      beside the server's would share its cores' time);
+    - `server`: the server's own backend (its graph, session options and process-wide
+      malloc settings);
+    - `plain`: that backend serving the unfused graph, in a process of its own (a second
+      busy session beside the server's would share its cores' time);
     - `default`: what a user gets calling onnxruntime themselves, `InferenceSession(path)`
       at its default options, on the server's fp32 graph, in a process of its own; also
       with the artifact's tokenizer in front of it (`tokenize=True`: texts in, as the server
       gets them, padded to the longest as a user's script would);
-    - `int8`: the server's OrtBackend serving the int8 graphs (`export --int8`)."""
+    - `int8`: the server's backend serving the int8 graphs (`export --int8`)."""
 
     def __init__(self, spec: dict):
-        import onnxruntime as ort
-
         from attnserve.artifact import load_artifact
-        from attnserve.server.runtime.ort_backend import CPU, OrtBackend
+        from attnserve.server.runtime.backends import create_backend
+        from bench.engines import default_session, unfused
 
         self.workload = Workload.load(spec["workload"])
         self.artifact = load_artifact(spec["artifact"])
         engine = spec.get("engine", "server")
-        self.pad = self.artifact.manifest.pad_token_id
-        self.info = {"engine": engine, "threads": spec["threads"]}
+        manifest = self.artifact.manifest
+        self.pad = manifest.pad_token_id
+        precision = "int8" if engine == "int8" else "fp32"
         if engine == "default":
             from tokenizers import Tokenizer
 
             from attnserve.artifact import TOKENIZER
 
-            graph = self.artifact.manifest.graph(attention=False, precision="fp32")
-            self.runtime = None
+            graph = manifest.graph(attention=False, precision="fp32")
+            session = default_session(self.artifact.path(graph.file), "cpu")
+            self.backend = None
             self.tokenizer = Tokenizer.from_file(str(self.artifact.path(TOKENIZER)))
             self.tokenizer.enable_padding(pad_id=self.pad)
-            self.tokenizer.enable_truncation(self.artifact.manifest.max_positions)
-            self.sessions = {"opt": ort.InferenceSession(str(self.artifact.path(graph.file)),
-                                                         providers=[CPU])}
-            self.info["graph"] = graph.file
+            self.tokenizer.enable_truncation(manifest.max_positions)
+            self.run = lambda ids, mask: session.run(["last_hidden_state"],
+                                                     {"input_ids": ids, "attention_mask": mask})
         else:
-            self.runtime = OrtBackend(self.artifact, device="cpu",
-                                      precision="int8" if engine == "int8" else "fp32",
-                                      intra_op_threads=spec["threads"])
-            self.sessions = {"opt": self.runtime.lanes[0].embed.session}
-            self.info.update(graph=self.runtime.embed_graph.file,
-                             attention_graph=self.runtime.attn_graph.file)
-        plain = next((g for g in self.artifact.manifest.graphs
-                      if not g.attention and g.precision == "fp32" and not g.optimized), None)
-        if engine == "plain" and plain is not None and plain.file != self.runtime.embed_graph.file:
-            self.sessions = {"plain": self.runtime._session(plain, CPU, cuda_graph=False)}
-            self.info["plain_graph"] = plain.file
+            artifact = unfused(self.artifact) if engine == "plain" else self.artifact
+            self.backend = create_backend(artifact, "cpu", precision, spec["threads"])
+            graph = artifact.manifest.graph(attention=False, precision=precision)
+            self.run = lambda ids, mask: self.backend.run(ids, mask).hidden
+        self.info = {"engine": engine, "threads": spec["threads"], "graph": graph.file}
         self.shapes = {s.name: padded_batch(s.inputs.ids, self.pad) for s in self.workload.shapes}
         self.texts = {s.name: s.inputs.texts for s in self.workload.shapes}
         self.batches = {
@@ -132,22 +126,17 @@ class RawEngine:
                       for b in self.workload.short_batches]}
         self.singles = [padded_batch([r], self.pad) for r in self.workload.mixed.ids]
 
-    def run(self, graph: str, ids: np.ndarray, mask: np.ndarray):
-        return self.sessions[graph].run(["last_hidden_state"],
-                                        {"input_ids": ids, "attention_mask": mask})
-
-    def shape(self, name: str, graph: str, calls: int, warmup: int = 0,
-              tokenize: bool = False) -> dict:
+    def shape(self, name: str, calls: int, warmup: int = 0, tokenize: bool = False) -> dict:
         if tokenize:
             texts = self.texts[name]
 
             def call():
-                return self.run(graph, *self._tokenized(texts))
+                return self.run(*self._tokenized(texts))
         else:
             ids, mask = self.shapes[name]
 
             def call():
-                return self.run(graph, ids, mask)
+                return self.run(ids, mask)
         return {"seconds": time_calls(call, Reps(calls, calls, 0.0, warmup=warmup))}
 
     def _tokenized(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -155,16 +144,17 @@ class RawEngine:
         return (np.array([e.ids for e in encoded], dtype=np.int64),
                 np.array([e.attention_mask for e in encoded], dtype=np.int64))
 
-    def mixed(self, kind: str, graph: str, texts: str = "mixed") -> dict:
+    def mixed(self, kind: str, texts: str = "mixed") -> dict:
         """One pass over the mixed (or short) texts: ideal batches, or one text at a time."""
         inputs = self.batches[texts] if kind == "ideal" else self.singles
-        latencies = time_each(lambda batch: self.run(graph, *batch), inputs)
+        latencies = time_each(lambda batch: self.run(*batch), inputs)
         return {"run_seconds": sum(latencies), "latencies": latencies,
                 "padded_tokens": int(sum(ids.size for ids, _ in inputs))}
 
     def attention(self, quick: bool) -> dict:
         reps = (QUICK if quick else FULL)["attention"]
-        return _attention(self.runtime, self.workload, self.pad, reps)
+        return _attention(self.backend, self.workload, self.pad, self.artifact.manifest.num_layers,
+                          reps)
 
 
 def phase_worker(spec: dict) -> None:
@@ -186,17 +176,17 @@ def phase_worker(spec: dict) -> None:
         reply.flush()
 
 
-def _attention(runtime, workload: Workload, pad: int, reps) -> dict:
+def _attention(backend, workload: Workload, pad: int, num_layers: int, reps) -> dict:
     """Time and output bytes per layer choice (memory: `phase_memory`, a fresh process)."""
     shape = workload.attention
     ids, mask = padded_batch(shape.inputs.ids, pad)
-    layers_all = tuple(range(runtime.artifact.manifest.num_layers))
+    layers_all = tuple(range(num_layers))
     out = {"shape": shape.name}
     for name, layers in (("none", ()), ("one", (0,)), ("all", layers_all)):
-        result = runtime.run(ids, mask, layers)
+        result = backend.run(ids, mask, layers)
         nbytes = sum(m.nbytes for m in result.attentions.values())
         del result
-        row = latency_summary(time_calls(lambda layers=layers: runtime.run(ids, mask, layers),
+        row = latency_summary(time_calls(lambda layers=layers: backend.run(ids, mask, layers),
                                          reps))
         row.update(layers=len(layers), output_bytes_fp32=nbytes, output_bytes_fp16=nbytes // 2)
         out[name] = row
@@ -210,18 +200,18 @@ def phase_memory(spec: dict) -> dict:
     A fresh process because memory a previous call freed stays resident (malloc keeps it)
     and would hide the next call's cost."""
     from attnserve.artifact import load_artifact
-    from attnserve.server.runtime.ort_backend import OrtBackend
+    from attnserve.server.runtime.backends import create_backend
 
     workload = Workload.load(spec["workload"])
     artifact = load_artifact(spec["artifact"])
-    runtime = OrtBackend(artifact, device="cpu", intra_op_threads=spec["threads"])
-    runtime.warm_up(runtime.warm_up_shapes(0))  # as the server does before serving: both graphs at 1 × 8
+    backend = create_backend(artifact, "cpu", "fp32", spec["threads"])
+    backend.warm_up(backend.warm_up_shapes(0))  # as the server does before serving: both graphs at 1 × 8
     layers = tuple(spec["layers"])
     ids, mask = padded_batch(workload.attention.inputs.ids, artifact.manifest.pad_token_id)
     probe = _rss_probe()
     baseline = probe.start_batch()
     t0 = time.perf_counter()
-    result = runtime.run(ids, mask, layers)
+    result = backend.run(ids, mask, layers)
     seconds = time.perf_counter() - t0
     peak = probe.batch_peak(baseline)
     return {"layers": len(layers), "shape": workload.attention.name, "rss_before": baseline,

@@ -4,6 +4,7 @@ section of docs/benchmarks.md."""
 import re
 from pathlib import Path
 
+from bench.machine import machine
 from bench.measure import ModelShape
 
 RAW, PLAIN, DEFAULT, RAW_INT8 = ("raw ORT", "raw ORT plain graph", "raw ORT default options",
@@ -298,16 +299,16 @@ def _breakdown(result: dict) -> list[str]:
 # --- docs/benchmarks.md ------------------------------------------------------------------------
 
 # Where a machine's first run goes in the page: below this line, newest first.
-RUNS_MARKER = "<!-- attnserve bench: runs written by `attnserve bench` (docs option) follow, newest first -->"
-
-
-def machine(environment: dict) -> str:
-    """What a section is keyed and headed by: the CPU and the cores the run used."""
-    return f"{environment['cpu']}, {environment['cores']} cores"
+RUNS_MARKER = "<!-- python -m bench: runs written by `python -m bench --docs` follow, newest first -->"
 
 
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _markers(key: str) -> tuple[str, str]:
+    """The lines a machine's section starts and ends with."""
+    return f"<!-- python -m bench: {key} -->", f"<!-- /python -m bench: {key} -->"
 
 
 def docs_section(result: dict, table: str, plot_file: str | None) -> tuple[str, str]:
@@ -315,21 +316,22 @@ def docs_section(result: dict, table: str, plot_file: str | None) -> tuple[str, 
     the command and versions measured, the plot, the tables."""
     environment = result["environment"]
     key = machine(environment)
-    lines = [f"<!-- attnserve bench: {key} -->",
+    begin, end = _markers(key)
+    lines = [begin,
              f"### {key}, {environment['date']}", "",
              f"`{environment['command']}` ({result['seconds']:.0f} s): attnserve "
              f"{environment['attnserve']}, onnxruntime {environment['onnxruntime']}, Python "
              f"{environment['python']}, {environment['threads']} threads.", ""]
     if plot_file:
-        lines += [f"![attnserve bench on {key}]({plot_file})", ""]
-    lines += [table, f"<!-- /attnserve bench: {key} -->"]
+        lines += [f"![python -m bench on {key}]({plot_file})", ""]
+    lines += [table, end]
     return key, "\n".join(lines)
 
 
 def update_page(page: str, key: str, section: str) -> str:
     """`page` with `section` in place of the earlier section of the same machine, or, for
     a machine not in it yet, first below RUNS_MARKER; the rest of the page as it was."""
-    begin, end = f"<!-- attnserve bench: {key} -->", f"<!-- /attnserve bench: {key} -->"
+    begin, end = _markers(key)
     start = page.find(begin)
     if start >= 0 and page.find(end, start) >= 0:
         stop = page.find(end, start) + len(end)

@@ -1,12 +1,13 @@
-"""`python -m bench` / `attnserve bench`: every engine on identical inputs, in one run.
+"""`python -m bench` (`make bench`): every engine on identical inputs, in one run.
 
 Phases run one after another, never side by side (torch and onnxruntime busy together on
 a few cores slow each other 3-4×):
 
   1. FLOP peak: float32 matmul 2048² at the core count (numpy and torch), a subprocess
-  2. raw onnxruntime vs attnserve, alternating in blocks: the server's Runtime on the
-     server's graph in a worker subprocess, and `attnserve serve` (a subprocess) over gRPC
-     on loopback with the client here; one of the two busy at a time
+  2. raw onnxruntime vs attnserve, alternating in blocks: the server's backend on the
+     server's graph and onnxruntime at its default options, each in a worker subprocess,
+     and `attnserve serve` (a subprocess) over gRPC on loopback with the client here; one
+     of them busy at a time
   3. memory of attention maps: one fresh process / fresh server per choice of layers
   4. our PyTorch model (eager) and sentence-transformers, a subprocess, once the server
      and the raw worker are gone
@@ -18,23 +19,22 @@ the same machine's earlier run.
 """
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench.harness import REPO
+from bench.machine import environment, machine
 from bench.measure import FULL, QUICK, ModelShape, OtherLoad, wait_quiet
 from bench.paired import run_paired
 from bench.report import (
     build_rows,
     docs_section,
-    machine,
     markdown,
     plot,
     slug,
@@ -46,13 +46,12 @@ from bench.workloads import ATTENTION_SHAPE, IDEAL_BATCH, IDEAL_PADDING, build
 
 log = logging.getLogger("bench")
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ARTIFACT = REPO / "artifacts" / "all-MiniLM-L6-v2"
 RESULTS = REPO / "bench" / "results"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="attnserve bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
                    help="artifact directory (attnserve export --out DIR)")
@@ -102,31 +101,6 @@ def run_phase(name: str, spec: dict, work: Path, wait: float, env: dict | None =
     return result
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment(threads: int) -> dict:
-    import grpc
-    import numpy
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "server"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())
-    return {"cores": len(os.sched_getaffinity(0)), "threads": threads, "cpu": cpu,
-            "date": time.strftime("%Y-%m-%d", time.gmtime()), "attnserve": _version("attnserve"),
-            "onnxruntime": _version("onnxruntime-gpu") or _version("onnxruntime"),
-            "python": platform.python_version(), "numpy": numpy.__version__,
-            "grpcio": grpc.__version__, "commit": commit, "server_dirty": bool(dirty),
-            "command": " ".join([command_name(), *sys.argv[1:]])}
-
-
 def write_docs(page: Path, result: dict, rows: list[dict], verdicts: list[dict],
                plot_dir: Path | None) -> None:
     """The run's section of `page`, and its plot beside the page."""
@@ -139,19 +113,13 @@ def write_docs(page: Path, result: dict, rows: list[dict], verdicts: list[dict],
     log.info("event=docs_written page=%s machine=%r", page, key)
 
 
-def command_name() -> str:
-    name = Path(sys.argv[0]).name
-    return "python -m bench" if name == "__main__.py" else (
-        "attnserve" if name == "attnserve" else name)
-
-
 def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level="INFO", stream=sys.stderr,
                             format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     args = parse_args(argv)
     if args.docs and args.quick:
-        print("attnserve bench: --docs records a full run's figures; drop --quick", file=sys.stderr)
+        print("python -m bench: --docs records a full run's figures; drop --quick", file=sys.stderr)
         return 2
     started = time.perf_counter()
     from attnserve.artifact import ArtifactError, load_artifact
@@ -159,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         artifact = load_artifact(args.artifact)
     except ArtifactError as err:
-        print(f"attnserve bench: {err}\nexport it first: attnserve export --out {args.artifact}",
+        print(f"python -m bench: {err}\nexport it first: attnserve export --out {args.artifact}",
               file=sys.stderr)
         return 2
     manifest = artifact.manifest
@@ -238,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(result, rows, work / "bench.png")
         written.append("bench.png")
     except ImportError:
-        print("attnserve bench: no plot (matplotlib is missing): pip install 'attnserve[plot]'",
+        print("python -m bench: no plot (matplotlib is missing): pip install 'attnserve[plot]'",
               file=sys.stderr)
     for name in written:
         shutil.copyfile(work / name, args.out_dir / name)

@@ -28,8 +28,8 @@ import numpy as np
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from bench.harness import ServerProcess, make_tiny_checkpoint
+from bench.machine import environment, machine
 from bench.measure import latency_summary, time_calls
-from bench.run import environment
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "workers"
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"requests/s", file=sys.stderr)
     text = table(rows, client, counts[0])
     env = environment(threads=0)  # the servers' default: every core
-    heading = f"{env['cpu']}, {env['cores']} cores, {env['date']}"
+    heading = f"{machine(env)}, {env['date']}"
     (args.out_dir / "workers.json").write_text(json.dumps(
         {"machine": heading, "client": client, "rows": rows}, indent=1))
     try:

@@ -1,9 +1,10 @@
-"""`attnserve bench --docs docs/benchmarks.md`: a run's section is headed by its machine and
+"""`python -m bench --docs docs/benchmarks.md`: a run's section is headed by its machine and
 date, replaces the same machine's earlier run in place, goes first below the marker for a
 machine not yet in the page, and leaves the page's own prose as it was."""
 
 import pytest
 
+from bench.harness import REPO
 from bench.report import RUNS_MARKER, docs_section, update_page
 
 PAGE = f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n### An older machine, by hand\n\nIts table.\n"
@@ -12,7 +13,7 @@ PAGE = f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n### An older mac
 def run(cpu: str, date: str, table: str) -> tuple[str, str]:
     environment = {"cpu": cpu, "cores": 2, "threads": 2, "date": date, "attnserve": "0.1.0",
                    "onnxruntime": "1.31.1", "python": "3.11.2",
-                   "command": "attnserve bench --docs docs/benchmarks.md"}
+                   "command": "python -m bench --docs docs/benchmarks.md"}
     return docs_section({"environment": environment, "seconds": 600.0}, table, "bench-x.png")
 
 
@@ -22,7 +23,7 @@ def test_a_section_names_the_machine_date_versions_and_plot():
     lines = section.splitlines()
     assert lines[1] == "### Intel(R) Xeon(R) Processor, 2 cores, 2026-12-01"
     assert "onnxruntime 1.31.1" in lines[3] and "attnserve 0.1.0" in lines[3]
-    assert "![attnserve bench on Intel(R) Xeon(R) Processor, 2 cores](bench-x.png)" in lines
+    assert "![python -m bench on Intel(R) Xeon(R) Processor, 2 cores](bench-x.png)" in lines
     assert "| a | b |" in lines
 
 
@@ -40,3 +41,12 @@ def test_a_new_machine_goes_first_below_the_marker_and_a_rerun_replaces_it():
 def test_a_page_without_the_marker_is_refused():
     with pytest.raises(ValueError, match="no line"):
         update_page("# Benchmarks\n", *run("CPU A", "2026-12-01", "| t |"))
+
+
+def test_the_benchmarks_page_takes_a_rerun_of_its_machine_in_place():
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    assert RUNS_MARKER in page
+    rerun = update_page(page, *run("Intel(R) Xeon(R) Processor", "2027-01-02", "| rerun |"))
+    assert rerun.count("### Intel(R) Xeon(R) Processor, 2 cores") == 1
+    assert "| rerun |" in rerun and "### Intel(R) Xeon(R) Processor, 2 cores, 2027-01-02" in rerun
+    assert rerun.endswith(page[page.index("### AMD EPYC"):])
