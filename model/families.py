@@ -9,7 +9,14 @@ masked-language-model head, which is dropped at load (it predicts tokens, and no
 served reads it).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from torch import nn
+
+from attnserve.model.config import EncoderConfig, EncoderShape
+from attnserve.model.encoder import Encoder
+from attnserve.model.tensor_names import bert_names
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,11 @@ class Family:
     """what the encoder's tensor names start with inside a model with a head ("bert.")"""
     masked_lm_head: tuple[str, ...]
     """the name prefixes of the masked-LM head's tensors, dropped at load"""
+    config: Callable[[dict, bool], EncoderShape]
+    """config.json, and whether the weights carry BERT's pooler -> the encoder's config"""
+    encoder: Callable[..., nn.Module]
+    tensor_names: Callable[[str], tuple[str, ...] | None]
+    """a tensor's name, its prefix removed -> ours (model/tensor_names.py)"""
 
     @property
     def masked_lm(self) -> str:
@@ -28,7 +40,12 @@ class Family:
 
 
 FAMILIES = {family.model_type: family for family in (
-    Family("bert", "BertModel", "bert.", ("cls.predictions.",)),
+    Family("bert", "BertModel", "bert.", ("cls.predictions.",), EncoderConfig.from_hf, Encoder,
+           bert_names),
+    Family("roberta", "RobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf, Encoder,
+           bert_names),
+    Family("xlm-roberta", "XLMRobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf,
+           Encoder, bert_names),
 )}
 
 

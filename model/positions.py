@@ -18,6 +18,16 @@ def sinusoidal_table(max_positions: int, hidden_size: int) -> torch.Tensor:
     return table
 
 
+def positions_after_padding(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """RoBERTa's position ids, (batch, seq): each row's tokens other than the padding id
+    numbered pad_token_id + 1, pad_token_id + 2, … in order, and each padding token
+    pad_token_id (a row that is never trained). Counted from the ids, as the checkpoint
+    was trained, so an id sequence means the same with or without its padding; computed
+    in the graph, so it holds at every batch and length."""
+    real = (input_ids != pad_token_id).long()
+    return torch.cumsum(real, dim=1) * real + pad_token_id
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE: rotate each (even, odd) pair of a head's query and key by an angle that
     grows with the position, so Q·K depends on the distance between two tokens."""

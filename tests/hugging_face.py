@@ -1,7 +1,8 @@
-"""Hugging Face's BertModel on a checkpoint's own weights: a reference that shares no code
-with our model, the export, the graphs or the server, so the end-to-end tests compare what
-a caller gets with an implementation they did not write. Eager attention, so it returns
-its maps (transformers 5.x returns none with its default SDPA attention)."""
+"""Hugging Face's model of a checkpoint's family (BertModel for BERT, RobertaModel, …) on
+its own weights: a reference that shares no code with our model, the export, the graphs
+or the server, so the end-to-end tests compare what a caller gets with an implementation
+they did not write. Eager attention, so it returns its maps (transformers 5.x returns none
+with its default SDPA attention)."""
 
 from pathlib import Path
 
@@ -17,11 +18,11 @@ FP16_MAPS_ATOL = 5e-5
 class HuggingFace:
     def __init__(self, checkpoint: Path):
         import torch
-        from transformers import AutoTokenizer, BertModel
+        from transformers import AutoModel, AutoTokenizer
 
         self.torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-        self.model = BertModel.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
+        self.model = AutoModel.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
 
     def ids(self, text: str) -> list[int]:
         """The text as the checkpoint's tokenizer turns it into ids, special tokens included."""

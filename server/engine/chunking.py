@@ -1,13 +1,16 @@
 """Where a long text is cut into chunks, and the model windows its chunks are embedded in.
 
-Chunks. A cut falls before a token, at one of four levels: inside a word (between
-word pieces), before a piece of a word the pre-tokenizer splits off (punctuation in
-"don't"), at a word boundary (whitespace between the tokens, or a character of a script
-written without spaces: CJK ideographs and punctuation, kana), or at a sentence boundary
-(sentence-final punctuation and closing quotes, then whitespace and no lowercase letter,
-or CJK sentence-final punctuation; a blank line). Each chunk takes as many tokens as it
-may (`max_tokens`) and ends at the last cut within reach of the highest level there is:
-a run of whole sentences where they fit, else whole words, else word pieces. Between
+Chunks. A cut falls before a token, at one of five levels: inside a character (between
+the byte-level tokens of one), inside a word (between word pieces), before a piece of a
+word the pre-tokenizer splits off (punctuation in "don't"), at a word boundary
+(whitespace between the tokens, or a character of a script written without spaces: CJK
+ideographs and punctuation, kana, whether the pre-tokenizer splits each off as a word,
+as BERT's does, or not, as metaspace and byte-level ones do not), or at a sentence
+boundary (sentence-final punctuation and closing quotes, then whitespace and no
+lowercase letter, or CJK sentence-final punctuation; a blank line). Each chunk takes as
+many tokens as it may (`max_tokens`) and ends at the last cut within reach of the
+highest level there is: a run of whole sentences where they fit, else whole words, else
+word pieces, else byte-level tokens of whole characters. Between
 chunks lies only whitespace: chunk i is the text from its first token's start to the
 next chunk's, whitespace stripped at both ends (the first begins at the text's first
 non-whitespace character, the last ends at its last).
@@ -30,9 +33,9 @@ import numpy as np
 
 from attnserve.server.engine.tokenize import TextTokens
 
-INSIDE_WORD, WORD_PIECE, WORD, SENTENCE = 0, 1, 2, 3
+INSIDE_CHARACTER, INSIDE_WORD, WORD_PIECE, WORD, SENTENCE = 0, 1, 2, 3, 4
 # Characters of scripts written without spaces between words: every one is a word
-# boundary (the BERT normaliser splits each CJK ideograph off as a word of its own).
+# boundary.
 SPACELESS = ((0x3000, 0x30FF),  # CJK symbols and punctuation, hiragana, katakana
              (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF),  # CJK ideographs
              (0xFF00, 0xFFEF),  # full-width forms (，！？)
@@ -68,12 +71,17 @@ def cut_levels(text: str, tokens: TextTokens) -> np.ndarray:
     code_points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
     last = len(code_points) - 1
     after_gap = starts[1:] > ends[:-1]
+    # Byte-level tokens of one character each cover all of it: the next starts before
+    # the previous ends. A token of whitespace alone (byte-level 'Ġ' before '中') covers
+    # nothing (tokenize.TextTokens): it goes with what follows it.
+    between_characters = (starts[1:] >= ends[:-1]) & (starts[:-1] < ends[:-1])
     spaceless = (_spaceless(code_points[np.minimum(starts[1:], last)])
                  | _spaceless(code_points[np.clip(ends[:-1] - 1, 0, last)]))
     word_start = tokens.word_starts[1:]
     inner = levels[1:n]
+    inner[between_characters] = INSIDE_WORD
     inner[word_start] = WORD_PIECE
-    inner[word_start & (after_gap | spaceless)] = WORD
+    inner[(word_start & after_gap) | (spaceless & between_characters)] = WORD
     ends_at = np.fromiter((m.end() for m in SENTENCE_END.finditer(text)), dtype=np.int64)
     after = np.searchsorted(starts, ends_at)  # the first token at or past each end
     after = after[(after > 0) & (after < n)]
@@ -85,14 +93,15 @@ def chunk_bounds(levels: np.ndarray, max_tokens: int) -> np.ndarray:
     """int64 token positions 0 = b0 < b1 < … < bk = n: chunk i is tokens [b_i, b_{i+1})."""
     n = len(levels) - 1
     # Per level, highest first, the positions where a cut may fall at it or above.
-    allowed = [np.flatnonzero(levels >= level) for level in (SENTENCE, WORD, WORD_PIECE)]
+    allowed = [np.flatnonzero(levels >= level)
+               for level in (SENTENCE, WORD, WORD_PIECE, INSIDE_WORD)]
     bounds, start = [0], 0
     while start < n:
         reach = start + max_tokens
         if reach >= n:
             bounds.append(n)
             break
-        cut = reach  # inside one word longer than max_tokens: cut between its pieces
+        cut = reach  # inside one character of more than max_tokens byte-level tokens
         for positions in allowed:
             last = int(positions[np.searchsorted(positions, reach, side="right") - 1])
             if last > start:

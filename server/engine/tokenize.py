@@ -4,9 +4,13 @@ A text never costs more than the tokens the model can take. It is tokenized once
 after max_positions + 1 tokens (the post-processor still closes it with [SEP]): one
 that comes back that long was longer than the model's positions, so it is refused, or
 cut to them keeping the closing special tokens. A long text is tokenized a prefix at a
-time: up to a point where nothing that follows can change the tokens before it (before
-whitespace; for BERT's pre-tokenizer also before punctuation and CJK characters, which
-it always splits off), growing the prefix only while it holds too few tokens to decide.
+time: up to a point where nothing that follows can change the tokens before it, growing
+the prefix only while it holds too few tokens to decide. Which points those are depends
+on the pre-tokenizer: before whitespace (BERT's also before punctuation and CJK
+characters, which it always splits off); before a space only for a metaspace
+pre-tokenizer (XLM-RoBERTa's splits at spaces and nowhere else: a newline stays inside a
+word) and for a byte-level one that adds a space before a text (which it would add
+before a piece starting with a newline); none where the pre-tokenizer does not split.
 Tokenized whole, a 4 MiB text takes 6 s and 625 MiB at its peak; its first 4,096
 characters take a millisecond. A text with no such point (one 4 MiB word, or
 only whitespace) is still tokenized whole, its working memory held first.
@@ -21,9 +25,11 @@ Chunking needs a text whole, never truncated, with each token's place in it
 (`encode_whole`): it is tokenized a piece at a time, each piece ending at a cut point so
 that its tokens are the text's own, the pieces of a slice in one `encode_batch` (which
 runs them in parallel), and its offsets come back in code points, as Python indexes a
-str.
+str, each token's start past the space that byte-level and metaspace tokens carry
+before their word (Ġword, ▁word).
 """
 
+import json
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,6 +66,8 @@ PIECE_CHARS = 16 << 10
 KEPT_BYTES_PER_WHOLE_TOKEN = 32
 
 _WHITESPACE_CUT = r"(?<=\S)\s"
+_SPACE_CUT = r"(?<=\S) "
+_NO_CUT = r"(?!)"
 # BERT's pre-tokenizer splits off every punctuation character (these are the ASCII ones)
 # and its normaliser every CJK ideograph: text before one is tokenized as if it ended
 # there.
@@ -67,6 +75,24 @@ _BERT_CUT = _WHITESPACE_CUT + (r"|[!-/:-@\[-`{-~]|[\u3400-\u4dbf\u4e00-\u9fff\uf
                                r"\U00020000-\U0002a6df\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f]")
 # Where to look for the last cut point before a prefix's end.
 CUT_WINDOW = 4096
+# The code points Python counts as whitespace (str.isspace): none lies past U+3000.
+_SPACES = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
+
+
+def cut_points(pre_tokenizer: dict | None) -> re.Pattern:
+    """Where a text may be cut with the tokens before the cut the same as the whole
+    text's, for a tokenizer.json's pre-tokenizer (see the module's docstring). Others
+    than these split at least at whitespace (Whitespace, WhitespaceSplit, Split on it)."""
+    kind = (pre_tokenizer or {}).get("type")
+    if kind == "BertPreTokenizer":
+        return re.compile(_BERT_CUT)
+    if kind == "Metaspace":
+        return re.compile(_SPACE_CUT if pre_tokenizer.get("split", True) else _NO_CUT)
+    if kind == "ByteLevel":
+        if not pre_tokenizer.get("use_regex", True):
+            return re.compile(_NO_CUT)
+        return re.compile(_SPACE_CUT if pre_tokenizer.get("add_prefix_space") else _WHITESPACE_CUT)
+    return re.compile(_WHITESPACE_CUT)
 
 
 @dataclass(frozen=True)
@@ -85,7 +111,7 @@ class TextTokens:
     ids: np.ndarray
     """int64"""
     starts: np.ndarray
-    """int64 code point offsets of each token's first character"""
+    """int64 code point offsets of each token's first character that is not whitespace"""
     ends: np.ndarray
     """int64, exclusive"""
     word_starts: np.ndarray
@@ -107,8 +133,12 @@ class TextTokenizer:
         # decides (refuse or truncate) instead of a silent cut.
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.no_padding()
-        self.whole = Tokenizer.from_str(self.tokenizer.to_str())
-        """for encode_whole: no truncation"""
+        described = json.loads(self.tokenizer.to_str())
+        # A post-processor adds nothing to a text without its special tokens but may move
+        # offsets, and RoBERTa's trims a space token's differently at a text's start than
+        # inside it: a piece's tokens would not lie where the whole text's do.
+        self.whole = Tokenizer.from_str(json.dumps(described | {"post_processor": None}))
+        """for encode_whole: no truncation, no post-processor"""
         self.whole.no_truncation()
         self.tokenizer.enable_truncation(max_positions + 1)
         self.max_positions = max_positions
@@ -123,8 +153,7 @@ class TextTokenizer:
         """the special tokens before a text ([CLS])"""
         self.tail_ids = self.empty.ids[len(empty.ids) - self.tail:]
         """the special tokens after it ([SEP])"""
-        bert = type(self.tokenizer.pre_tokenizer).__name__ == "BertPreTokenizer"
-        self.cut_points = re.compile(_BERT_CUT if bert else _WHITESPACE_CUT)
+        self.cut_points = cut_points(described.get("pre_tokenizer"))
 
     def encode(self, texts: list[str], truncate: bool, holds: Holds,
                details: bool = False) -> list[Encoded]:
@@ -201,8 +230,8 @@ class TextTokenizer:
             encodings = self._tokenize([texts[i][start:end] for i, start, end in piece_slice],
                                        holds, whole=True)
             holds.take(KEPT_BYTES_PER_WHOLE_TOKEN * sum(map(len, encodings)), "tokens")
-            for (i, start, _), encoding in zip(piece_slice, encodings, strict=True):
-                parts[i].append(_piece_tokens(encoding, start))
+            for (i, start, end), encoding in zip(piece_slice, encodings, strict=True):
+                parts[i].append(_piece_tokens(encoding, texts[i][start:end], start))
             del encodings
         return [_joined(p) for p in parts]
 
@@ -242,14 +271,25 @@ def _slices(sizes: list[int]) -> Iterator[tuple[int, int]]:
         yield start, len(sizes)
 
 
-def _piece_tokens(encoding, offset: int) -> TextTokens:
+def _piece_tokens(encoding, piece: str, offset: int) -> TextTokens:
     """A piece's tokens, placed in its text by the piece's `offset`."""
     ids = np.asarray(encoding.ids, dtype=np.int64)
-    places = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + offset
+    places = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
     words = np.asarray(encoding.word_ids, dtype=np.int64)
     word_starts = np.ones(len(ids), dtype=bool)
     word_starts[1:] = words[1:] != words[:-1]
-    return TextTokens(ids, places[:, 0], places[:, 1], word_starts)
+    starts = _past_spaces(piece, places[:, 0], places[:, 1])
+    return TextTokens(ids, starts + offset, places[:, 1] + offset, word_starts)
+
+
+def _past_spaces(piece: str, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Each token's start moved past the whitespace it begins with, to its end for a
+    token of whitespace alone."""
+    code_points = np.frombuffer(piece.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    n = len(code_points)
+    solid = np.where(np.isin(code_points, _SPACES), n, np.arange(n))
+    next_solid = np.append(np.minimum.accumulate(solid[::-1])[::-1], n)
+    return np.minimum(next_solid[np.minimum(starts, n)], ends)
 
 
 def _joined(parts: list[TextTokens]) -> TextTokens:

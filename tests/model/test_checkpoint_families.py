@@ -11,7 +11,7 @@ import torch
 from attnserve.model import CheckpointError, load_checkpoint
 from bench.harness import make_tiny_checkpoint, minilm_dir
 
-SERVED = "attnserve exports bert"
+SERVED = "attnserve exports bert, roberta, xlm-roberta"
 
 
 def saved(model, directory):
@@ -74,6 +74,12 @@ def test_an_architecture_of_another_family_is_refused(tmp_path):
                                               r"model_type 'bert' attnserve exports BertModel and "
                                               r"BertForMaskedLM"):
         load_checkpoint(directory)
+    # A BERT relabelled RoBERTa would load with RoBERTa's positions: its architecture says no.
+    edit_config(directory, model_type="roberta", architectures=["BertModel"])
+    with pytest.raises(CheckpointError, match=r"architectures: 'BertModel' is not served; for "
+                                              r"model_type 'roberta' attnserve exports RobertaModel "
+                                              r"and RobertaForMaskedLM"):
+        load_checkpoint(directory)
 
 
 def test_a_sequence_classifier_is_refused_naming_its_head(tmp_path):
@@ -110,4 +116,21 @@ def test_a_masked_lm_loads_its_encoder_and_drops_the_head(tmp_path):
     ids = torch.randint(0, 30522, (2, 9))
     with torch.no_grad():
         diff = ours(ids).last_hidden_state - hf.bert(ids).last_hidden_state
+    assert diff.abs().max() <= 1e-5
+
+
+def test_an_xlm_roberta_masked_lm_loads_its_encoder(tmp_path):
+    """Its tensors under roberta., its head under lm_head. (dropped); no pooler."""
+    from transformers import XLMRobertaConfig, XLMRobertaForMaskedLM
+
+    torch.manual_seed(0)
+    config = XLMRobertaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=64,
+                              max_position_embeddings=130, type_vocab_size=1)
+    hf = XLMRobertaForMaskedLM(config).eval()
+    ours = load_checkpoint(saved(hf, tmp_path / "xlmr-mlm"))
+    assert ours.pooler is None and ours.config.max_positions == 128
+    ids = torch.randint(3, 300, (2, 9))
+    with torch.no_grad():
+        diff = ours(ids).last_hidden_state - hf.roberta(ids).last_hidden_state
     assert diff.abs().max() <= 1e-5
