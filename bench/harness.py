@@ -50,10 +50,12 @@ class ServerProcess:
     gRPC on a port the OS picks, /metrics and HTTP on free ones. `flags` come after those,
     so they win. ATTNSERVE_* variables of the caller's environment are not passed on (a
     stray one would change the server under test); `env` adds variables, those included.
-    `stop()` it, or use it as a context manager."""
+    `start_new_session`: the server leads a process group of its own, which a signal can reach
+    as a whole (as Ctrl-C or systemd does). `stop()` it, or use it as a context manager."""
 
     def __init__(self, artifact: Path, *flags: str, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, start_timeout_s: float = START_TIMEOUT_S):
+                 log_path: Path | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                 start_new_session: bool = False):
         self.workdir = Path(tempfile.mkdtemp(prefix="attnserve-"))
         self.log_path = log_path or self.workdir / "serve.log"
         self.ready_path = self.workdir / "ready.json"
@@ -70,7 +72,7 @@ class ServerProcess:
                          "--ready-file", str(self.ready_path), *SERVE_FLAGS, *flags]
             self._log = self.log_path.open("w")  # a file, not a pipe nobody drains
             self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self._log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, start_new_session=start_new_session)
             try:
                 self.port, self.metrics_port, self.http_port = self._wait_ready(start_timeout_s)
                 return

@@ -2,12 +2,12 @@
 the batch loop and the memory budget, for every front end at once, so batching and
 admission stay global. Front ends connect on the supervisor's socket; each submits token
 ids and gets back its sequences' results (server/workers/messages.py). It also serves the
-group's /metrics, merged from every process's counts."""
+group's /metrics, merged from every process's counts. It drains when the supervisor says
+so, once the front ends have (server/workers/signals.py)."""
 
 import asyncio
 import logging
 import os
-import signal
 import socket
 import struct
 import sys
@@ -20,12 +20,12 @@ from attnserve.server.config import config_from_json
 from attnserve.server.engine.core import Core
 from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
+from attnserve.server.host import resident_bytes_of
 from attnserve.server.logs import setup_logging
-from attnserve.server.memory.probe import resident_bytes_of
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
 from attnserve.server.runtime.ort_backend import CPU
-from attnserve.server.workers import messages
+from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel, encode
 from attnserve.server.workers.shared import (
     CONFIG_ENV,
@@ -140,8 +140,7 @@ class EngineProcess:
             fields.metrics_port = scrapes.start()
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        signals.take_stop(loop, stop.set)
         accepting = loop.create_task(self._accept())
         await core.warm_up()
         fields.engine_ready = 1
@@ -182,6 +181,7 @@ def main() -> int:
     logging.getLogger().setLevel(config.log_level.upper())
     shared_fd, listen_fd = int(sys.argv[1]), int(sys.argv[2])
     shared = SharedState.attach(shared_fd)
+    signals.become_child(shared.fields.supervisor_pid)
     listener = socket.socket(fileno=listen_fd)
     try:
         engine = EngineProcess(config, shared, listener)

@@ -2,15 +2,15 @@
 validating, tokenizing and packing on an event loop of its own; the engine (the queue, the
 batch loop, the sessions) is the engine process's, reached through `RemoteScheduler`.
 
-Its health is the group's: SERVING only while the engine is warm, every front end is up
-and nothing drains. If the engine process goes, every call waiting on it gets
-UNAVAILABLE at once and so does every new one; the supervisor then stops the group."""
+It serves while the engine is warm and nothing drains, whatever becomes of the other front
+ends: one that dies fails only its own calls. If the engine process goes, every call
+waiting on it gets UNAVAILABLE at once and so does every new one; the supervisor then
+stops the group. It drains when the supervisor says so (server/workers/signals.py)."""
 
 import asyncio
 import itertools
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -31,7 +31,7 @@ from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
-from attnserve.server.workers import messages
+from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel
 from attnserve.server.workers.shared import (
     CONFIG_ENV,
@@ -165,8 +165,7 @@ class FrontProcess:
                  self.ports.http_port)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        signals.take_stop(loop, stop.set)
         said = None
         while not stop.is_set():
             serving = self.serving()
@@ -207,8 +206,9 @@ def main() -> int:
     config = config_from_json(os.environ.pop(CONFIG_ENV))
     logging.getLogger().setLevel(config.log_level.upper())
     shared_fd, index, address = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    front = FrontProcess(config, SharedState.attach(shared_fd), index,
-                         b"\0" + address.encode())
+    shared = SharedState.attach(shared_fd)
+    signals.become_child(shared.fields.supervisor_pid)
+    front = FrontProcess(config, shared, index, b"\0" + address.encode())
     asyncio.run(front.run())
     return 0
 

@@ -2,11 +2,11 @@
 supervisor makes and every process inherits), read and written in place.
 
 It holds what every front end must see at once, without a message: whether the engine is
-warm, whether the group drains, which front ends are up, the queue's counts (the cheap
-admission bounds) and the memory ledger's totals. The ledger's totals change under a lock
-that spans the processes (a POSIX record lock on the memfd, with a thread lock for the
-threads of one process), so the budget holds for the group exactly; every other field
-has one writer."""
+warm, whether the group drains, which front ends are up, the supervisor's pid, the
+queue's counts (the cheap admission bounds) and the memory ledger's totals. The ledger's
+totals change under a lock that spans the processes (a POSIX record lock on the memfd,
+with a thread lock for the threads of one process), so the budget holds for the group
+exactly; every other field has one writer."""
 
 import contextlib
 import ctypes
@@ -30,6 +30,7 @@ prometheus-client's own PROMETHEUS_MULTIPROC_DIR)"""
 
 class _Fields(ctypes.Structure):
     _fields_ = [
+        ("supervisor_pid", ctypes.c_int64),
         ("engine_pid", ctypes.c_int64),
         # The engine's budget and ledger limit are set: front ends may start.
         ("engine_loaded", ctypes.c_int64),
@@ -70,6 +71,7 @@ class SharedState:
         os.ftruncate(fd, ctypes.sizeof(_Fields))
         state = cls(fd)
         state.fields.workers = workers
+        state.fields.supervisor_pid = os.getpid()
         return state
 
     @classmethod
@@ -91,14 +93,17 @@ class SharedState:
         f = self.fields
         return sum(f.held[:f.workers]) + f.held[ENGINE_SLOT]
 
-    def workers_up(self) -> bool:
-        f = self.fields
-        return all(f.worker_up[i] for i in range(f.workers))
-
     def serving(self) -> bool:
-        """What health says for the group: the engine warm, every front end up, no drain."""
+        """What health says for the group: the engine warm, no drain, a front end up. Only
+        its own calls fail with a front end that dies: the others go on serving."""
         f = self.fields
-        return bool(f.engine_ready) and not f.draining and self.workers_up()
+        return (bool(f.engine_ready) and not f.draining
+                and any(f.worker_up[i] for i in range(f.workers)))
+
+    def whole(self) -> bool:
+        """Serving, with every front end up: the group has started."""
+        f = self.fields
+        return self.serving() and all(f.worker_up[i] for i in range(f.workers))
 
     def pids(self) -> list[int]:
         f = self.fields

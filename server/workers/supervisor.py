@@ -4,21 +4,23 @@ It reserves the gRPC and HTTP ports (so only its own front ends share them: anot
 server that tries either port fails at start, see `reserve_port`), makes the shared state
 and the engine's socket, starts the engine process, then N front ends, and watches them:
 
-- a front end that dies is counted (by the engine, which sees its connection drop) and
+- a front end that dies fails only its own calls: the others go on serving, health stays
+  SERVING; its death is counted (by the engine, which sees its connection drop) and
   logged, its held memory is freed, and a new one takes its place at once;
 - if the engine process dies, the front ends answer UNAVAILABLE at once and say
   NOT_SERVING, and the supervisor stops the group and exits non-zero, so Kubernetes
   restarts the pod: a new engine has to load and warm up its sessions anyway, and a
   restart the orchestrator counts is one an operator sees;
-- on SIGTERM every front end drains (in-flight calls finish), then the engine, and the
-  supervisor exits 0 when all of them did.
+- on SIGTERM or SIGINT, sent to it alone or to its whole process group, every front end
+  drains (in-flight calls finish), then the engine, and the supervisor exits 0 when all
+  of them did: the children stop only when it tells them to (signals.py), and die with
+  it if it is killed.
 
 It writes the ready file (--ready-file) once the engine is warm and every front end is
 up, with every pid of the group."""
 
 import dataclasses
 import logging
-import math
 import os
 import secrets
 import shutil
@@ -28,15 +30,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from attnserve.server.config import ServeConfig, config_to_json
 from attnserve.server.doors.ports import PortInUse
-from attnserve.server.memory.probe import gpu_present
+from attnserve.server.host import gpu_present, usable_cores
 from attnserve.server.metrics import answered_by_code
+from attnserve.server.workers import signals
 from attnserve.server.workers.shared import (
     CONFIG_ENV,
     DRAINED,
@@ -51,7 +53,7 @@ MAX_AUTO_WORKERS = 8
 # How long the engine may take to load the artifact and open its sessions before the
 # front ends start (they need its budget): generous, CUDA sessions take a while.
 ENGINE_LOAD_TIMEOUT_S = 600
-# On SIGTERM each process gets the drain time and this much more to exit.
+# Told to stop, each process gets the drain time and this much more to exit.
 EXIT_GRACE_S = 5.0
 
 
@@ -96,18 +98,20 @@ class Group:
     def _start_engine(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
         env |= {CONFIG_ENV: config_to_json(self.config), FRONT_ENDS_METRICS_ENV: self.metrics_dir}
-        self.engine = subprocess.Popen(
-            [sys.executable, "-m", "attnserve.server.workers.engine_process",
-             str(self.shared.fd), str(self.listener.fileno())],
-            pass_fds=(self.shared.fd, self.listener.fileno()), env=env)
+        with signals.starting_a_child():
+            self.engine = subprocess.Popen(
+                [sys.executable, "-m", "attnserve.server.workers.engine_process",
+                 str(self.shared.fd), str(self.listener.fileno())],
+                pass_fds=(self.shared.fd, self.listener.fileno()), env=env)
 
     def _start_worker(self, index: int) -> None:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir,
                CONFIG_ENV: config_to_json(self.front_config)}
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "attnserve.server.workers.front_process",
-             str(self.shared.fd), str(index), self.address],
-            pass_fds=(self.shared.fd,), env=env)
+        with signals.starting_a_child():
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "attnserve.server.workers.front_process",
+                 str(self.shared.fd), str(index), self.address],
+                pass_fds=(self.shared.fd,), env=env)
         self.workers[index] = worker
         self.shared.fields.worker_pids[index] = worker.pid
 
@@ -125,7 +129,7 @@ class Group:
         self.stopping = True
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals.GROUP_SIGNALS:
             signal.signal(sig, self._stop)
         try:
             return self._run()
@@ -167,7 +171,7 @@ class Group:
                             index, worker.pid, worker.returncode)
                 self._forget_worker(index)
                 self._start_worker(index)
-            if not ready_written and self.shared.serving():
+            if not ready_written and self.shared.whole():
                 ready_written = True
                 self._ready()
             time.sleep(POLL_S)
@@ -210,10 +214,10 @@ def _answered(metrics_dir: str) -> str:
 
 
 def _stop_all(processes: list[subprocess.Popen], timeout: float) -> bool:
-    """SIGTERM each (those still running), wait for all; True if one did not exit 0."""
+    """STOP each (those still running), wait for all; True if one did not exit 0."""
     for process in processes:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(signals.STOP)
     deadline, failed = time.monotonic() + timeout, False
     for process in processes:
         try:
@@ -231,17 +235,6 @@ def workers_for(config: ServeConfig) -> int:
         return int(config.workers)
     cuda = config.device == "cuda" or (config.device == "auto" and gpu_present()[0])
     return auto_workers(cuda, usable_cores())
-
-
-def usable_cores() -> int:
-    """The cores this process may run on, and no more than its cgroup's CPU quota (a
-    Kubernetes CPU limit) allows."""
-    cores = len(os.sched_getaffinity(0))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-    except (OSError, ValueError):
-        return cores
-    return cores if quota == "max" else max(1, min(cores, math.ceil(int(quota) / int(period))))
 
 
 def auto_workers(cuda: bool, cores: int) -> int:

@@ -1,0 +1,60 @@
+"""Which signals stop the processes of a group (--workers), and who sends them.
+
+SIGINT and SIGTERM are the supervisor's alone. Sent to a whole process group (Ctrl-C in a
+terminal, systemd's default KillMode=control-group) they reach every process at once,
+and the group must stop in order: the front ends drain first, then the engine, which
+still answers what they accepted. So the engine process and the front ends ignore both,
+and stop on STOP, which the supervisor sends to each in turn.
+
+A child is started with those three blocked (`starting_a_child`), so that none of them
+ends it while the interpreter starts. From `become_child` on, a STOP ends it at once
+(it has accepted no work yet); from `take_stop` on, a STOP makes it drain. A child also
+dies with the supervisor (PR_SET_PDEATHSIG): none outlives one killed with SIGKILL,
+holding the ports or the engine's memory with nobody to restart or stop it."""
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+STOP = signal.SIGUSR1
+GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_PR_SET_PDEATHSIG = 1
+
+
+@contextlib.contextmanager
+def starting_a_child():
+    """Around starting a child process (it inherits the signal mask): a STOP, SIGINT or
+    SIGTERM that reaches the supervisor meanwhile is delivered to it once this ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {STOP, *GROUP_SIGNALS})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _stopped_while_starting(signum, frame) -> None:
+    sys.exit(0)
+
+
+def become_child(supervisor_pid: int) -> None:
+    """First thing in a child: ignore SIGINT and SIGTERM (one that came while it started is
+    dropped), leave at once on STOP, and die with the supervisor, or now if it is gone."""
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(STOP, _stopped_while_starting)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STOP, *GROUP_SIGNALS})
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    # The supervisor may have died before the prctl: the child has a new parent then.
+    if os.getppid() != supervisor_pid:
+        os._exit(1)
+
+
+def take_stop(loop: asyncio.AbstractEventLoop, on_stop: Callable[[], None]) -> None:
+    """From now on a STOP calls `on_stop()` on the loop: the child has work to finish."""
+    loop.add_signal_handler(STOP, on_stop)
