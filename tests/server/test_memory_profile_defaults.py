@@ -7,8 +7,8 @@ import shutil
 import subprocess
 
 from attnserve.artifact import MEMORY_MODEL
-from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, model_key
 from attnserve.memory_profile import Shape, shapes_for
+from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, model_key
 from tests.conftest import ATTNSERVE, REPO
 
 CPU = "CPUExecutionProvider"
