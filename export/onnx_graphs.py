@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, POOLED_OUTPUTS, POOLINGS, attention_output
-from attnserve.model import Encoder
+from attnserve.model import AnyEncoder
 
 # The TorchScript exporter at opset 17: torch 2.13's default dynamo exporter writes a
 # graph whose attention onnxruntime's optimiser cannot fuse, and which runs slower.
@@ -40,7 +40,7 @@ class GraphOutputs(nn.Module):
     """The encoder with a flat tuple of outputs, as ONNX wants them, in `output_names`'
     order: the hidden state, the pooled vectors, then the attention maps."""
 
-    def __init__(self, encoder: Encoder, attention: bool):
+    def __init__(self, encoder: AnyEncoder, attention: bool):
         super().__init__()
         self.encoder = encoder
         self.attention = attention
@@ -52,14 +52,14 @@ class GraphOutputs(nn.Module):
         return (out.last_hidden_state, *pooled, *(out.attentions if self.attention else ()))
 
 
-def output_names(encoder: Encoder, attention: bool) -> list[str]:
+def output_names(encoder: AnyEncoder, attention: bool) -> list[str]:
     names = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
     if attention:
         names += [attention_output(i) for i in range(encoder.config.num_layers)]
     return names
 
 
-def export_graph(encoder: Encoder, path: Path, attention: bool) -> list[str]:
+def export_graph(encoder: AnyEncoder, path: Path, attention: bool) -> list[str]:
     """Write one fp32 graph; returns its output names."""
     outputs = output_names(encoder, attention)
     # Trace at a shape no test uses, so a graph that baked in the tracing shape fails

@@ -12,7 +12,7 @@ from onnxruntime.transformers.optimizer import optimize_model
 
 from attnserve.artifact import POOLED_OUTPUTS
 from attnserve.export.onnx_graphs import POOL_SCOPE
-from attnserve.model import EncoderConfig
+from attnserve.model import EncoderShape
 
 log = logging.getLogger("attnserve.export")
 
@@ -65,7 +65,7 @@ def _put_back(graph: GraphProto, pooling: _Pooling) -> None:
     graph.output.extend(pooling.outputs)
 
 
-def optimize(source: Path, target: Path, config: EncoderConfig, fuse_attention: bool,
+def optimize(source: Path, target: Path, config: EncoderShape, fuse_attention: bool,
              fp16: bool) -> dict[str, int]:
     """Write the optimised graph; returns onnxruntime's count of fused operators.
 

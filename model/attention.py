@@ -17,7 +17,10 @@ from attnserve.model.positions import RotaryEmbedding
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, rotary: RotaryEmbedding | None = None):
+    def __init__(self, hidden_size: int, num_heads: int, rotary: RotaryEmbedding | None = None,
+                 bias: bool = True):
+        """`rotary`: rotate queries and keys by their positions (RoPE); `bias`: the
+        projections add one (ModernBERT's do not)."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -25,10 +28,10 @@ class MultiHeadAttention(nn.Module):
         self.d_k = hidden_size // num_heads
         # Three separate projections: sharing one matrix would make every query
         # look for exactly what it offers, and the model would degenerate.
-        self.w_q = nn.Linear(hidden_size, hidden_size)
-        self.w_k = nn.Linear(hidden_size, hidden_size)
-        self.w_v = nn.Linear(hidden_size, hidden_size)
-        self.w_o = nn.Linear(hidden_size, hidden_size)
+        self.w_q = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.w_k = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.w_v = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.w_o = nn.Linear(hidden_size, hidden_size, bias=bias)
         self.rotary = rotary
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
-from attnserve.model.families import Family, drops_head, family_of
+from attnserve.model.families import AnyEncoder, Family, drops_head, family_of
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # A buffer Hugging Face saves; it carries no weights, but must be the plain 0..n-1 count.
@@ -50,7 +49,7 @@ def our_names(hf_name: str, family: Family) -> tuple[str, ...] | None:
     return family.tensor_names(hf_name.removeprefix(family.prefix))
 
 
-def build(directory: Path, hf: dict, family: Family, names: list[str]) -> nn.Module:
+def build(directory: Path, hf: dict, family: Family, names: list[str]) -> AnyEncoder:
     """The family's encoder as config.json describes it, its parameters unfilled."""
     try:
         has_pooler = any(our_names(name, family) == ("pooler.dense.weight",) for name in names)
@@ -59,7 +58,7 @@ def build(directory: Path, hf: dict, family: Family, names: list[str]) -> nn.Mod
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
 
 
-def load_checkpoint(directory: Path | str | None = None) -> nn.Module:
+def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder:
     """Build the encoder that `directory` describes and fill it with its weights."""
     directory = Path(directory) if directory is not None else default_checkpoint_dir()
     for required in REQUIRED_FILES:

@@ -92,3 +92,76 @@ class EncoderConfig(EncoderShape):
             positions_after_padding=after_padding,
             pooler=pooler,
         )
+
+
+@dataclass(frozen=True)
+class ModernBertConfig(EncoderShape):
+    """ModernBERT: pre-LN blocks, rotary positions, a GeGLU feed-forward, and attention
+    over the whole sequence in its global layers and over a sliding window in the others."""
+
+    layer_types: tuple[str, ...] = ()
+    """per layer: "global" (the whole sequence) or "local" (the window)"""
+    local_attention: int = 128
+    """the window of a local layer: a query sees the keys at most local_attention // 2
+    positions away on either side"""
+    global_rope_theta: float = 160_000.0
+    local_rope_theta: float = 10_000.0
+    norm_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        if set(self.layer_types) - {"global", "local"}:
+            raise ValueError(f"layer types {self.layer_types} are not all global or local")
+
+    @property
+    def window_radius(self) -> int:
+        return self.local_attention // 2
+
+    @classmethod
+    def from_hf(cls, hf: dict, pooler: bool) -> "ModernBertConfig":
+        """Read a Hugging Face ModernBERT config.json: its layer types as `layer_types`
+        names them, or as `global_attn_every_n_layers` places them (layer i global when i
+        is a multiple of it); its rotary bases from `rope_parameters` or from
+        `global_rope_theta` and `local_rope_theta`."""
+        if pooler:
+            raise ValueError("ModernBERT has no pooler")
+        if hf.get("hidden_activation", "gelu") != "gelu":
+            raise ValueError(f"hidden_activation {hf['hidden_activation']!r} is not supported (gelu)")
+        layers = hf["num_hidden_layers"]
+        every = hf.get("global_attn_every_n_layers", 3)
+        named = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
+                                          for i in range(layers)]
+        kinds = {"full_attention": "global", "sliding_attention": "local"}
+        if set(named) - set(kinds):
+            raise ValueError(f"layer_types {named} are not all full_attention or sliding_attention")
+        rope = hf.get("rope_parameters") or {}
+        thetas = {}
+        for layer_type, old_name, default in (("full_attention", "global_rope_theta", 160_000.0),
+                                              ("sliding_attention", "local_rope_theta", 10_000.0)):
+            parameters = rope.get(layer_type) or {}
+            if parameters.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_parameters.{layer_type}.rope_type "
+                                 f"{parameters['rope_type']!r} is not supported (default)")
+            thetas[layer_type] = parameters.get("rope_theta", hf.get(old_name, default))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=layers,
+            num_heads=hf["num_attention_heads"],
+            intermediate_size=hf["intermediate_size"],
+            max_positions=hf["max_position_embeddings"],
+            layer_norm_eps=hf.get("norm_eps", 1e-5),
+            pad_token_id=hf.get("pad_token_id", 50283),
+            model_type=hf["model_type"],
+            layer_types=tuple(kinds[name] for name in named),
+            local_attention=hf.get("local_attention", 128),
+            global_rope_theta=thetas["full_attention"],
+            local_rope_theta=thetas["sliding_attention"],
+            norm_bias=hf.get("norm_bias", False),
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+        )

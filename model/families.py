@@ -12,11 +12,13 @@ served reads it).
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import nn
-
-from attnserve.model.config import EncoderConfig, EncoderShape
+from attnserve.model.config import EncoderConfig, EncoderShape, ModernBertConfig
 from attnserve.model.encoder import Encoder
-from attnserve.model.tensor_names import bert_names
+from attnserve.model.modernbert import ModernBertEncoder
+from attnserve.model.tensor_names import bert_names, modernbert_names
+
+AnyEncoder = Encoder | ModernBertEncoder
+"""the encoder of a checkpoint's family, as load_checkpoint builds it"""
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Family:
     """the name prefixes of the masked-LM head's tensors, dropped at load"""
     config: Callable[[dict, bool], EncoderShape]
     """config.json, and whether the weights carry BERT's pooler -> the encoder's config"""
-    encoder: Callable[..., nn.Module]
+    encoder: Callable[..., AnyEncoder]
     tensor_names: Callable[[str], tuple[str, ...] | None]
     """a tensor's name, its prefix removed -> ours (model/tensor_names.py)"""
 
@@ -46,6 +48,8 @@ FAMILIES = {family.model_type: family for family in (
            bert_names),
     Family("xlm-roberta", "XLMRobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf,
            Encoder, bert_names),
+    Family("modernbert", "ModernBertModel", "model.", ("head.", "decoder."),
+           ModernBertConfig.from_hf, ModernBertEncoder, modernbert_names),
 )}
 
 

@@ -38,3 +38,34 @@ def bert_names(name: str) -> tuple[str, ...] | None:
         index, part, kind = match.groups()
         return (f"layers.{index}.{_BERT_LAYER_PARTS[part]}.{kind}",)
     return None
+
+
+# ModernBertModel name -> ours; Q, K and V are one matrix (Wqkv), and so are the GeGLU's
+# two input projections (Wi: the GELU branch, then the linear one).
+_MODERNBERT_NAMES = {
+    "embeddings.tok_embeddings": ("embeddings.word",),
+    "embeddings.norm": ("embeddings.norm",),
+    "final_norm": ("final_norm",),
+}
+_MODERNBERT_LAYER_PARTS = {
+    "attn_norm": ("attention_norm",),
+    "attn.Wqkv": ("attention.w_q", "attention.w_k", "attention.w_v"),
+    "attn.Wo": ("attention.w_o",),
+    "mlp_norm": ("feed_forward_norm",),
+    "mlp.Wi": ("feed_forward.w", "feed_forward.v"),
+    "mlp.Wo": ("feed_forward.down",),
+}
+_MODERNBERT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def modernbert_names(name: str) -> tuple[str, ...] | None:
+    module, _, kind = name.rpartition(".")
+    if kind not in ("weight", "bias"):
+        return None
+    if module in _MODERNBERT_NAMES:
+        return tuple(f"{ours}.{kind}" for ours in _MODERNBERT_NAMES[module])
+    match = _MODERNBERT_LAYER.match(module)
+    if match and match.group(2) in _MODERNBERT_LAYER_PARTS:
+        index, part = match.groups()
+        return tuple(f"layers.{index}.{ours}.{kind}" for ours in _MODERNBERT_LAYER_PARTS[part])
+    return None

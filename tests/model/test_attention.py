@@ -70,8 +70,9 @@ def test_cross_attention_with_a_different_key_length():
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 2, 3), atol=1e-6, rtol=0)
 
 
-def test_rope_scores_depend_only_on_relative_position():
-    rotary = RotaryEmbedding(head_dim=8, max_positions=32)
+@pytest.mark.parametrize("pairs", ["interleaved", "halves"])
+def test_rope_scores_depend_only_on_relative_position(pairs):
+    rotary = RotaryEmbedding(head_dim=8, max_positions=32, pairs=pairs)
     torch.manual_seed(0)
     q, k = torch.randn(8), torch.randn(8)
     # The same q and k placed at every position: q_i·k_j must depend on i - j only.

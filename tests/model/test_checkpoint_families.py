@@ -11,7 +11,7 @@ import torch
 from attnserve.model import CheckpointError, load_checkpoint
 from bench.harness import make_tiny_checkpoint, minilm_dir
 
-SERVED = "attnserve exports bert, roberta, xlm-roberta"
+SERVED = "attnserve exports bert, roberta, xlm-roberta, modernbert"
 
 
 def saved(model, directory):
