@@ -1,12 +1,15 @@
 """One aiohttp application on one port, with the limits every port of the server keeps:
 a connection has a header timeout (from its opening, or from its last answer: an idle
 keep-alive connection closes after it too), a request line and header of at most 8 KiB,
-bodies never inflated, a deep listen backlog so a burst of connections queues in the
-kernel instead of being dropped."""
+bodies never inflated, a body whose chunked framing breaks ended at once (see
+http_framing.py), a deep listen backlog so a burst of connections queues in the kernel
+instead of being dropped."""
 
 import ssl
 
 from aiohttp import web
+
+from attnserve.server.http_framing import FramedAppRunner
 
 LISTEN_BACKLOG = 1024
 # After the request queue has drained, answers already computed get this long to be sent.
@@ -23,10 +26,10 @@ class Listener:
         # request is the metrics' job. aiohttp's keep-alive timer runs from a connection's
         # opening and from each answer, until the next request's headers are in: the
         # header timeout.
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=SEND_GRACE_S, auto_decompress=False,
-                                    keepalive_timeout=header_timeout_s,
-                                    max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES)
+        self.runner = FramedAppRunner(app, handler_cancellation=True, access_log=None,
+                                      shutdown_timeout=SEND_GRACE_S, auto_decompress=False,
+                                      keepalive_timeout=header_timeout_s,
+                                      max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES)
         self.port = 0
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,

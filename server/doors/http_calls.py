@@ -24,6 +24,7 @@ from attnserve.server.engine.errors import (
     TooLarge,
 )
 from attnserve.server.engine.offload import JSON_BYTE_S
+from attnserve.server.http_framing import MalformedBody
 from attnserve.server.memory.ledger import Holds, trim_after
 from attnserve.server.metrics import Metrics
 
@@ -123,7 +124,8 @@ class HttpCalls:
     async def body(self, request: web.Request, holds: Holds) -> bytes:
         """The whole body: refused (413) past the limit before it is read when the client
         declares its length, and as soon as it passes the limit when it does not; ended
-        (408) past --http-body-timeout-seconds. Its bytes are held in the ledger (as
+        (408) past --http-body-timeout-seconds, and (400) as soon as its chunked encoding
+        breaks. Its bytes are held in the ledger (as
         received, parsed and converted) as they arrive, until the answer has been sent:
         never for bytes not yet sent."""
         limit, length = self.max_body_bytes, request.content_length
@@ -142,14 +144,16 @@ class HttpCalls:
                         holds.take(REQUEST_COPIES * received - held, "request")
                         held = REQUEST_COPIES * received
                     chunks.append(chunk)
+                # A broken chunked framing ends the body and may wake the last read as its
+                # end (server/http_framing.py): its error says it is not.
+                if (broken := request.content.exception()) is not None:
+                    raise broken
         except TimeoutError as err:
             raise RequestTimeout(f"body: {received} bytes arrived in "
                                  f"{self.body_timeout_s:g} s (--http-body-timeout-seconds); "
                                  "send the whole body at once") from err
-        except web.HTTPException as err:  # a malformed chunked encoding, or the like
-            raise InvalidArgument("body", err.text or err.reason) from err
-        except ValueError as err:  # aiohttp's payload errors (bad chunk sizes)
-            raise InvalidArgument("body", f"not a valid HTTP body ({err})") from err
+        except MalformedBody as err:
+            raise InvalidArgument("body", err.message) from err
         return b"".join(chunks)
 
     async def json(self, body: bytes, convert: Callable[[object], T]) -> T:
@@ -181,6 +185,7 @@ class HttpCalls:
         and its connection's share of it, as a gRPC caller does."""
         record = CallRecord(self.metrics, rpc)
         holds = self.plane.holds(_peer(request))
+        stalled = False
         try:
             try:
                 response = await handler(holds)
@@ -191,10 +196,15 @@ class HttpCalls:
                 response = refusal(error, http_status(error))
                 if isinstance(error, RequestTimeout | TooLarge) or request.content.exception():
                     response.force_close()  # the rest of the body is not worth reading
+                stalled = isinstance(error, RequestTimeout)
             if not self.plane.ready():
                 response.force_close()  # a draining server sends keep-alive clients elsewhere
             await response.prepare(request)
             await response.write_eof()
+            if stalled:
+                # Else aiohttp waits up to 10 s more for the rest of a body that stopped
+                # coming, holding the connection past the body timeout.
+                request.protocol.force_close()
             return response
         except (asyncio.CancelledError, ConnectionError):  # the client went away
             record.code = CANCELLED

@@ -55,18 +55,40 @@ def _shape(value, field: str) -> list[int]:
     return value
 
 
-def _values(data, field: str) -> list[int]:
-    """A JSON tensor's `data`, flat or nested (row-major), as a flat list of integers."""
-    flat, stack = [], [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        elif type(item) is int:  # bool is an int to Python, not to JSON
-            flat.append(item)
-        else:
-            raise InvalidArgument(field, f"{quote(item)} is not an INT64 value")
-    return flat
+def _at(index: int, dims: list[int]) -> str:
+    """`[i][j]…`: where the index-th list (row-major) of a level whose lists' dimensions
+    are `dims` sits in a tensor's data."""
+    path = []
+    for size in reversed(dims):
+        index, i = divmod(index, size)
+        path.append(f"[{i}]")
+    return "".join(reversed(path))
+
+
+def _values(data, shape: list[int], field: str) -> list:
+    """A JSON tensor's `data` as a flat list of integers: flat (row-major, KServe's
+    choice), or nested exactly as `shape`. Nested data is walked one level at a time, never
+    by recursion, so data nested deeper than its shape is refused at the level below the
+    shape's last, whatever its depth, and no value is read before the nesting is checked."""
+    values = _list(data, field)
+    if any(isinstance(value, list) for value in values):
+        level = [values]
+        for depth, size in enumerate(shape):
+            for i, item in enumerate(level):
+                if not isinstance(item, list) or len(item) != size:
+                    where = _at(i, shape[:depth])
+                    found = f"a list of {len(item)}" if isinstance(item, list) else quote(item)
+                    raise InvalidArgument(field, f"{where + ' is ' if where else ''}{found} where "
+                                          f"shape {shape} needs a list of {size}")
+            level = [value for item in level for value in item]
+        values = level
+    for i, value in enumerate(values):
+        if type(value) is not int:  # bool is an int to Python, not to JSON
+            if isinstance(value, list):
+                raise InvalidArgument(field, f"nested deeper than shape {shape}: "
+                                      f"{_at(i, shape)} is a list")
+            raise InvalidArgument(field, f"{quote(value)} is not an INT64 value")
+    return values
 
 
 class InferCall:
@@ -75,12 +97,12 @@ class InferCall:
 
     def __init__(self, header, binary: bytes):
         header = _dict(header, "body")
+        self.inputs = self._inputs(_list(header.get("inputs"), "inputs"), binary)
         request_id = header.get("id")
         if request_id is not None and not isinstance(request_id, str):
             raise InvalidArgument("id", f"{quote(request_id)}; expected a string")
         self.id = request_id
         parameters = _dict(header.get("parameters", {}), "parameters")
-        self.inputs = self._inputs(_list(header.get("inputs"), "inputs"), binary)
         every_binary = parameters.get("binary_data_output", False)
         if not isinstance(every_binary, bool):
             raise InvalidArgument("parameters.binary_data_output", f"{quote(every_binary)}; "
@@ -121,7 +143,7 @@ class InferCall:
             if size is None:
                 if "data" not in tensor:
                     raise InvalidArgument(field, "needs data, or parameters.binary_data_size")
-                data = _values(tensor["data"], f"{field}.data")
+                data = _values(tensor["data"], shape, f"{field}.data")
             else:
                 if type(size) is not int or size < 0 or offset + size > len(binary):
                     raise InvalidArgument(f"{field}.parameters.binary_data_size",

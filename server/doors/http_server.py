@@ -50,8 +50,8 @@ def server_ssl(cert: Path | None, key: Path | None, client_ca: Path | None) -> s
 
 
 class QuietMalformedRequests(logging.Filter):
-    """aiohttp logs a request it cannot parse (a bad chunk size, a header line too long) at
-    ERROR with a traceback: the client's doing, which any client could repeat to flood the
+    """aiohttp logs a request it cannot parse (a bad request line, a header line too long)
+    at ERROR with a traceback: the client's doing, which any client could repeat to flood the
     log. One key=value line at INFO instead. Installed on aiohttp's `aiohttp.server`."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -4,7 +4,8 @@ at ERROR; health answers within 250 ms throughout; a connection holds no memory 
 for bytes it has not sent, and no connection slot past a named timeout.
 
 One server of its own, with short HTTP timeouts (a 1 s header timeout, a 2 s body
-timeout) and a 256 MiB budget, probed by a health checker in a process of its own."""
+timeout) and a 256 MiB budget, probed by a health checker in a process of its own; and one
+with a 30 s body timeout, for the answers that must come long before it."""
 
 import base64
 import gzip
@@ -35,44 +36,61 @@ MAX_BODY = 8 * MIB
 PROMPT_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def server(tiny_artifact):
-    process = serve(tiny_artifact, "--memory-budget-bytes", str(BUDGET),
-                    "--http-header-timeout-seconds", str(HEADER_TIMEOUT_S),
-                    "--http-body-timeout-seconds", str(BODY_TIMEOUT_S),
-                    "--http-max-body-bytes", str(MAX_BODY))
-    process.model = load_artifact(tiny_artifact).manifest.model_name
+# A body timeout no test waits for, and the bound an answer to a broken body comes within:
+# far below it, so an answer that waited for the body timeout misses it on any machine.
+PATIENT_BODY_TIMEOUT_S = 30.0
+UNLIKE_THE_BODY_TIMEOUT_S = 5.0
+
+
+def serving(artifact, *flags: str):
+    process = serve(artifact, *flags)
+    process.model = load_artifact(artifact).manifest.model_name
     yield process
     log = process.output()
     assert process.stop() == 0
     assert "Traceback" not in log and "level=ERROR" not in log, log[-3000:]
 
 
-def raw(port: int, data: bytes, timeout: float = 30.0, then: bytes = b"") -> tuple[int, dict, bytes]:
-    """Send `data` (and `then`, once the answer's head is in, if any) on a new connection
-    and read one answer: (status, headers, body); status 0 if the server closed the
-    connection without one."""
+@pytest.fixture(scope="module")
+def server(tiny_artifact):
+    yield from serving(tiny_artifact, "--memory-budget-bytes", str(BUDGET),
+                       "--http-header-timeout-seconds", str(HEADER_TIMEOUT_S),
+                       "--http-body-timeout-seconds", str(BODY_TIMEOUT_S),
+                       "--http-max-body-bytes", str(MAX_BODY))
+
+
+@pytest.fixture(scope="module")
+def patient(tiny_artifact):
+    yield from serving(tiny_artifact, "--http-body-timeout-seconds", str(PATIENT_BODY_TIMEOUT_S))
+
+
+def raw(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, dict, bytes]:
+    """Send `data` on a new connection and read one answer (read_answer)."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
-        received = b""
-        while b"\r\n\r\n" not in received:
-            chunk = sock.recv(65536)
-            if not chunk:
-                return 0, {}, received
-            received += chunk
-        head, _, body = received.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-        length = int(headers.get("content-length", 0))
-        while len(body) < length:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            body += chunk
-        if then:
-            sock.sendall(then)
-        return status, headers, body
+        return read_answer(sock)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """One answer from `sock`: (status, headers, body); status 0 if the server closed the
+    connection without one."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0, {}, received
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", 0))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return status, headers, body
 
 
 def post(server, path: str, body: bytes, content_type: str = "application/json",
@@ -213,22 +231,147 @@ def test_a_bad_inference_header_length_is_400(server, length):
     assert status == 400 and "Inference-Header-Content-Length" in answer["error"], answer
 
 
-def test_a_malformed_chunked_body_is_answered_and_the_call_ends(server):
-    """A bad chunk size after the headers: aiohttp's parser drops the body without a word
-    to the route, so the body timeout ends the call (408) and frees its place."""
-    head = (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
-        sock.sendall(head)
-        assert wait_for(lambda: sample(server.scrape(), "attnserve_inflight_requests") == 1, 5)
-        started = time.monotonic()
-        sock.sendall(b"zz\r\n{}\r\n0\r\n\r\n")
-        sock.settimeout(BODY_TIMEOUT_S + PROMPT_S)
-        answer = sock.recv(4096)
-        took = time.monotonic() - started
-    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 408")), answer
-    assert took <= BODY_TIMEOUT_S + PROMPT_S
+# Chunked bodies whose framing breaks: each gets 400 at once, the connection closed.
+BROKEN_CHUNKED = {
+    "size not hex": b"zz\r\n{}\r\n0\r\n\r\n",
+    "size past 64 bits": b"ffffffffffffffffff\r\n{}\r\n0\r\n\r\n",
+    "extension of a control byte": b"2;\x01\r\n{}\r\n0\r\n\r\n",
+    "extension with a bare LF": b"2;a\nb\r\n{}\r\n0\r\n\r\n",
+    "trailer without a colon": b"2\r\n{}\r\n0\r\nno colon\r\n\r\n",
+    "data longer than its size": b"2\r\n{}XX\r\n0\r\n\r\n",
+}
+ROUTES = {"openai": "/v1/embeddings", "kserve": "/v2/models/{model}/infer"}
+RPCS = {"openai": "http:/v1/embeddings", "kserve": "http:/v2/infer"}
+
+
+def chunked_head(path: str) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+
+
+def malformed_logged(process) -> int:
+    """The server's INFO lines for malformed requests so far."""
+    return sum("level=INFO" in line and "event=malformed_request" in line
+               for line in process.output().splitlines())
+
+
+def closed_after(sock: socket.socket) -> bool:
+    """Whether the server closes the connection once its answer is read (a bounded wait:
+    the socket's timeout)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("arrives", ["with the head", "after the head"])
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", BROKEN_CHUNKED)
+def test_a_broken_chunked_body_is_400_at_once_and_the_connection_closes(patient, case, route,
+                                                                        arrives):
+    """Whether the broken body comes in the head's packet or once the call is in its
+    route: 400 in the route's shape long before the 30 s body timeout, counted as the
+    route's INVALID_ARGUMENT, logged as one line at INFO, the connection closed after,
+    and the server serving the next caller."""
+    rpc = RPCS[route]
+    before = patient.scrape()
+    logged = malformed_logged(patient)
+    head = chunked_head(ROUTES[route].format(model=patient.model))
+    with socket.create_connection(("127.0.0.1", patient.http_port),
+                                  timeout=UNLIKE_THE_BODY_TIMEOUT_S) as sock:
+        if arrives == "with the head":
+            sock.sendall(head + BROKEN_CHUNKED[case])
+        else:
+            sock.sendall(head)
+            assert wait_for(lambda: sample(patient.scrape(), "attnserve_inflight_requests") == 1, 5)
+            sock.sendall(BROKEN_CHUNKED[case])
+        status, _, body = read_answer(sock)
+        closed = closed_after(sock)
+    answer = json.loads(body)
+    message = answer["error"]["message"] if route == "openai" else answer["error"]
+    assert status == 400 and message.startswith("body: malformed chunked encoding ("), answer
+    assert closed, "the connection stayed open after a broken body"
+    assert wait_for(lambda: delta(before, patient.scrape(), "attnserve_requests_total", rpc=rpc,
+                                  code="INVALID_ARGUMENT") == 1, 5)
+    assert wait_for(lambda: malformed_logged(patient) == logged + 1, 5)
+    still_serving(patient)
+    status, _, body = raw(patient.http_port, b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                          b"Connection: close\r\n\r\n")
+    assert status == 200 and json.loads(body) == {"status": "serving"}
+
+
+def test_a_broken_chunked_body_on_a_route_that_reads_none_closes_after_its_answer(patient):
+    """A route answered without its body (an unknown model, 404) keeps its answer; the
+    broken body behind it then ends the connection, not at the body timeout."""
+    with socket.create_connection(("127.0.0.1", patient.http_port),
+                                  timeout=UNLIKE_THE_BODY_TIMEOUT_S) as sock:
+        sock.sendall(chunked_head("/v2/models/nothing/infer") + BROKEN_CHUNKED["size not hex"])
+        status, _, body = read_answer(sock)
+        closed = closed_after(sock)
+    assert status == 404 and "nothing" in json.loads(body)["error"]
+    assert closed
+    still_serving(patient)
+
+
+def test_a_chunk_cut_short_then_stalled_waits_for_the_body_timeout(server):
+    """A good chunk size whose data stops short, then silence: nothing is wrong with the
+    bytes sent, so the call waits for the rest until the body timeout (408), and the
+    connection closes."""
+    with socket.create_connection(("127.0.0.1", server.http_port),
+                                  timeout=BODY_TIMEOUT_S + PROMPT_S) as sock:
+        sock.sendall(chunked_head("/v1/embeddings") + b"10\r\n{}")
+        status, _, body = read_answer(sock)
+        closed = closed_after(sock)
+    assert status == 408 and "--http-body-timeout-seconds" in json.loads(body)["error"]["message"]
+    assert closed
     assert wait_for(lambda: sample(server.scrape(), "attnserve_inflight_requests") == 0, 5)
+    still_serving(server)
+
+
+def nested(value, depth: int):
+    """`value` inside `depth` lists, built without recursion (json.dumps would recurse)."""
+    return "[" * depth + json.dumps(value) + "]" * depth
+
+
+@pytest.mark.parametrize("shape,data,needle", [
+    ([1, 1], nested(101, 900), "nested deeper than shape [1, 1]: [0][0] is a list"),
+    ([1, 2], "[[101, [102]]]", "nested deeper than shape [1, 2]: [0][1] is a list"),
+    ([1, 2], "[[101, 102, 103]]", "[0] is a list of 3 where shape [1, 2] needs a list of 2"),
+    ([2, 2], "[[101, 102], [103]]", "[1] is a list of 1 where shape [2, 2] needs a list of 2"),
+    ([2, 2], "[[101, 102], 103]", "[1] is 103 where shape [2, 2] needs a list of 2"),
+    ([1, 2], "[101, [102]]", "a list of 2 where shape [1, 2] needs a list of 1"),
+    ([1, 2], '[[101, "a"]]', "'a' is not an INT64 value"),
+])
+def test_kserve_data_shaped_unlike_its_shape_is_400_naming_the_input(server, shape, data, needle):
+    """Checked level by level before any value is read; the other input is never reached."""
+    body = (f'{{"inputs": [{{"name": "input_ids", "datatype": "INT64", "shape": {shape}, '
+            f'"data": {data}}}, {{"name": "attention_mask", "datatype": "INT64", "shape": '
+            f'{shape}, "data": []}}]}}').encode()
+    status, answer = post(server, f"/v2/models/{server.model}/infer", body)
+    assert status == 400 and answer["error"] == f"inputs[0].data: {needle}", answer
+
+
+def test_kserve_data_nested_far_past_json_depth_is_400_and_harms_nothing(server):
+    """100,000 lists deep (200 KB): refused as JSON nested past its depth limit, four at
+    once, while health checks and another caller are served."""
+    body = (f'{{"inputs": [{{"name": "input_ids", "datatype": "INT64", "shape": [1, 1], '
+            f'"data": {nested(101, 100_000)}}}]}}').encode()
+    with HealthProbe(server.http_url) as probe, ThreadPoolExecutor(4) as pool:
+        refused = [pool.submit(post, server, f"/v2/models/{server.model}/infer", body)
+                   for _ in range(4)]
+        still_serving(server)
+        answers = [f.result() for f in refused]
+    for status, answer in answers:
+        assert status == 400 and "depth" in answer["error"], answer
+    assert probe.failed == [] and probe.slowest < 0.25, str(probe)
+
+
+@pytest.mark.parametrize("data", [[101, 102], [[101, 102]]])
+def test_kserve_data_flat_or_nested_as_its_shape_is_served(server, data):
+    header = infer_header([101, 102])
+    header["inputs"][0]["data"] = data
+    status, answer = post(server, f"/v2/models/{server.model}/infer", json.dumps(header).encode())
+    assert status == 200 and answer["outputs"][0]["shape"][:2] == [1, 2], answer
 
 
 def test_slow_headers_are_cut_off_at_the_header_timeout(server):
