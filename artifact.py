@@ -135,6 +135,9 @@ class Manifest:
     inputs: list[str] = field(default_factory=lambda: list(INPUT_NAMES))
     files: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    model_type: str = "bert"
+    """the checkpoint's family, its config.json's model_type (bert, roberta, xlm-roberta,
+    modernbert); a manifest without one is BERT's"""
     runtime: str = "onnx"
     """the graphs' format, which picks the server's backend (server/runtime/backends.py)"""
 

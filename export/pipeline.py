@@ -60,8 +60,8 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
 
     encoder = load_checkpoint(checkpoint)
     config = encoder.config
-    step("event=loaded", checkpoint=checkpoint, layers=config.num_layers, heads=config.num_heads,
-         hidden=config.hidden_size)
+    step("event=loaded", checkpoint=checkpoint, model_type=config.model_type,
+         layers=config.num_layers, heads=config.num_heads, hidden=config.hidden_size)
 
     graphs: list[Graph] = []
 
@@ -129,6 +129,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         default_pooling=default_pooling(checkpoint),
         opset=OPSET,
         graphs=graphs,
+        model_type=config.model_type,
     )
     write_manifest(out, manifest)
     step("event=written", artifact=out, graphs=",".join(g.file for g in graphs))
