@@ -4,13 +4,18 @@ each family's artifact through a real `attnserve serve` against transformers."""
 
 import json
 import re
+import subprocess
 
+import numpy as np
 import pytest
 
+from attnserve.client import EncoderClient
 from attnserve.embed import token_texts
 from attnserve.server.engine import tokenize
 from attnserve.server.engine.chunking import cut
 from attnserve.server.engine.tokenize import TextTokenizer
+from bench.harness import ATTNSERVE, REPO, ServerProcess
+from tests.conftest import export
 from tests.families import FAMILIES, make_checkpoint
 from tests.hugging_face import HuggingFace
 from tests.server.test_chunking import assert_covers
@@ -126,3 +131,111 @@ def test_heatmap_labels_are_the_text_each_token_covers(tokenizer, hf):
     assert labels[0] == hf.tokenizer.cls_token and labels[-1] == hf.tokenizer.sep_token
     assert all(label in text or label == "␣" for label in labels[1:-1]), labels
     assert "".join(labels[1:-1]).replace("␣", "") == text.replace(" ", "")
+
+
+# --- served ------------------------------------------------------------------------------
+
+SERVED_ATOL = 1e-4
+TEXTS = ["Hello world, don't panic!", "ok",
+         "Le chat dort sur le canapé pendant que la pluie tombe doucement, et le chien aussi.",
+         "服务 A 调用了配置中心 B。", "The quick brown fox jumps over the lazy dog. " * 3]
+WIDTH = 126  # the tiny models' 128 positions less their two special tokens
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, checkpoint):
+    artifact = export(tmp_path_factory.mktemp("artifact"), checkpoint)
+    with ServerProcess(artifact) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with EncoderClient(server.address) as c:
+        yield c
+
+
+def mean_of(hf: HuggingFace, ids: list[int]) -> np.ndarray:
+    return hf.run(ids)[0].mean(axis=0)
+
+
+def test_texts_are_served_as_transformers_embeds_them(client, hf):
+    """One request of mixed lengths (padded together, ModernBERT's longest past its window
+    beside its shortest): token embeddings, maps and mean-pooled vectors of each text."""
+    results = client.embed(TEXTS, pooling="mean", token_embeddings=True, attention_layers=[])
+    for text, result in zip(TEXTS, results, strict=True):
+        ids = hf.ids(text)
+        assert result.token_ids == ids
+        hidden, maps = hf.run(ids)
+        assert np.abs(result.token_embeddings - hidden).max() <= SERVED_ATOL
+        assert np.abs(result.attentions - maps).max() <= SERVED_ATOL
+        assert np.abs(result.pooled - hidden.mean(axis=0)).max() <= SERVED_ATOL
+
+
+def test_token_ids_are_served_as_transformers_embeds_them(client, hf):
+    """Ids as a caller sends them (special tokens included), random ones beside the
+    tokenizer's; the first token's vector is what `cls` pooling returns."""
+    rng = np.random.default_rng(0)
+    sequences = [hf.ids(TEXTS[0]), rng.integers(0, len(hf.tokenizer), 90).tolist(), hf.ids("ok")]
+    results = client.embed(token_ids=sequences, token_embeddings=True, pooling="mean")
+    cls = client.embed(token_ids=sequences, pooling="cls")
+    for ids, result, first in zip(sequences, results, cls, strict=True):
+        hidden, _ = hf.run(ids)
+        assert np.abs(result.token_embeddings - hidden).max() <= SERVED_ATOL
+        assert np.abs(result.pooled - hidden.mean(axis=0)).max() <= SERVED_ATOL
+        assert np.abs(first.pooled - hidden[0]).max() <= SERVED_ATOL
+
+
+def test_tokenize_and_truncation_use_the_checkpoints_special_tokens(client, hf):
+    (tokenized,) = client.tokenize([TEXTS[0]])
+    assert list(tokenized.ids) == hf.ids(TEXTS[0])
+    assert tokenized.tokens[0] == hf.tokenizer.cls_token and tokenized.tokens[-1] == hf.tokenizer.sep_token
+    (cut_short,) = client.embed([LONG_TEXT], truncate=True, token_embeddings=True)
+    assert cut_short.token_ids == hf.ids(LONG_TEXT)[:127] + [hf.tokenizer.sep_token_id]
+
+
+def late_reference(hf: HuggingFace, ids: list[int], counts: list[int], overlap: int) -> np.ndarray:
+    """Each chunk's mean token embedding from transformers, run on the windows the API
+    documents (WIDTH tokens between the checkpoint's special tokens, each starting
+    WIDTH - overlap after the one before, the last ending with the text), a chunk pooled
+    from the window holding it with the most context on its poorer side, then in all,
+    then the earliest. Chunks are consecutive: their token counts place them."""
+    starts = [0]
+    while starts[-1] + WIDTH < len(ids):
+        starts.append(starts[-1] + WIDTH - overlap)
+    windows = [(start, min(start + WIDTH, len(ids))) for start in starts]
+    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    head, tail = hf.tokenizer.cls_token_id, hf.tokenizer.sep_token_id
+    vectors = []
+    for first, last in zip(bounds[:-1], bounds[1:], strict=True):
+        holding = [k for k, (a, b) in enumerate(windows) if a <= first and last <= b]
+        k = max(holding, key=lambda k: (min(first - windows[k][0], windows[k][1] - last),
+                                        windows[k][1] - windows[k][0] - (last - first), -k))
+        a, b = windows[k]
+        hidden, _ = hf.run([head, *ids[a:b], tail])
+        vectors.append(hidden[1 + first - a:1 + last - a].mean(axis=0))
+    return np.stack(vectors)
+
+
+def test_late_chunks_are_transformers_means_over_each_chunk(client, hf):
+    text = " ".join([SENTENCES] * 3)
+    ids = hf.tokenizer(text, add_special_tokens=False)["input_ids"]
+    max_tokens = 20
+    (result,) = client.embed([text], chunk_tokens=max_tokens, window_overlap=max_tokens - 1)
+    assert result.num_tokens == len(ids) > 2 * WIDTH
+    counts = [c.num_tokens for c in result.chunks]
+    assert sum(counts) == len(ids) and max(counts) <= max_tokens
+    for chunk in result.chunks:
+        assert text[chunk.start:chunk.end] == text[chunk.start:chunk.end].strip()
+    expected = late_reference(hf, ids, counts, max_tokens - 1)
+    got = np.stack([c.pooled for c in result.chunks])
+    assert np.abs(got - expected).max() <= SERVED_ATOL
+
+
+def test_the_embed_command_draws_a_heatmap_labelled_with_the_text(server, tmp_path):
+    png = tmp_path / "map.png"
+    drawn = subprocess.run([*ATTNSERVE, "embed", "Hello world, don't panic!", "--address",
+                            server.address, "--heatmap", str(png)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
