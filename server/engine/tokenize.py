@@ -1,9 +1,9 @@
 """Text -> token ids with the artifact's own tokenizer.json (Hugging Face `tokenizers`).
 
 A text never costs more than the tokens the model can take. It is tokenized once, cut
-after max_positions + 1 tokens (the post-processor still closes it with [SEP]): one
-that comes back that long was longer than the model's positions, so it is refused, or
-cut to them keeping the closing special tokens. A long text is tokenized a prefix at a
+after max_positions + 1 tokens (the post-processor still closes it with [SEP] or </s>):
+one that comes back that long was longer than the model's positions, so it is refused,
+or cut to them keeping the closing special tokens. A long text is tokenized a prefix at a
 time: up to a point where nothing that follows can change the tokens before it, growing
 the prefix only while it holds too few tokens to decide. Which points those are depends
 on the pre-tokenizer: before whitespace (BERT's also before punctuation and CJK
@@ -144,15 +144,16 @@ class TextTokenizer:
         self.max_positions = max_positions
         probe = self.tokenizer.encode("a")
         mask = probe.special_tokens_mask
-        # Special tokens the post-processor puts after the text ([SEP]): a cut keeps them.
+        # The special tokens the post-processor puts after a text ([SEP], </s>): a cut
+        # keeps them.
         self.tail = next((i for i, special in enumerate(reversed(mask)) if not special), len(mask))
         empty = self.tokenizer.encode("")
         self.empty = Encoded(np.asarray(empty.ids, dtype=np.int64), empty.tokens, empty.offsets)
         """an empty text's encoding: the fewest tokens any text has"""
         self.head_ids = self.empty.ids[:len(empty.ids) - self.tail]
-        """the special tokens before a text ([CLS])"""
+        """the special tokens before a text ([CLS], <s>)"""
         self.tail_ids = self.empty.ids[len(empty.ids) - self.tail:]
-        """the special tokens after it ([SEP])"""
+        """the special tokens after it ([SEP], </s>)"""
         self.cut_points = cut_points(described.get("pre_tokenizer"))
 
     def encode(self, texts: list[str], truncate: bool, holds: Holds,
