@@ -16,9 +16,10 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 MEMORY_MODEL = "memory_model.json"
 # 2: a graph may be int8 and carry its parity against fp32 (`Graph.parity`). A manifest of
-# an older version is read as it was written; a newer one is refused by name.
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+# an older version is read as it was written; a newer one is refused by name. 3: the
+# manifest names the graphs' runtime and the checkpoint's family (model_type).
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 INPUT_NAMES = ("input_ids", "attention_mask")
 HIDDEN_OUTPUT = "last_hidden_state"
 POOLINGS = ("mean", "cls")

@@ -72,10 +72,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if args.check_config:
             server = Server(config)
-            print(f"config ok: artifact {server.artifact.manifest.model_name} "
-                  f"(manifest sha256 {server.artifact.manifest_sha256[:12]}), port {config.port}, "
-                  f"metrics port {config.metrics_port}, device {config.device} (the provider "
-                  "chosen is logged above)")
+            models = ", ".join(f"{n.name} (manifest sha256 {n.artifact.manifest_sha256[:12]})"
+                               for n in server.named)
+            print(f"config ok: models {models}, port {config.port}, metrics port "
+                  f"{config.metrics_port}, device {config.device} (the provider chosen is logged "
+                  "above)")
             return 0
         asyncio.run(run(config))
     except (ArtifactError, DeviceError, ValueError, OSError) as err:
@@ -148,6 +149,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--out", type=Path, help=".npy file for the pooled embeddings (with "
                    "--chunk-tokens: an .npz of vectors, spans, text_index and num_tokens)")
     p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--model", default="", help="the model to call, as the server lists it "
+                   "(attnserve.v1 ListModels); default: the server's default")
     p.add_argument("--pooling", default="default", choices=("default", "mean", "cls", "none"))
     p.add_argument("--normalize", action="store_true")
     p.add_argument("--truncate", action="store_true")

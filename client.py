@@ -67,8 +67,9 @@ class EncoderClient:
               attention_layers: list[int] | None = None, attention_heads: list[int] | None = None,
               average_heads: bool = False, float16: bool = False, truncate: bool = False,
               chunk_tokens: int | None = None, isolated: bool = False, window_overlap: int = 0,
-              timeout: float | None = None) -> list[EmbeddingResult]:
-        """`attention_layers=[]` asks for every layer; None asks for no attention maps.
+              model: str = "", timeout: float | None = None) -> list[EmbeddingResult]:
+        """`model`: one of `list_models()`, "" for the server's default.
+        `attention_layers=[]` asks for every layer; None asks for no attention maps.
         `chunk_tokens`: one vector per chunk of at most that many tokens (`chunks`), late
         chunking unless `isolated`, windows overlapping by `window_overlap` tokens (0: the
         server's default)."""
@@ -76,7 +77,7 @@ class EncoderClient:
             texts=texts or [], token_ids=[pb.TokenIds(ids=ids) for ids in token_ids or []],
             truncate=truncate, pooling=POOLING[pooling], normalize=normalize,
             return_token_embeddings=token_embeddings,
-            dtype=pb.DTYPE_FLOAT16 if float16 else pb.DTYPE_FLOAT32,
+            dtype=pb.DTYPE_FLOAT16 if float16 else pb.DTYPE_FLOAT32, model=model,
         )
         if attention_layers is not None:
             request.attention.CopyFrom(pb.AttentionOptions(
@@ -92,9 +93,14 @@ class EncoderClient:
                                  for c in e.chunks])
                 for e in response.embeddings]
 
-    def tokenize(self, texts: list[str], truncate: bool = False) -> list[pb.Tokenization]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(texts=texts, truncate=truncate))
-                    .tokenizations)
+    def tokenize(self, texts: list[str], truncate: bool = False,
+                 model: str = "") -> list[pb.Tokenization]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(texts=texts, truncate=truncate,
+                                                          model=model)).tokenizations)
 
-    def model_info(self) -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+    def model_info(self, model: str = "") -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(model=model))
+
+    def list_models(self) -> list[pb.GetModelInfoResponse]:
+        """Every model the server holds, its default first."""
+        return list(self.stub.ListModels(pb.ListModelsRequest()).models)

@@ -181,14 +181,15 @@ def run_embed(args: argparse.Namespace) -> int:
                                     attention_heads=_ints(args.heads),
                                     average_heads=args.average_heads,
                                     chunk_tokens=args.chunk_tokens, isolated=args.isolated,
-                                    window_overlap=args.window_overlap)
+                                    window_overlap=args.window_overlap, model=args.model)
             if args.file:
                 done = min(start + args.batch_size, len(texts))
                 bar = "#" * (30 * done // len(texts))
                 print(f"\r[{bar:<30}] {done}/{len(texts)} texts", end="", file=sys.stderr)
         if args.file:
             print(file=sys.stderr)
-        tokenized = client.tokenize(texts[:1], truncate=args.truncate)[0] if args.heatmap else None
+        tokenized = (client.tokenize(texts[:1], truncate=args.truncate, model=args.model)[0]
+                     if args.heatmap else None)
     if args.chunk_tokens is not None:
         return _chunks_out(args, texts, results)
     for text, result in zip(texts, results, strict=True):

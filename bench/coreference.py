@@ -2,9 +2,8 @@
 names, by pronoun ("it", "she") or by definite description ("the city"), never by name;
 each with a query that names the referent. Three sentences of 15 to 22 tokens each, so
 that chunks of at most 24 tokens are one sentence each. English, because the default
-model's vocabulary holds few CJK characters (the seed's "服务 A 调用了配置中心 B，因为它需要
-获取最新配置。" tokenizes mostly to [UNK]); the "service A" document is its sentence, told in
-English."""
+model's vocabulary holds few CJK characters ("服务 A 调用了配置中心 B，因为它需要获取最新配置。"
+tokenizes mostly to [UNK]); the "service A" document is that sentence, told in English."""
 
 from dataclasses import dataclass
 

@@ -189,8 +189,11 @@ def make_tiny_checkpoint(directory: Path, **overrides) -> Path:
 
 
 def sample(samples: Samples, name: str, **labels: str) -> float:
-    """One sample's value, 0 when absent (a labelled counter not yet incremented)."""
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """The samples named `name` whose labels include `labels`, summed (over the models
+    served, say, when `model` is not given); 0 when there is none (a labelled counter not
+    yet incremented)."""
+    return sum(value for key, value in samples.items()
+               if key[0] == name and labels.items() <= dict(key[1]).items())
 
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:

@@ -1,10 +1,12 @@
 """`python -m bench.memory_load`: the memory model under a served mixed load, the
 dashboard's measured ÷ predicted panel in one table.
 
-A real `attnserve serve` on loopback gets mixed requests from several callers (three in
-four of 1-8 sequences of 8 tokens to the model's positions, one in four with every
-layer's attention maps), then its /metrics give, per seq_len bucket and maps or not, the
-batches' measured peak memory over the memory model's prediction for the same batches.
+A real `attnserve serve` of one model or several on loopback gets mixed requests from
+several callers (three in four of 1-8 sequences of 8 tokens to the model's positions, one
+in four with every layer's attention maps), each to the models in turn, then its /metrics
+give, per model, seq_len bucket and maps or not, the batches' measured peak memory over
+that model's memory model's prediction for the same batches: the models share one memory
+budget, and each batch is admitted on its own model's prediction.
 It prints the table, writes mixed_load.json and mixed_load.png to --out, and asserts
 nothing. Fit the model first (`attnserve memory-profile --artifact DIR --attention`), or
 the prediction is the analytic bound.
@@ -19,7 +21,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from attnserve.artifact import load_artifact
 from attnserve.client import EncoderClient
 from bench.harness import ServerProcess
 from bench.run import RESULTS
@@ -46,19 +47,27 @@ def mixed_requests(calls: int, max_len: int) -> list[tuple[list[list[int]], list
     return out
 
 
-def mixed_load(artifact_dir: Path, calls: int) -> dict:
-    """A real `attnserve serve` on loopback, MIXED_CALLERS callers sending `calls` mixed
-    requests at once; then, from its /metrics, measured over predicted peak memory per
-    seq_len bucket and maps or not (the dashboard's ratio panel)."""
-    manifest = load_artifact(artifact_dir).manifest
-    requests = mixed_requests(calls, manifest.max_positions)
-    with ServerProcess(Path(artifact_dir)) as server:
+def mixed_load(sources: list[str], calls: int) -> dict:
+    """A real `attnserve serve` of every artifact in `sources` (each `[NAME=]DIR`, as
+    --artifact takes it) on loopback, MIXED_CALLERS callers sending `calls` mixed requests
+    at once, each to the models in turn; then, from its /metrics, measured over predicted
+    peak memory per model, seq_len bucket and maps or not (the dashboard's ratio panel)."""
+    first, *others = sources
+    flags = [flag for source in others for flag in ("--artifact", source)]
+    with ServerProcess(Path(first), *flags) as server:
+        with EncoderClient(server.address) as probe:
+            models = [(m.model, m.max_positions) for m in probe.list_models()]
+        requests = [(model, *request)
+                    for k, (model, positions) in enumerate(models)
+                    for request in mixed_requests(calls, positions)[k::len(models)]]
+
         def caller(mine: list) -> list[str]:
             codes = []
             with EncoderClient(server.address) as client:
-                for token_ids, layers in mine:
+                for model, token_ids, layers in mine:
                     try:
-                        client.embed(token_ids=token_ids, attention_layers=layers, timeout=600)
+                        client.embed(token_ids=token_ids, attention_layers=layers, model=model,
+                                     timeout=600)
                         codes.append("OK")
                     except grpc.RpcError as err:  # refused (memory, size): counted, not fatal
                         codes.append(err.code().name)
@@ -70,31 +79,34 @@ def mixed_load(artifact_dir: Path, calls: int) -> dict:
         samples = server.scrape()
     answered = codes.count("OK")
     refused = {code: codes.count(code) for code in sorted(set(codes) - {"OK"})}
-    buckets: dict[tuple[str, str], dict] = {}
+    buckets: dict[tuple[str, str, str], dict] = {}
     for (name, labels), value in samples.items():
         kind = {"attnserve_batch_peak_memory_bytes_sum": "measured_bytes",
                 "attnserve_batch_predicted_memory_bytes_sum": "predicted_bytes",
                 "attnserve_batch_peak_memory_bytes_count": "batches"}.get(name)
         if kind:
-            key = (dict(labels)["seq_len_bucket"], dict(labels)["attention"])
+            labels = dict(labels)
+            key = (labels["model"], labels["seq_len_bucket"], labels["attention"])
             buckets.setdefault(key, {})[kind] = value
-    rows = [{"seq_len_bucket": b, "attention": a, **v,
+    rows = [{"model": m, "seq_len_bucket": b, "attention": a, **v,
              "ratio": v["measured_bytes"] / v["predicted_bytes"] if v.get("predicted_bytes") else None}
-            for (b, a), v in sorted(buckets.items(), key=lambda kv: (kv[0][1], int(kv[0][0].split("-")[0])))]
-    return {"calls": calls, "answered": answered, "refused": refused, "callers": MIXED_CALLERS,
-            "buckets": rows}
+            for (m, b, a), v in sorted(buckets.items(), key=lambda kv: (
+                kv[0][0], kv[0][2], int(kv[0][1].split("-")[0])))]
+    return {"calls": len(requests), "answered": answered, "refused": refused,
+            "callers": MIXED_CALLERS, "models": [m for m, _ in models], "buckets": rows}
 
 
 def mixed_table(result: dict) -> str:
-    lines = [f"under a mixed load ({result['answered']} of {result['calls']} requests answered, "
-             f"refused: {result['refused'] or 'none'}; {result['callers']} callers): measured / "
-             "predicted peak memory per batch",
-             f"{'bucket':>9} {'maps':>5} {'batches':>7} {'measured MiB':>13} {'predicted MiB':>14} "
-             f"{'ratio':>6}"]
+    lines = [f"under a mixed load of {', '.join(result['models'])} ({result['answered']} of "
+             f"{result['calls']} requests answered, refused: {result['refused'] or 'none'}; "
+             f"{result['callers']} callers): measured / predicted peak memory per batch", "",
+             "| model | bucket | maps | batches | measured MiB | predicted MiB | ratio |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in result["buckets"]:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        lines.append(f"{r['seq_len_bucket']:>9} {r['attention']:>5} {r['batches']:>7.0f} "
-                     f"{r['measured_bytes'] / MIB:>13.1f} {r['predicted_bytes'] / MIB:>14.1f} {ratio:>6}")
+        lines.append(f"| {r['model']} | {r['seq_len_bucket']} | {r['attention']} | "
+                     f"{r['batches']:.0f} | {r['measured_bytes'] / MIB:.1f} | "
+                     f"{r['predicted_bytes'] / MIB:.1f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -108,7 +120,8 @@ def plot(path: Path, result: dict, title: str) -> bool:
         return False
     rows = [r for r in result["buckets"] if r["ratio"] is not None]
     fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['seq_len_bucket']}{' maps' if r['attention'] == 'true' else ''}" for r in rows]
+    labels = [f"{r['model']} {r['seq_len_bucket']}{' maps' if r['attention'] == 'true' else ''}"
+              for r in rows]
     ax.bar(range(len(rows)), [r["ratio"] for r in rows], color="tab:blue")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right")
@@ -123,7 +136,9 @@ def plot(path: Path, result: dict, title: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.memory_load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", type=Path, required=True, help="artifact directory")
+    p.add_argument("--artifact", action="append", required=True, metavar="[NAME=]DIR",
+                   help="an artifact to serve, as attnserve serve takes it (repeatable: the "
+                        "requests go to every model in turn)")
     p.add_argument("--calls", type=int, default=160, help="requests in all")
     p.add_argument("--out", type=Path, default=RESULTS / "memory-load")
     args = p.parse_args(argv)
@@ -131,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mixed_load.json").write_text(json.dumps(result, indent=2) + "\n")
     print(mixed_table(result))
-    name = load_artifact(args.artifact).manifest.model_name
-    if plot(args.out / "mixed_load.png", result, f"{name}: measured / predicted peak memory "
-            f"per batch under a mixed load ({result['calls']} requests)"):
+    title = (f"{', '.join(result['models'])}: measured / predicted peak memory per batch under "
+             f"a mixed load ({result['calls']} requests)")
+    if plot(args.out / "mixed_load.png", result, title):
         print(f"wrote {args.out / 'mixed_load.json'}, {args.out / 'mixed_load.png'}")
     return 0
 

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention with several heads, written as the seed articles teach it.
+"""Scaled dot-product attention with several heads, written the way attention is taught.
 
     Attention(Q, K, V) = softmax(Q Kᵀ / √d_k + mask) V
 

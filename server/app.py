@@ -1,6 +1,6 @@
-"""Assemble and run the server: artifact -> backend -> request queue and batch loop ->
-data plane -> the doors on their ports; drain on SIGTERM. One process, or with --workers N
-(server/workers/) front-end processes around one engine process."""
+"""Assemble and run the server: artifacts -> backends -> each model's request queue and
+batch loop -> the data plane -> the doors on their ports; drain on SIGTERM. One process,
+or with --workers N (server/workers/) front-end processes around one engine process."""
 
 import asyncio
 import json
@@ -9,12 +9,13 @@ import os
 import signal
 from pathlib import Path
 
-from attnserve.artifact import Artifact, load_artifact
 from attnserve.server.config import ServeConfig
 from attnserve.server.doors.ports import Ports
-from attnserve.server.engine.core import Core
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import Offload
+from attnserve.server.engine.registry import load_models
+from attnserve.server.engine.runner import Runners
+from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import load_tokenizer
 from attnserve.server.metrics import Metrics
 
@@ -30,40 +31,41 @@ def write_ready_file(path: Path, ports: dict[str, int]) -> None:
 
 
 class Server:
-    """One process: the core and the doors, the data plane between them."""
+    """One process: the runners and the doors, the data plane between them."""
 
     def __init__(self, config: ServeConfig):
         """Every start-up check, and nothing bound yet: `serve --check-config` stops here."""
         self.config = config
-        self.artifact: Artifact = load_artifact(config.artifact)
-        self.metrics = Metrics(self.artifact.manifest.max_positions)
-        self.core = Core(config, self.artifact, self.metrics)
-        self.tokenizer = load_tokenizer(self.artifact)
+        self.named = load_models(config)
+        self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
+        self.runners = Runners(config, self.named, self.metrics)
+        self.tokenizers = {n.name: load_tokenizer(n.artifact) for n in self.named}
         self.ports = Ports(config, self.metrics)
         self.draining = False
 
     @property
     def serving(self) -> bool:
-        return self.core.ready and not self.draining
+        return self.runners.ready and not self.draining
 
     async def start(self) -> None:
-        core, config = self.core, self.config
-        core.start()
-        offload = Offload(core.executors.requests, core.executors.responses)
-        self.plane = DataPlane(self.artifact, self.tokenizer, core.queue, core.memory, offload,
-                             self.metrics, core.backend.provider, core.backend.precision,
-                             lambda: self.serving, config.max_chunking_chars)
-        core.describe()
+        runners, config = self.runners, self.config
+        runners.start()
+        offload = Offload()
+        models = [ServedModel(r.name, r.artifact, self.tokenizers[r.name], r.queue, r.memory,
+                              r.backend.placement, offload, self.metrics, lambda: self.serving,
+                              config.max_chunking_chars) for r in runners.models]
+        self.plane = DataPlane(models, runners.budget, offload, self.metrics, lambda: self.serving)
+        runners.describe()
         self.metrics.live.serving = lambda: self.serving
-        await self.ports.start(self.plane, core.executors.requests)
-        await core.warm_up()
+        await self.ports.start(self.plane, offload.requests_pool)
+        await runners.warm_up()
         await self.ports.set_health(True)
         ports = self.ports
         log.info("event=serving port=%d metrics_port=%d http_port=%d tls=%s mtls=%s api_keys=%d "
-                 "model=%s budget_bytes=%d memory_model=%r", ports.port, ports.metrics_port,
+                 "models=%s budget_bytes=%d memory_model=%r", ports.port, ports.metrics_port,
                  ports.http_port, ports.credentials is not None, config.tls_client_ca is not None,
-                 len(ports.keys.keys), self.artifact.manifest.model_name,
-                 core.limits.memory_budget_bytes, core.memory_model.source)
+                 len(ports.keys.keys), ",".join(self.plane.models), runners.limits.memory_budget_bytes,
+                 runners.memory_source())
         if config.ready_file is not None:
             write_ready_file(config.ready_file, {"port": ports.port,
                                                  "metrics_port": ports.metrics_port,
@@ -74,7 +76,7 @@ class Server:
         log.info("event=draining seconds=%.0f", self.config.drain_seconds)
         self.draining = True
         await self.ports.set_health(False)
-        finished = await self.core.queue.drain(self.config.drain_seconds)
+        finished = await self.runners.drain(self.config.drain_seconds)
         await self.ports.stop()
         log.info("event=stopped all_finished=%s answered=%s", finished, self.ports.answered())
 

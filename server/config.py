@@ -22,8 +22,38 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class ModelSource:
+    """One `--artifact [NAME=]DIR`: an artifact directory, and the name it is served by
+    (None: its manifest's model_name)."""
+
+    path: Path
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str, source: str | None = None) -> "ModelSource":
+        """DIR, or NAME=DIR; a text that is a directory as it stands is a DIR, whatever
+        it holds."""
+        name, sep, path = text.partition("=")
+        if not sep or Path(text).is_dir():
+            return cls(Path(text))
+        if not name.strip():
+            raise ConfigError("artifact", f"{text!r}: an empty NAME; write NAME=DIR, or DIR to "
+                                          "serve it under its manifest's model name", source)
+        if not path:
+            raise ConfigError("artifact", f"{text!r}: no DIR after {name}=", source)
+        return cls(Path(path), name)
+
+    def __str__(self) -> str:
+        return str(self.path) if self.name is None else f"{self.name}={self.path}"
+
+
+# Several artifacts in one environment variable are separated by commas.
+ARTIFACT_SEPARATOR = ","
+
+
+@dataclass(frozen=True)
 class ServeConfig:
-    artifact: Path
+    artifact: tuple[ModelSource, ...]
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_host: str = "0.0.0.0"
@@ -59,6 +89,11 @@ class ServeConfig:
     ready_file: Path | None = None
 
     def __post_init__(self) -> None:
+        if not self.artifact:
+            raise ConfigError("artifact", f"required (or set {env_name('artifact')})")
+        if len(self.artifact) > MAX_MODELS:
+            raise ConfigError("artifact", f"{len(self.artifact)} given; a server serves at most "
+                                          f"{MAX_MODELS} models")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"{getattr(self, name)!r} is not one of "
@@ -87,6 +122,7 @@ class ServeConfig:
 
 
 MAX_WORKERS = 64
+MAX_MODELS = 32
 CHOICES = {
     "device": ("auto", "cuda", "cpu"),
     "precision": ("auto", "fp32", "fp16", "int8"),
@@ -95,7 +131,10 @@ CHOICES = {
     "cuda_graphs": ("on", "off"),
 }
 _HELP = {
-    "artifact": "artifact directory written by `attnserve export` (required)",
+    "artifact": "[NAME=]DIR: an artifact directory written by `attnserve export`, served as NAME "
+                "(default: its manifest's model name); repeat it to serve several models, the "
+                "first the default for requests that name none (required; in the environment "
+                "twin, several are separated by commas)",
     "host": "address the gRPC port binds to",
     "port": "gRPC port (EncoderService, Open Inference Protocol, health, reflection); "
             "0: one the OS picks (see --ready-file)",
@@ -193,8 +232,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default = "" if field.default is MISSING or field.default is None else \
             f"; default {field.default}"
         choices = CHOICES.get(field.name)
-        parser.add_argument(flag(field.name), default=None,
-                            metavar="{" + ",".join(choices) + "}" if choices else None,
+        repeated = field.name == "artifact"
+        parser.add_argument(flag(field.name), default=None, action="append" if repeated else "store",
+                            metavar="{" + ",".join(choices) + "}" if choices else
+                            "[NAME=]DIR" if repeated else None,
                             help=f"{_HELP[field.name]}{default} (env {env_name(field.name)})")
 
 
@@ -211,14 +252,18 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             if raw == "":
                 continue
             from_env.add(name)
+        if name == "artifact":
+            texts = raw if isinstance(raw, list) else raw.split(ARTIFACT_SEPARATOR)
+            values[name] = tuple(ModelSource.parse(text, _source(name, from_env))
+                                 for text in texts if text)
+            continue
         kind = _field_type(name)
         try:
             values[name] = kind(raw)
         except ValueError:
             raise ConfigError(name, f"{raw!r} is not {_TYPE_NAMES.get(kind, kind.__name__)}",
                               _source(name, from_env)) from None
-    if "artifact" not in values:
-        raise ConfigError("artifact", f"required (or set {env_name('artifact')})")
+    values.setdefault("artifact", ())
     try:
         return ServeConfig(**values)
     except ConfigError as err:
@@ -233,11 +278,17 @@ def _source(name: str, from_env: set[str]) -> str:
 
 def config_to_json(config: ServeConfig) -> str:
     """The settings, for a process the server starts itself (--workers)."""
-    return json.dumps({f.name: None if (v := getattr(config, f.name)) is None else
-                       v if isinstance(v, int | float | str) else str(v) for f in fields(config)})
+    def plain(value):
+        if value is None or isinstance(value, int | float | str):
+            return value
+        if isinstance(value, tuple):
+            return [[str(source.path), source.name] for source in value]
+        return str(value)
+    return json.dumps({f.name: plain(getattr(config, f.name)) for f in fields(config)})
 
 
 def config_from_json(text: str) -> ServeConfig:
     values = json.loads(text)
-    return ServeConfig(**{name: None if value is None else _field_type(name)(value)
-                          for name, value in values.items()})
+    values["artifact"] = tuple(ModelSource(Path(path), name) for path, name in values["artifact"])
+    return ServeConfig(**{name: value if value is None or name == "artifact"
+                          else _field_type(name)(value) for name, value in values.items()})

@@ -10,6 +10,7 @@ process that serves /metrics."""
 
 import itertools
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -54,19 +55,44 @@ def seq_len_bucket(length: int, edges: list[int]) -> str:
     return f"{low}-"
 
 
+# The model a call was routed to, for its request series: set by the data plane once it has
+# found the model a call names (an unknown name is never a label: the set stays bounded).
+_CALL_MODEL: ContextVar[list[str] | None] = ContextVar("attnserve_call_model", default=None)
+
+
+def call_model() -> list[str]:
+    """A new call's model label, "" until `routed_to` names it (in the same task)."""
+    cell = [""]
+    _CALL_MODEL.set(cell)
+    return cell
+
+
+def routed_to(model: str) -> None:
+    cell = _CALL_MODEL.get()
+    if cell is not None:
+        cell[0] = model
+
+
 @dataclass(eq=False)
 class Live:
     """Values read when /metrics is scraped, set by whoever owns them."""
 
-    info: dict[str, str] = field(default_factory=dict)
+    info: dict[str, dict[str, str]] = field(default_factory=dict)
+    """model -> its attnserve_info labels"""
     device: str = "cpu"
     device_memory_used: Callable[[], float] = lambda: 0.0
     device_memory_total: float = 0.0
-    queue_depth: Callable[[], float] = lambda: 0.0
+    queue_depth: dict[str, Callable[[], float]] = field(default_factory=dict)
+    """model -> its queue's depth"""
     serving: Callable[[], bool] = lambda: False
 
     def collect(self):
-        yield InfoMetricFamily("attnserve", "The model being served.", value=self.info)
+        info = InfoMetricFamily("attnserve", "The models being served, one series each.",
+                                labels=["model", "provider", "precision", "artifact_sha256"])
+        for model, labels in self.info.items():
+            info.add_metric([model, labels["provider"], labels["precision"],
+                             labels["artifact_sha256"]], {})
+        yield info
         for name, doc, value in (
                 ("attnserve_device_memory_used_bytes", "Device memory in use (NVML on a GPU; the "
                  "resident set of the server's processes on the CPU).", self.device_memory_used()),
@@ -76,8 +102,11 @@ class Live:
             family = GaugeMetricFamily(name, doc, labels=["device"])
             family.add_metric([self.device], value)
             yield family
-        yield GaugeMetricFamily("attnserve_queue_depth", "Requests accepted and waiting for a "
-                                "batch.", value=self.queue_depth())
+        depth = GaugeMetricFamily("attnserve_queue_depth", "Requests accepted and waiting for a "
+                                  "batch, by model.", labels=["model"])
+        for model, read in self.queue_depth.items():
+            depth.add_metric([model], read())
+        yield depth
         yield GaugeMetricFamily("attnserve_health_serving", "1 while grpc.health.v1 answers "
                                 "SERVING.", value=1 if self.serving() else 0)
 
@@ -118,36 +147,38 @@ class Metrics:
         self.edges = length_edges(max_positions)
         self.request_duration = Histogram(
             "attnserve_request_duration_seconds", "Time from receiving a request to answering it.",
-            ["rpc", "code"], buckets=LATENCY_BUCKETS, registry=registry)
+            ["rpc", "code", "model"], buckets=LATENCY_BUCKETS, registry=registry)
         self.requests = Counter(
-            "attnserve_requests", "Requests answered, by RPC and status code.", ["rpc", "code"],
+            "attnserve_requests", "Requests answered, by RPC, status code and model (empty when "
+            "the call named no model the server serves).", ["rpc", "code", "model"],
             registry=registry)
         self.stage_duration = Histogram(
             "attnserve_stage_duration_seconds",
             "Time per stage: queue (waiting for a batch), tokenize, inference, respond.",
-            ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
+            ["model", "stage"], buckets=LATENCY_BUCKETS, registry=registry)
         self.batch_size = Histogram(
-            "attnserve_batch_size", "Sequences per batch run.",
+            "attnserve_batch_size", "Sequences per batch run.", ["model"],
             buckets=tuple(float(1 << i) for i in range(0, 9)), registry=registry)
         self.batch_tokens = Histogram(
             "attnserve_batch_tokens",
-            "Tokens per batch run: real ones, and padded (batch × longest sequence).", ["kind"],
+            "Tokens per batch run: real ones, and padded (batch × longest sequence).",
+            ["model", "kind"],
             buckets=tuple(float(1 << i) for i in range(4, 18)), registry=registry)
         self.sequence_length = Histogram(
-            "attnserve_sequence_length_tokens", "Tokens per sequence requested.",
+            "attnserve_sequence_length_tokens", "Tokens per sequence requested.", ["model"],
             buckets=tuple(float(e) for e in self.edges), registry=registry)
         self.inference_duration = Histogram(
             "attnserve_inference_duration_seconds",
-            "onnxruntime time per batch, by padded length bucket and attention maps returned.",
-            ["seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS, registry=registry)
+            "Backend time per batch, by padded length bucket and attention maps returned.",
+            ["model", "seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS, registry=registry)
         self.batch_peak_memory = Histogram(
             "attnserve_batch_peak_memory_bytes",
             "Peak memory a batch added over what was in use before it (see docs/memory.md).",
-            ["seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
+            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
         self.batch_predicted_memory = Histogram(
             "attnserve_batch_predicted_memory_bytes",
             "The memory model's prediction for the same batches, to show drift.",
-            ["seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
+            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
         self.inflight = Gauge(
             "attnserve_inflight_requests", "Requests being handled now.", registry=registry,
             multiprocess_mode="livesum")
@@ -155,14 +186,20 @@ class Metrics:
             "attnserve_dropped_sequences",
             "Sequences dropped unanswered, by reason: deadline (the caller's deadline passed "
             "while it waited) or cancelled (the caller went away), both before inference; "
-            "failed (its batch raised in inference, or the batch loop failed).", ["reason"],
+            "failed (its batch raised in inference, or the batch loop failed).",
+            ["model", "reason"],
             registry=registry)
         self.unseen_shape_runs = Counter(
             "attnserve_unseen_shape_runs",
             "Batches run at a (batch, seq) shape their graph's session had never run before "
             "(on an H200 such a run costs ~55 ms more); with shape buckets every embeddings "
             "shape ran in warm-up, so graph=\"embeddings\" stays 0 after it.",
-            ["graph"], registry=registry)
+            ["model", "graph"], registry=registry)
+        self.memory_waits = Counter(
+            "attnserve_memory_waits",
+            "Times a model's next batch was held back because it would not fit in the memory "
+            "budget beside the batches in flight (its own model's or another's).", ["model"],
+            registry=registry)
         self.worker_deaths = Counter(
             "attnserve_worker_deaths",
             "Front-end processes (--workers) that died without draining; each is started again.",
@@ -170,10 +207,10 @@ class Metrics:
         self.live = Live()
         self.registry.register(self.live)
 
-    def answered(self, rpc: str, code: str, seconds: float) -> None:
+    def answered(self, rpc: str, code: str, seconds: float, model: str = "") -> None:
         """One call finished with status `code`: both request metrics move together."""
-        self.requests.labels(rpc, code).inc()
-        self.request_duration.labels(rpc, code).observe(seconds)
+        self.requests.labels(rpc, code, model).inc()
+        self.request_duration.labels(rpc, code, model).observe(seconds)
 
     def bucket(self, length: int) -> str:
         return seq_len_bucket(length, self.edges)

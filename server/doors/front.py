@@ -4,7 +4,8 @@ line a refusal makes, and the API keys.
 
 The metrics' `code` label carries the gRPC status name for every door (OK,
 INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), so one alert rule and one dashboard panel read
-both protocols; an HTTP route is in the `rpc` label ("http:/v1/embeddings", ...)."""
+both protocols; an HTTP route is in the `rpc` label ("http:/v1/embeddings", ...), and the
+model a call was routed to in the `model` label."""
 
 import hmac
 import logging
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 from attnserve.server.engine.errors import RequestError, Unauthenticated
-from attnserve.server.metrics import Metrics
+from attnserve.server.metrics import Metrics, call_model
 
 log = logging.getLogger("attnserve.calls")
 
@@ -31,6 +32,8 @@ class CallRecord:
         self.rpc = rpc
         self.code = OK
         self.started = time.perf_counter()
+        self.model = call_model()
+        """the model the call was routed to (metrics.routed_to), "" for none"""
         metrics.inflight.inc()
 
     def refusal(self, err: Exception) -> RequestError:
@@ -45,7 +48,8 @@ class CallRecord:
 
     def end(self) -> None:
         self.metrics.inflight.dec()
-        self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started)
+        self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started,
+                              self.model[0])
 
 
 class ApiKeys:

@@ -19,6 +19,7 @@ from grpc_status import rpc_status
 
 from attnserve.server.doors.front import CANCELLED, ApiKeys, CallRecord
 from attnserve.server.doors.grpc_wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
+from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import (
     InvalidArgument,
     RequestError,
@@ -26,17 +27,11 @@ from attnserve.server.engine.errors import (
     Unauthenticated,
 )
 from attnserve.server.engine.queue import DEADLINE_SLACK_S
-from attnserve.server.memory.ledger import Holds, Ledger, trim_after
+from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 
 log = logging.getLogger("attnserve.calls")
 
-# A request is held this many times over while its call lasts: the bytes gRPC received,
-# the parsed message, and the Python objects made from it (texts as str, ids as arrays).
-REQUEST_COPIES = 3
-# A request this small is not counted: health checks and the like are never refused for
-# memory (1,000 streams of a connection hold at most 16 MiB of them).
-UNCOUNTED_REQUEST_BYTES = 16 << 10
 # Methods answered without an API key: health and reflection (for probes and tools), and
 # the Open Inference Protocol's own health calls.
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.",
@@ -145,10 +140,10 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
     The call's Holds (`call_holds()`) are released when gRPC reports the call over: for a
     unary call, once the response has been written to the caller."""
 
-    def __init__(self, metrics: Metrics, ledger: Ledger, pool: Executor, max_entries: int,
+    def __init__(self, metrics: Metrics, plane: DataPlane, pool: Executor, max_entries: int,
                  keys: ApiKeys):
         self.metrics = metrics
-        self.ledger = ledger
+        self.plane = plane
         self.pool = pool
         self.max_entries = max_entries
         self.keys = keys
@@ -191,9 +186,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             """The request parsed, or the call refused; returns (request, bytes held)."""
             request, held = received.message, 0
             try:
-                if received.nbytes > UNCOUNTED_REQUEST_BYTES:
-                    held = REQUEST_COPIES * received.nbytes
-                    holds.take(held, "request")
+                held = self.plane.hold_request(holds, received.nbytes)
                 if isinstance(request, Undecoded):
                     request = await asyncio.get_running_loop().run_in_executor(
                         self.pool, request.decode, message_class, self.max_entries)
@@ -205,13 +198,12 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             return request, held
 
         def start(context) -> Holds:
-            holds = self.ledger.holds(context.peer())
+            holds = self.plane.holds(context.peer())
             _holds.set(holds)
             loop = asyncio.get_running_loop()
 
             def over(_) -> None:
-                holds.release()
-                trim_after(holds, self.pool, loop)
+                self.plane.end_call(holds, loop)
 
             context.add_done_callback(over)
             return holds

@@ -28,6 +28,7 @@ from attnserve.server.engine.requests import (
     ResponseSize,
     TokenizeRequest,
 )
+from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
@@ -143,29 +144,31 @@ def _chunking(request: pb.EmbedRequest) -> Chunking | None:
 class EncoderService(pb_grpc.EncoderServiceServicer):
     def __init__(self, plane: DataPlane, metrics: Metrics, max_message_bytes: int):
         self.plane = plane
-        self.manifest = plane.manifest
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        # The smallest Tokenization (an empty text's): the cheap size bound of a request.
-        self.least_tokenization = _tokenization(plane.tokenizer.empty).ByteSize()
+        # Per model, the smallest Tokenization (an empty text's): a request's cheap size bound.
+        self.least_tokenization = {name: _tokenization(m.tokenizer.empty).ByteSize()
+                                   for name, m in plane.models.items()}
 
     async def embed(self, request: pb.EmbedRequest, holds: Holds,
                     deadline: float | None) -> pb.EmbedResponse:
-        plan = plan_embed(request, self.manifest)
+        model = self.plane.model(request.model)
+        manifest = model.manifest
+        plan = plan_embed(request, manifest)
         measure, advice = ((chunked_response_bytes, CHUNKED_ADVICE) if plan.chunking
                            else (embed_response_bytes, EMBED_ADVICE))
-        size = ResponseSize(lambda counts: measure(plan, counts, self.manifest),
+        size = ResponseSize(lambda counts: measure(plan, counts, manifest, model.name),
                             self.max_message_bytes, advice)
-        embedded = await self.plane.embed(EmbedRequest(
+        embedded = await model.embed(EmbedRequest(
             names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
             token_ids=IdLists(request.token_ids), truncate=request.truncate,
             outputs=outputs_for(plan),
             layers=plan.attention.graph_layers if plan.attention else (),
             chunking=plan.chunking, normalize=plan.normalize), holds, deadline)
         results = int(embedded.chunk_counts.sum()) if plan.chunking else len(embedded.ids)
-        return await self.plane.pack(
+        return await model.pack(
             results * RESULT_S + embedded.response_bytes * COPY_BYTE_S,
-            embed_response, embedded, plan, self.manifest.model_name)
+            embed_response, embedded, plan, model.name)
 
     async def Embed(self, request, context):
         return await answer(self.metrics, "Embed", context,
@@ -186,36 +189,45 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
 
     async def Tokenize(self, request, context):
         async def handle():
-            count = len(request.texts)
-            size = ResponseSize(lambda _: count * field_bytes(self.least_tokenization),
-                                self.max_message_bytes, TOKENIZE_ADVICE)
+            model = self.plane.model(request.model)
+            count, least = len(request.texts), self.least_tokenization[model.name]
+            size = ResponseSize(lambda _: count * field_bytes(least), self.max_message_bytes,
+                                TOKENIZE_ADVICE)
             size.check(None, at_least=True)
             holds = call_holds()
-            encoded = await self.plane.tokenize(
+            encoded = await model.tokenize(
                 TokenizeRequest(TEXTS, request.texts, request.truncate), holds)
             tokens = sum(len(e.ids) for e in encoded)
-            return await self.plane.pack(count * RESULT_S + tokens * TOKEN_S,
-                                          self._tokenize_response, encoded, holds)
+            return await model.pack(count * RESULT_S + tokens * TOKEN_S,
+                                    self._tokenize_response, model, encoded, holds)
         return await answer(self.metrics, "Tokenize", context, handle)
 
-    def _tokenize_response(self, encoded: list[Encoded], holds: Holds) -> pb.TokenizeResponse:
-        response = pb.TokenizeResponse()
+    def _tokenize_response(self, model: ServedModel, encoded: list[Encoded],
+                           holds: Holds) -> pb.TokenizeResponse:
+        response = pb.TokenizeResponse(model=model.name)
         for e in encoded:  # one at a time, as Embed's
             response.tokenizations.append(_tokenization(e))
         size = response.ByteSize()
         ResponseSize(lambda _: size, self.max_message_bytes, TOKENIZE_ADVICE).check(None)
-        self.plane.hold_response(holds, size)
+        model.hold_response(holds, size)
         return response
 
     async def GetModelInfo(self, request, context):
+        return await answer(self.metrics, "GetModelInfo", context,
+                            lambda: self._info(self.plane.model(request.model)))
+
+    async def ListModels(self, request, context):
         async def handle():
-            info = self.plane.model_info()
-            return pb.GetModelInfoResponse(
-                model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
-                num_heads=info.num_heads, max_positions=info.max_positions,
-                vocab_size=info.vocab_size,
-                default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
-                execution_provider=info.provider, precision=info.precision,
-                artifact_sha256=info.artifact_sha256,
-            )
-        return await answer(self.metrics, "GetModelInfo", context, handle)
+            return pb.ListModelsResponse(
+                models=[await self._info(m) for m in self.plane.models.values()],
+                default_model=self.plane.default.name)
+        return await answer(self.metrics, "ListModels", context, handle)
+
+    async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
+        info = model.model_info()
+        return pb.GetModelInfoResponse(
+            model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
+            num_heads=info.num_heads, max_positions=info.max_positions, vocab_size=info.vocab_size,
+            default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
+            execution_provider=info.provider, precision=info.precision,
+            artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family)

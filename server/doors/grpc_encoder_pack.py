@@ -145,16 +145,17 @@ def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, heads: int, vocab
     return total
 
 
-def _response_head_bytes(manifest: Manifest, tokens: int) -> int:
+def _response_head_bytes(model: str, tokens: int) -> int:
     """model and total_tokens"""
-    return field_bytes(len(manifest.model_name.encode())) + 1 + varint_bytes(tokens)
+    return field_bytes(len(model.encode())) + 1 + varint_bytes(tokens)
 
 
-def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifest) -> int:
-    """The EmbedResponse for sequences of `lengths` tokens, in bytes."""
+def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifest,
+                         model: str) -> int:
+    """The EmbedResponse of `model` for sequences of `lengths` tokens, in bytes."""
     value_bytes = np.dtype(plan.dtype).itemsize
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
-    total = _response_head_bytes(manifest, int(lengths.sum()))
+    total = _response_head_bytes(model, int(lengths.sum()))
     for length in np.flatnonzero(counts).tolist():
         one = embedding_bytes(length, plan, manifest.hidden_size, manifest.num_heads,
                               manifest.vocab_size, value_bytes)
@@ -169,14 +170,15 @@ UINT32_FIELD_BYTES = 1 + 5
 INT64_MAX = (1 << 63) - 1
 
 
-def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manifest) -> int:
-    """The EmbedResponse for chunked texts of `counts` chunks each, in bytes."""
+def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manifest,
+                           model: str) -> int:
+    """The EmbedResponse of `model` for chunked texts of `counts` chunks each, in bytes."""
     vector = field_bytes(tensor_bytes((manifest.hidden_size,), np.dtype(plan.dtype).itemsize))
     chunk = field_bytes(CHUNK_FIELDS_BYTES + vector)
     values, repeats = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
     embeddings = sum(times * field_bytes(UINT32_FIELD_BYTES + n * chunk)
                      for n, times in zip(values.tolist(), repeats.tolist(), strict=True))
-    return _response_head_bytes(manifest, INT64_MAX) + embeddings
+    return _response_head_bytes(model, INT64_MAX) + embeddings
 
 
 EMBED_ADVICE = ("ask for fewer attention layers or heads, set average_heads, use "

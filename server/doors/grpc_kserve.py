@@ -14,15 +14,20 @@ from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
 from attnserve.server.doors.grpc_wire import field_bytes
+from attnserve.server.doors.kserve import (
+    MODEL_VERSION,
+    SERVER_NAME,
+    SERVER_VERSION,
+    find_model,
+    model_metadata,
+    repository_index,
+)
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import InvalidArgument, NotFound, quote
+from attnserve.server.engine.errors import InvalidArgument
 from attnserve.server.engine.offload import COPY_BYTE_S
 from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
 from attnserve.server.metrics import Metrics
 
-SERVER_NAME = "attnserve"
-SERVER_VERSION = "0.1.0"
-MODEL_VERSION = "1"
 INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"
 
 
@@ -31,15 +36,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         self.plane = plane
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-        self.model = plane.manifest.model_name
 
-    def check_model(self, name: str, version: str = "") -> None:
-        if name != self.model:
-            raise NotFound(f"model_name: unknown model {quote(name)}; this server serves "
-                           f"{self.model!r}")
-        if version not in ("", MODEL_VERSION):
-            raise NotFound(f"model_version: unknown version {quote(version)}; {self.model!r} "
-                           f"has version {MODEL_VERSION!r}")
+    def _model(self, name: str, version: str):
+        return find_model(self.plane, name, version, "model_name", "model_version")
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -49,8 +48,8 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         async def handle():
-            self.check_model(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.plane.ready())
+            model = find_model(self.plane, request.name, request.version, "name", "version")
+            return pb.ModelReadyResponse(ready=model.ready())
         return await answer(self.metrics, "ModelReady", context, handle)
 
     async def ServerMetadata(self, request, context):
@@ -58,20 +57,26 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         async def handle():
-            self.check_model(request.name, request.version)
-            info = self.plane.model_info()
-            meta = pb.ModelMetadataResponse.TensorMetadata
+            meta = model_metadata(find_model(self.plane, request.name, request.version, "name",
+                                             "version"))
+            tensor = pb.ModelMetadataResponse.TensorMetadata
             return pb.ModelMetadataResponse(
-                name=info.model, versions=[MODEL_VERSION], platform="onnxruntime_onnx",
-                inputs=[meta(name=t.name, datatype=t.datatype, shape=t.shape) for t in info.inputs],
-                outputs=[meta(name=t.name, datatype=t.datatype, shape=t.shape) for t in info.outputs])
+                name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+                **{kind: [tensor(**t) for t in meta[kind]] for kind in ("inputs", "outputs")})
         return await answer(self.metrics, "ModelMetadata", context, handle)
 
-    def _size(self, request: pb.ModelInferRequest) -> ResponseSize:
+    async def RepositoryIndex(self, request, context):
+        async def handle():
+            entry = pb.RepositoryIndexResponse.ModelIndex
+            return pb.RepositoryIndexResponse(models=[
+                entry(**e) for e in repository_index(self.plane, request.ready)])
+        return await answer(self.metrics, "RepositoryIndex", context, handle)
+
+    def _size(self, request: pb.ModelInferRequest, model: str) -> ResponseSize:
         """The response's size, exactly: its fields but the output data, sized by protobuf
         itself, and the data's length-prefixed bytes."""
         def measure(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
-            skeleton = pb.ModelInferResponse(model_name=self.model, model_version=MODEL_VERSION,
+            skeleton = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION,
                                              id=request.id)
             data = 0
             for name, shape in shapes:
@@ -91,17 +96,17 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         async def handle():
-            self.check_model(request.model_name, request.model_version)
-            inferred = await self.plane.infer(
+            model = self._model(request.model_name, request.model_version)
+            inferred = await model.infer(
                 InferRequest(self._inputs(request), [o.name for o in request.outputs],
-                             self._size(request)), call_holds(), deadline_of(context))
+                             self._size(request, model.name)), call_holds(), deadline_of(context))
             nbytes = sum(array.nbytes for _, array in inferred.outputs)
-            return await self.plane.pack(nbytes * COPY_BYTE_S, self._response, request.id,
-                                          inferred.outputs)
+            return await model.pack(nbytes * COPY_BYTE_S, self._response, model.name, request.id,
+                                    inferred.outputs)
         return await answer(self.metrics, "ModelInfer", context, handle)
 
-    def _response(self, request_id: str, outputs) -> pb.ModelInferResponse:
-        response = pb.ModelInferResponse(model_name=self.model, model_version=MODEL_VERSION,
+    def _response(self, model: str, request_id: str, outputs) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION,
                                          id=request_id)
         for name, array in outputs:
             response.outputs.add(name=name, datatype="FP32", shape=array.shape)

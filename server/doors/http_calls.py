@@ -25,7 +25,7 @@ from attnserve.server.engine.errors import (
 )
 from attnserve.server.engine.offload import JSON_BYTE_S
 from attnserve.server.http_framing import MalformedBody
-from attnserve.server.memory.ledger import Holds, trim_after
+from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 
 T = TypeVar("T")
@@ -39,12 +39,6 @@ HTTP_STATUS = {
     Code.UNAVAILABLE: 503,
     Code.DEADLINE_EXCEEDED: 504,
 }
-# A request is held this many times over while its call lasts: the bytes received, the
-# parsed JSON, and the Python objects made from it.
-REQUEST_COPIES = 3
-# A body this small is not counted: a health check or a one-text call is never refused
-# for memory.
-UNCOUNTED_BODY_BYTES = 16 << 10
 # The entries a JSON body may carry beyond twice the entries one request may queue (ids
 # and the lists holding them; the tensors of both KServe inputs): its objects' members.
 JSON_ENTRY_SLACK = 1024
@@ -140,9 +134,7 @@ class HttpCalls:
                     if received > limit:
                         raise TooLarge(f"body: over the server's {limit}-byte limit "
                                        "(--http-max-body-bytes)")
-                    if received > UNCOUNTED_BODY_BYTES:
-                        holds.take(REQUEST_COPIES * received - held, "request")
-                        held = REQUEST_COPIES * received
+                    held = self.plane.hold_request(holds, received, held)
                     chunks.append(chunk)
                 # A broken chunked framing ends the body and may wake the last read as its
                 # end (server/http_framing.py): its error says it is not.
@@ -210,6 +202,5 @@ class HttpCalls:
             record.code = CANCELLED
             raise
         finally:
-            holds.release()
-            trim_after(holds, self.plane.offload.responses_pool, asyncio.get_running_loop())
+            self.plane.end_call(holds)
             record.end()

@@ -16,17 +16,24 @@ import orjson
 from aiohttp import web
 
 from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.doors.kserve import (
+    MODEL_VERSION,
+    SERVER_NAME,
+    SERVER_VERSION,
+    find_model,
+    model_metadata,
+    repository_index,
+)
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import InvalidArgument, NotFound, RequestError, quote
+from attnserve.server.engine.errors import InvalidArgument, RequestError, quote
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
 from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.memory.ledger import Holds
 
-SERVER_NAME = "attnserve"
-SERVER_VERSION = "0.1.0"
-MODEL_VERSION = "1"
 HEADER_LENGTH = "Inference-Header-Content-Length"
-BINARY_EXTENSION = "binary_tensor_data"
+# Triton's extensions this door implements: binary tensor data, and the repository index.
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
 # The most a float32 takes as JSON data (orjson's shortest repr and a comma).
 FLOAT_BYTES = 16
 ADVICE = "request fewer attentions.K outputs, binary_data outputs, or a smaller batch"
@@ -195,25 +202,21 @@ class KServeHttp:
     def __init__(self, calls: HttpCalls, plane: DataPlane, max_response_bytes: int):
         self.calls = calls
         self.plane = plane
-        self.model = plane.manifest.model_name
         self.max_response_bytes = max_response_bytes
 
     def routes(self) -> list[web.RouteDef]:
         routes = [web.get("/v2/health/live", self.live), web.get("/v2/health/ready", self.ready),
-                  web.get("/v2", self.server_metadata)]
+                  web.get("/v2", self.server_metadata),
+                  web.post("/v2/repository/index", self.repository_index)]
         for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
             routes += [web.get(model, self.model_metadata),
                        web.get(model + "/ready", self.model_ready),
                        web.post(model + "/infer", self.infer)]
         return routes
 
-    def check_model(self, request: web.Request) -> None:
-        name, version = request.match_info["name"], request.match_info.get("version")
-        if name != self.model:
-            raise NotFound(f"model: unknown model {quote(name)}; this server serves {self.model!r}")
-        if version not in (None, MODEL_VERSION):
-            raise NotFound(f"version: unknown version {quote(version)}; {self.model!r} has "
-                           f"version {MODEL_VERSION!r}")
+    def _model(self, request: web.Request) -> ServedModel:
+        return find_model(self.plane, request.match_info["name"],
+                          request.match_info.get("version"), "model", "version")
 
     async def live(self, request: web.Request) -> web.Response:
         return _health("live", True)
@@ -223,27 +226,36 @@ class KServeHttp:
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return web.json_response({"name": SERVER_NAME, "version": SERVER_VERSION,
-                                  "extensions": [BINARY_EXTENSION]})
+                                  "extensions": EXTENSIONS})
 
     async def model_metadata(self, request: web.Request) -> web.StreamResponse:
         async def handle(holds: Holds) -> web.Response:
-            self.check_model(request)
-            info = self.plane.model_info()
-            tensors = {kind: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-                              for t in getattr(info, kind)] for kind in ("inputs", "outputs")}
-            return web.json_response({"name": info.model, "versions": [MODEL_VERSION],
-                                      "platform": "onnxruntime_onnx", **tensors})
+            return web.json_response(model_metadata(self._model(request)))
         return await self.calls.answer("http:/v2/metadata", request, handle, refusal)
 
     async def model_ready(self, request: web.Request) -> web.StreamResponse:
         async def handle(holds: Holds) -> web.Response:
-            self.check_model(request)
-            return _health("ready", self.plane.ready(), name=self.model)
+            model = self._model(request)
+            return _health("ready", model.ready(), name=model.name)
         return await self.calls.answer("http:/v2/ready", request, handle, refusal)
+
+    async def repository_index(self, request: web.Request) -> web.StreamResponse:
+        """Triton's extension: {"ready": bool} in an optional body, the models as a list."""
+        async def handle(holds: Holds) -> web.Response:
+            self.calls.check_type(request, ("application/json",), optional=True)
+            body = await self.calls.body(request, holds)
+            ready = False
+            if body.strip():
+                options = await self.calls.json(body, lambda parsed: _dict(parsed, "body"))
+                ready = options.get("ready", False)
+                if not isinstance(ready, bool):
+                    raise InvalidArgument("ready", f"{quote(ready)}; expected true or false")
+            return web.json_response(repository_index(self.plane, ready))
+        return await self.calls.answer("http:/v2/repository/index", request, handle, refusal)
 
     async def _infer(self, request: web.Request, holds: Holds) -> web.Response:
         self.plane.check_ready()
-        self.check_model(request)
+        model = self._model(request)
         self.calls.check_type(request, ("application/json", "application/octet-stream"),
                               optional=True)
         length = request.headers.get(HEADER_LENGTH)
@@ -258,14 +270,14 @@ class KServeHttp:
                 raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
             header, binary = body[:int(length)], body[int(length):]
         call = await self.calls.json(header, lambda parsed: InferCall(parsed, binary))
-        inferred = await self.plane.infer(
+        inferred = await model.infer(
             InferRequest(call.inputs, call.outputs, call.size(self.max_response_bytes)), holds,
             call.deadline)
         values = sum(array.size for _, array in inferred.outputs)
         binary_only = all(call.travels_binary(name) for name, _ in inferred.outputs)
-        payload, header_length = await self.plane.pack(
+        payload, header_length = await model.pack(
             values * (4 * COPY_BYTE_S if binary_only else FLOAT_TEXT_S), call.respond,
-            self.model, inferred.outputs)
+            model.name, inferred.outputs)
         if header_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, content_type="application/octet-stream",

@@ -1,7 +1,9 @@
 """POST /v1/embeddings as OpenAI defines it, through the data plane: the JSON body becomes an
 EmbedRequest for mean-pooled, normalised vectors (as OpenAI's are), and the result
 becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
-come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}. `model` names
+one of the server's models, as GET /v1/models lists them; without it, the server's
+default (its first) answers, as TEI's, Infinity's and vLLM's do.
 
 Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
 included, as gRPC's token_ids are. Beyond OpenAI's fields, `truncate` (default false) cuts
@@ -14,6 +16,8 @@ fields it does not know (`model_extra`) and sends this one as `extra_body`. `usa
 counts the tokens run through the model, every window's or chunk's."""
 
 import base64
+import time
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -21,7 +25,7 @@ from aiohttp import web
 from attnserve.artifact import pooled_output
 from attnserve.server.doors.http_calls import HttpCalls
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import InvalidArgument, NotFound, RequestError, quote
+from attnserve.server.engine.errors import InvalidArgument, RequestError, quote
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
     Chunking,
@@ -30,6 +34,7 @@ from attnserve.server.engine.requests import (
     EmbedRequest,
     ResponseSize,
 )
+from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"
@@ -44,6 +49,7 @@ ITEM_BYTES = 64
 CHUNK_ITEM_BYTES = 128
 ""","input_index":N,"start":N,"end":N,"num_tokens":N in a chunk's item"""
 ADVICE = "send fewer inputs per request, or use encoding_format=base64"
+OWNED_BY = "attnserve"
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
 CHUNKING_MODES = {"late": ChunkingMode.LATE, "isolated": ChunkingMode.ISOLATED}
 CHUNKING_FIELDS = ("max_tokens", "mode", "window_overlap")
@@ -133,61 +139,87 @@ def _chunking(value) -> Chunking:
     return Chunking(numbers["max_tokens"], CHUNKING_MODES[mode], numbers["window_overlap"])
 
 
+@dataclass(frozen=True)
+class Parsed:
+    """A body's fields, read and checked but for what depends on the model it names."""
+
+    model: str | None
+    encoding: str
+    dimensions: int | None
+    truncate: bool
+    chunking: Chunking | None
+    inputs: dict
+    """EmbedRequest's texts or token_ids"""
+    names: InputNames
+
+
+def parse(body) -> Parsed:
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "expected a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidArgument("model", f"{quote(model)}; expected a string")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ENCODINGS:
+        raise InvalidArgument("encoding_format", f"{quote(encoding)}; expected 'float' or "
+                              "'base64'")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and type(dimensions) is not int:
+        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected an integer")
+    truncate = body.get("truncate", False)
+    if not isinstance(truncate, bool):
+        raise InvalidArgument("truncate", f"{quote(truncate)}; expected true or false")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidArgument("user", f"{quote(user)}; expected a string")
+    if "input" not in body:
+        raise InvalidArgument("input", f"required: {INPUT_FORMS}")
+    chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
+    fields, names = _inputs(body["input"])
+    return Parsed(model, encoding, dimensions, truncate, chunking, fields, names)
+
+
 class OpenAIEmbeddings:
+    """POST /v1/embeddings, and the models listed as OpenAI lists them: GET /v1/models and
+    GET /v1/models/{model}."""
+
     def __init__(self, calls: HttpCalls, plane: DataPlane, max_response_bytes: int):
         self.calls = calls
         self.plane = plane
-        self.model = plane.manifest.model_name
-        self.dimensions = plane.manifest.hidden_size
         self.max_response_bytes = max_response_bytes
         self.pooled = pooled_output("mean", True)
+        self.created = int(time.time())
+        """when the models were loaded: OpenAI's `created` of each model"""
 
-    def parse(self, body) -> tuple[EmbedRequest, str]:
-        """(the data plane's request, encoding_format)"""
-        if not isinstance(body, dict):
-            raise InvalidArgument("body", "expected a JSON object")
-        if "model" not in body:
-            raise InvalidArgument("model", f"required: this server serves {self.model!r}")
-        model = body["model"]
-        if not isinstance(model, str):
-            raise InvalidArgument("model", f"{quote(model)}; expected a string")
-        if model != self.model:
-            raise NotFound(f"model: unknown model {quote(model)}; this server serves {self.model!r}")
-        encoding = body.get("encoding_format") or "float"
-        if encoding not in ENCODINGS:
-            raise InvalidArgument("encoding_format", f"{quote(encoding)}; expected 'float' or "
-                                  "'base64'")
-        dimensions = body.get("dimensions")
-        if dimensions is not None and (type(dimensions) is not int or dimensions != self.dimensions):
-            raise InvalidArgument("dimensions", f"{quote(dimensions)}; this model has one size, "
-                                  f"{self.dimensions}: omit dimensions or set it to that")
-        truncate = body.get("truncate", False)
-        if not isinstance(truncate, bool):
-            raise InvalidArgument("truncate", f"{quote(truncate)}; expected true or false")
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise InvalidArgument("user", f"{quote(user)}; expected a string")
-        if "input" not in body:
-            raise InvalidArgument("input", f"required: {INPUT_FORMS}")
-        chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
-        fields, names = _inputs(body["input"])
-        per_float = FLOAT_BYTES if encoding == "float" else BASE64_FLOAT_BYTES
-        item = ITEM_BYTES + self.dimensions * per_float
-        if chunking is None:
-            size = ResponseSize(lambda lengths: 256 + len(lengths) * item,
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/embeddings", self.handle), web.get("/v1/models", self.list_models),
+                web.get("/v1/models/{model:.+}", self.get_model)]
+
+    def request(self, parsed: Parsed, model: ServedModel) -> EmbedRequest:
+        """The model's request for a parsed body: `dimensions` and the response's size
+        depend on the model."""
+        hidden = model.manifest.hidden_size
+        if parsed.dimensions is not None and parsed.dimensions != hidden:
+            raise InvalidArgument("dimensions", f"{quote(parsed.dimensions)}; {model.name!r} has "
+                                  f"one size, {hidden}: omit dimensions or set it to that")
+        per_float = FLOAT_BYTES if parsed.encoding == "float" else BASE64_FLOAT_BYTES
+        item = ITEM_BYTES + hidden * per_float
+        head = 256 + len(model.name.encode()) * 6
+        if parsed.chunking is None:
+            size = ResponseSize(lambda lengths: head + len(lengths) * item,
                                 self.max_response_bytes, ADVICE)
         else:
-            size = ResponseSize(lambda counts: 256 + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
+            size = ResponseSize(lambda counts: head + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
                                 self.max_response_bytes, CHUNKED_ADVICE)
-        return EmbedRequest(names=names, size=size, truncate=truncate,
-                            outputs=frozenset({self.pooled}), chunking=chunking, normalize=True,
-                            **fields), encoding
+        return EmbedRequest(names=parsed.names, size=size, truncate=parsed.truncate,
+                            outputs=frozenset({self.pooled}), chunking=parsed.chunking,
+                            normalize=True, **parsed.inputs)
 
     def _vector(self, vector, encoding: str):
         return (base64.b64encode(vector.astype("<f4").tobytes()).decode()
                 if encoding == "base64" else vector)
 
-    def body(self, embedded: Embedded, encoding: str) -> bytes:
+    def body(self, model: str, embedded: Embedded, encoding: str) -> bytes:
         data = [{"object": "embedding", "index": index,
                  "embedding": self._vector(result.pooled[self.pooled], encoding)}
                 for index, result in enumerate(embedded.results)]
@@ -199,7 +231,7 @@ class OpenAIEmbeddings:
                              "input_index": text_index, "start": start, "end": end,
                              "num_tokens": count})
         tokens = embedded.total_tokens
-        return orjson.dumps({"object": "list", "data": data, "model": self.model,
+        return orjson.dumps({"object": "list", "data": data, "model": model,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                             option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -207,16 +239,34 @@ class OpenAIEmbeddings:
         self.plane.check_ready()
         self.calls.check_type(request, ("application/json",))
         body = await self.calls.body(request, holds)
-        embed_request, encoding = await self.calls.json(body, self.parse)
-        embedded = await self.plane.embed(embed_request, holds, None)
+        parsed = await self.calls.json(body, parse)
+        model = self.plane.model(parsed.model)
+        embedded = await model.embed(self.request(parsed, model), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
-        payload = await self.plane.pack(count * (RESULT_S + self.dimensions * FLOAT_TEXT_S),
-                                         self.body, embedded, encoding)
+        hidden = model.manifest.hidden_size
+        payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self.body,
+                                   model.name, embedded, parsed.encoding)
         return web.Response(body=payload, content_type="application/json")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         return await self.calls.answer(RPC, request, lambda holds: self._embed(request, holds),
                                        refusal)
+
+    def _model_object(self, model: ServedModel) -> dict:
+        return {"id": model.name, "object": "model", "created": self.created,
+                "owned_by": OWNED_BY}
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        async def handle(holds: Holds) -> web.Response:
+            return web.json_response({"object": "list", "data": [
+                self._model_object(m) for m in self.plane.models.values()]})
+        return await self.calls.answer("http:/v1/models", request, handle, refusal)
+
+    async def get_model(self, request: web.Request) -> web.StreamResponse:
+        async def handle(holds: Holds) -> web.Response:
+            name = request.match_info["model"]
+            return web.json_response(self._model_object(self.plane.model(name)))
+        return await self.calls.answer("http:/v1/models/{model}", request, handle, refusal)
 
 
 def refusal(err: RequestError, status: int) -> web.Response:

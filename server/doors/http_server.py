@@ -107,7 +107,7 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
 
     app = web.Application(middlewares=[front])
     app.add_routes([web.get("/health", health), web.get("/openapi.json", openapi),
-                    web.post("/v1/embeddings", openai.handle), *kserve.routes()])
+                    *openai.routes(), *kserve.routes()])
     return app
 
 
@@ -122,7 +122,7 @@ class HttpServers:
         openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
         kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
         self.api = Listener(api_app(self.calls, plane, keys, openai, kserve,
-                                    openapi_document(plane.model_info())),
+                                    openapi_document([m.model_info() for m in plane.models.values()])),
                             config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)
                         if metrics_port and config.metrics_port else None)

@@ -36,7 +36,10 @@ def _refusals(schema: dict, statuses: tuple[int, ...]) -> dict:
     return {str(status): _json(schema, reasons[status]) for status in statuses}
 
 
-def openapi_document(info: ModelInfo) -> bytes:
+def openapi_document(infos: list[ModelInfo]) -> bytes:
+    """The HTTP API of a server of these models (the first the default)."""
+    def union(kind: str) -> list[str]:
+        return list(dict.fromkeys(t.name for info in infos for t in getattr(info, kind)))
     tensor_meta = {"type": "object", "required": ["name", "datatype", "shape"],
                    "properties": {"name": {"type": "string"}, "datatype": {"type": "string"},
                                   "shape": {"type": "array", "items": {"type": "integer"}}}}
@@ -44,7 +47,7 @@ def openapi_document(info: ModelInfo) -> bytes:
     input_tensor = {
         "type": "object", "required": ["name", "shape", "datatype"],
         "properties": {
-            "name": {"type": "string", "enum": [t.name for t in info.inputs]},
+            "name": {"type": "string", "enum": union("inputs")},
             "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
             "datatype": {"type": "string", "enum": ["INT64"]},
             "parameters": {"type": "object", "properties": {
@@ -52,7 +55,7 @@ def openapi_document(info: ModelInfo) -> bytes:
             "data": {"type": "array", "items": {}}}}
     output_request = {
         "type": "object", "required": ["name"],
-        "properties": {"name": {"type": "string", "enum": [t.name for t in info.outputs]},
+        "properties": {"name": {"type": "string", "enum": union("outputs")},
                        "parameters": {"type": "object", "properties": {
                            "binary_data": {"type": "boolean"}}}}}
     infer_request = {
@@ -77,9 +80,10 @@ def openapi_document(info: ModelInfo) -> bytes:
                                "parameters": parameters,
                                "data": {"type": "array", "items": {"type": "number"}}}}}}}
     ids = {"type": "array", "minItems": 1,
-           "items": {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1}}
+           "items": {"type": "integer", "minimum": 0,
+                     "maximum": max(info.vocab_size for info in infos) - 1}}
     embeddings_request = {
-        "type": "object", "required": ["input", "model"],
+        "type": "object", "required": ["input"],
         "properties": {
             "input": {"oneOf": [
                 {"type": "string", "minLength": 1},
@@ -87,9 +91,13 @@ def openapi_document(info: ModelInfo) -> bytes:
                 ids,
                 {"type": "array", "minItems": 1, "items": ids}],
                 "description": "texts, or the model's own token ids (special tokens included)"},
-            "model": {"type": "string", "enum": [info.model]},
+            "model": {"type": "string", "enum": [info.model for info in infos],
+                      "description": "one of GET /v1/models; omitted: the server's default, "
+                                     f"{infos[0].model}"},
             "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
-            "dimensions": {"type": "integer", "enum": [info.hidden_size]},
+            "dimensions": {"type": "integer",
+                           "enum": sorted({info.hidden_size for info in infos}),
+                           "description": "the model's one size"},
             "user": {"type": "string"},
             "truncate": {"type": "boolean", "default": False,
                          "description": "cut texts longer than the model's positions instead of "
@@ -143,6 +151,10 @@ def openapi_document(info: ModelInfo) -> bytes:
                   "properties": {field: {"type": "boolean"}, **(more or {})}}
         return {"200": _json(schema, f"{field}: true"), "400": _json(schema, f"{field}: false")}
 
+    model_object = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                    "properties": {"id": {"type": "string"},
+                                   "object": {"type": "string", "enum": ["model"]},
+                                   "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
     model = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
     paths: dict = {
@@ -160,6 +172,26 @@ def openapi_document(info: ModelInfo) -> bytes:
             "responses": {"200": _json(embeddings_response, "one vector per input, in order"),
                           **_refusals(_OPENAI_ERROR, (400, 401, 404, 408, 413, 415, 429, 503,
                                                       504))}}},
+        "/v1/models": {"get": {"summary": "The models served, as OpenAI lists them", "responses": {
+            "200": _json({"type": "object", "required": ["object", "data"], "properties": {
+                "object": {"type": "string", "enum": ["list"]},
+                "data": {"type": "array", "items": model_object}}}, "every model, the default first"),
+            **_refusals(_OPENAI_ERROR, (401,))}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "One model, as OpenAI describes it",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": _json(model_object, "the model"),
+                          **_refusals(_OPENAI_ERROR, (401, 404))}}},
+        "/v2/repository/index": {"post": {
+            "summary": "The model repository (Triton's extension)",
+            "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"ready": {"type": "boolean"}}}}}},
+            "responses": {"200": _json({"type": "array", "items": {
+                "type": "object", "required": ["name", "version", "state", "reason"],
+                "properties": {key: {"type": "string"}
+                               for key in ("name", "version", "state", "reason")}}},
+                "every model, with its state"), **_refusals(_ERROR, (400, 401, 408, 413, 415))}}},
         "/v2/health/live": {"get": {"summary": "Open Inference Protocol: live",
                                     "responses": health("live")}},
         "/v2/health/ready": {"get": {"summary": "Open Inference Protocol: ready",
@@ -201,8 +233,9 @@ def openapi_document(info: ModelInfo) -> bytes:
     document = {
         "openapi": "3.0.3",
         "info": {"title": "attnserve HTTP API", "version": "0.1.0",
-                 "description": f"Serving {info.model} ({info.hidden_size} dimensions, "
-                                f"{info.max_positions} positions)."},
+                 "description": "Serving " + ", ".join(
+                     f"{info.model} ({info.hidden_size} dimensions, {info.max_positions} "
+                     "positions)" for info in infos) + f"; the default is {infos[0].model}."},
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": paths,
     }

@@ -83,7 +83,7 @@ class Ports:
                         ("grpc.max_connection_age_grace_ms", int(config.drain_seconds * 1000))]
         # No request carries more entries in one field than the queue holds tokens.
         max_entries = config.max_queue_tokens
-        decode = DecodeRequests(self.metrics, plane.memory.ledger, requests_pool, max_entries,
+        decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries,
                                 self.keys)
         self.grpc = grpc.aio.server(interceptors=[decode], options=options)
         logging.getLogger("grpc._cython.cygrpc").addFilter(QuietHungUpCalls())

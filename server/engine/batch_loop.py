@@ -27,7 +27,7 @@ from attnserve.artifact import HIDDEN_OUTPUT
 from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.queue import Limits, RequestQueue, State, Waiting
 from attnserve.server.host import TRIM_AFTER_BYTES
-from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import Backend, BatchOutput, Outputs, SequenceResult, Shape
@@ -115,9 +115,10 @@ class Ran:
 
 
 class BatchLoop:
-    def __init__(self, queue: RequestQueue, backend: Backend, inference: Executor,
-                 metrics: Metrics, probe: MemoryProbe, limits: Limits, memory: MemoryBudget,
+    def __init__(self, model: str, queue: RequestQueue, backend: Backend, inference: Executor,
+                 metrics: Metrics, probe: MemoryProbe, limits: Limits, memory: ModelMemory,
                  pad_id: int):
+        self.model = model
         self.queue = queue
         self.backend = backend
         self.inference = inference
@@ -134,6 +135,8 @@ class BatchLoop:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        # Another model's batch ending may leave room for one of ours that waits for it.
+        self.memory.on_freed(self.queue.changed.set)
         self.task = self.loop.create_task(self._run_forever(), name="batch-loop")
 
     # --- forming ---------------------------------------------------------------------
@@ -177,13 +180,14 @@ class BatchLoop:
 
     def _form(self, oldest: Waiting) -> Batch | None:
         """The next batch, taken out of the queue and padded; None while it would not fit
-        in the memory budget beside the batches in flight (it waits for them instead of
-        running smaller)."""
+        in the memory budget beside the batches in flight, this model's and the others'
+        (it waits for them instead of running smaller)."""
         items = self.next_batch(oldest)
         layers = oldest.job.layers
         need = self._need(items, len(layers))
-        held = sum(b.holds for b in self._live())
+        held = sum(b.holds for b in self._live()) + self.memory.others_in_flight()
         if held and held + need > self.memory.room():
+            self.metrics.memory_waits.labels(self.model).inc()
             return None
         self.queue.take(items)
         shape = self.backend.padded_shape(len(items), items[-1].length)
@@ -276,19 +280,19 @@ class BatchLoop:
                 job.future.set_result(job.results)
 
     def _record(self, ran: Ran, layers: tuple[int, ...]) -> None:
-        m = self.metrics
+        m, model = self.metrics, self.model
         count, (rows, seq) = len(ran.items), ran.shape
         bucket, attention = m.bucket(seq), str(bool(layers)).lower()
-        m.batch_size.observe(count)
-        m.batch_tokens.labels("real").observe(sum(w.length for w in ran.items))
-        m.batch_tokens.labels("padded").observe(rows * seq)
-        m.stage_duration.labels("inference").observe(ran.seconds)
-        m.inference_duration.labels(bucket, attention).observe(ran.seconds)
+        m.batch_size.labels(model).observe(count)
+        m.batch_tokens.labels(model, "real").observe(sum(w.length for w in ran.items))
+        m.batch_tokens.labels(model, "padded").observe(rows * seq)
+        m.stage_duration.labels(model, "inference").observe(ran.seconds)
+        m.inference_duration.labels(model, bucket, attention).observe(ran.seconds)
         if ran.peak is not None:
-            m.batch_peak_memory.labels(bucket, attention).observe(ran.peak)
-            m.batch_predicted_memory.labels(bucket, attention).observe(ran.predicted)
+            m.batch_peak_memory.labels(model, bucket, attention).observe(ran.peak)
+            m.batch_predicted_memory.labels(model, bucket, attention).observe(ran.predicted)
         if ran.output.new_shape:
-            m.unseen_shape_runs.labels("attention" if layers else "embeddings").inc()
+            m.unseen_shape_runs.labels(model, "attention" if layers else "embeddings").inc()
 
     # --- the loop --------------------------------------------------------------------
 

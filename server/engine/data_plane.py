@@ -1,468 +1,86 @@
-"""The data plane: one protocol-neutral entry point behind every door.
+"""The data plane: the registry of the models a server holds, and what every call shares,
+behind every door (as KServe's DataPlane over its ModelRepository).
 
-embed, tokenize, infer on tensors, model info: typed requests in (server/engine/
-requests.py), typed results or typed errors out. Everything a request goes through
-between its door and the batch loop happens here, once, for every door: readiness,
-the cheap bounds before any work (entry counts, queue room, the response's size),
-tokenizing or reading ids, the memory budget and the call's holds, the deadline, and the
-choice of what runs inline and what on a pool (server/engine/offload.py). A chunked
-request (server/engine/chunked.py) goes through the same steps, its texts cut into chunks
-and run as windows or chunks.
+A door asks it for a model by the name a request gives (`model`), the first model served
+when the request names none, and gets NOT_FOUND naming the models served for any other
+name: no door checks names itself. Each model (served_model.py) has its own tokenizer,
+scheduler and memory model; the memory ledger, the pools and the readiness are the
+server's."""
 
-It hands sequences to a scheduler (the request queue and batch loop in this process, or
-the engine process's with `--workers`) and gets back each sequence's share of a batch's
-outputs.
-"""
+import asyncio
+from collections.abc import Callable
 
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
-
-import numpy as np
-
-from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output, pooled_output
-from attnserve.server.engine.chunked import TextPlan, window_overlap
-from attnserve.server.engine.chunking import cut
-from attnserve.server.engine.errors import InvalidArgument, Unavailable, quote
-from attnserve.server.engine.offload import (
-    CHUNK_S,
-    COPY_BYTE_S,
-    CUT_CHAR_S,
-    ID_SEQUENCE_S,
-    TEXT_CHAR_S,
-    TEXT_S,
-    TOKEN_ID_S,
-    Offload,
-    cost,
-)
-from attnserve.server.engine.requests import (
-    ChunkedText,
-    Chunking,
-    ChunkingMode,
-    Embedded,
-    EmbedRequest,
-    FieldNames,
-    Inferred,
-    InferRequest,
-    InputTensor,
-    ModelInfo,
-    ResponseSize,
-    TensorInfo,
-    TokenizeRequest,
-)
-from attnserve.server.engine.tokenize import KEPT_BYTES_PER_ID, Encoded, TextTokenizer, TooLong
+from attnserve.server.engine.errors import NotFound, Unavailable, quote
+from attnserve.server.engine.offload import Offload
+from attnserve.server.engine.served_model import NOT_SERVING, ServedModel
 from attnserve.server.memory.budget import MemoryBudget
-from attnserve.server.memory.ledger import Holds
-from attnserve.server.metrics import Metrics
-from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
+from attnserve.server.memory.ledger import Holds, trim_after
+from attnserve.server.metrics import Metrics, routed_to
 
-ALL_ATTENTIONS = "attentions"
-"""the output holding every layer's attention maps, stacked: [layers, batch, heads, seq, seq]"""
-T = TypeVar("T")
-# An input tensor's values (not raw bytes) are read this many at a time.
-VALUES_SLICE = 1 << 16
-NOT_SERVING = ("server is not serving (starting, or draining): send the request to another "
-               "replica")
-
-
-class Scheduler(Protocol):
-    """Where sequences go to be run: the request queue (server/engine/queue.py)."""
-
-    def admit(self, tokens: int, at_least: bool = False) -> None:
-        """Refuse (ResourceExhausted, Unavailable) a request the queue has no room for."""
-        ...
-
-    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
-                     deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
-        ...
+# A NOT_FOUND lists at most this many of the models served.
+NAMES_LISTED = 16
+# A request is held this many times over while its call lasts: the bytes received, the
+# parsed message or JSON, and the Python objects made from it (texts as str, ids as arrays).
+REQUEST_COPIES = 3
+# A request this small is not counted: health checks and one-text calls are never refused
+# for memory (1,000 streams of a gRPC connection hold at most 16 MiB of them).
+UNCOUNTED_REQUEST_BYTES = 16 << 10
 
 
 class DataPlane:
-    def __init__(self, artifact: Artifact, tokenizer: TextTokenizer, scheduler: Scheduler,
-                 memory: MemoryBudget, offload: Offload, metrics: Metrics, provider: str,
-                 precision: str, ready: Callable[[], bool], max_chunking_chars: int):
-        self.artifact = artifact
-        self.manifest = artifact.manifest
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
+    def __init__(self, models: list[ServedModel], memory: MemoryBudget, offload: Offload,
+                 metrics: Metrics, ready: Callable[[], bool]):
+        """`models` in the order named, the first the default; `ready() -> bool`: every
+        model warm and the server not draining."""
+        self.models = {m.name: m for m in models}
+        self.default = models[0]
         self.memory = memory
         self.offload = offload
         self.metrics = metrics
-        self.provider = provider
-        self.precision = precision
         self.ready = ready
-        """() -> bool: warmed up and not draining"""
-        self.max_chunking_chars = max_chunking_chars
-        """the longest text a chunked request may carry"""
-        m = self.manifest
-        self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
-        self.output_layers |= {attention_output(i): (i,) for i in range(m.num_layers)}
 
-    # --- shared by every call -------------------------------------------------------
+    def model(self, name: str | None, field: str = "model") -> ServedModel:
+        """The model a request names (`field`, as the door calls it; empty: the default).
+        The call's metrics carry its name from here on."""
+        model = self.models.get(name) if name else self.default
+        if model is None:
+            raise NotFound(f"{field}: unknown model {quote(name)}; this server serves "
+                           f"{self.served()}", field)
+        routed_to(model.name)
+        return model
+
+    def served(self) -> str:
+        names = list(self.models)
+        shown = ", ".join(map(repr, names[:NAMES_LISTED]))
+        more = len(names) - NAMES_LISTED
+        return shown + (f" and {more} more" if more > 0 else "")
 
     def check_ready(self) -> None:
         """New work only while serving: UNAVAILABLE before warm-up ends and while draining."""
         if not self.ready():
             raise Unavailable(NOT_SERVING)
 
+    # --- a call's memory, the same for every door ------------------------------------
+
     def holds(self, connection: str | None = None) -> Holds:
-        """A call's memory holds, released by its door once the answer has been sent;
+        """A call's memory holds, released by `end_call` once the answer has been sent;
         `connection` (the caller's peer) is charged its share."""
         return self.memory.ledger.holds(connection)
 
-    def hold_response(self, holds: Holds, size: int, on_top: float = 0.0) -> None:
-        """Hold a response of `size` bytes (several times over: see RESPONSE_COPIES) until
-        it has been sent."""
-        holds.take(self.memory.response_copies * size, "the response", on_top=on_top)
+    @staticmethod
+    def hold_request(holds: Holds, received: int, held: int = 0) -> int:
+        """Hold a request of `received` bytes so far (as received, parsed and converted:
+        REQUEST_COPIES over), beside the `held` already taken for it; a small one is not
+        counted. Returns what the request holds now."""
+        if received <= UNCOUNTED_REQUEST_BYTES:
+            return held
+        holds.take(REQUEST_COPIES * received - held, "request")
+        return REQUEST_COPIES * received
 
-    async def pack(self, seconds: float, build: Callable[..., T], *args) -> T:
-        """`build(*args)`: a door's response built from a result, inline when it costs
-        less than offload.INLINE_S, else on the responses pool."""
-        with self.metrics.stage_duration.labels("respond").time():
-            return await self.offload.response(seconds, build, *args)
-
-    async def _run(self, sequences: list[np.ndarray], lengths: np.ndarray,
-                   field_of: Callable[[int], str], layers: tuple[int, ...], outputs: Outputs,
-                   response_bytes: int, holds: Holds, deadline: float | None,
-                   spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
-        """Check the request against the memory budget, hold its response, and wait for
-        its sequences' results; `field_of(i)`: the request's field sequence i comes from."""
-        longest = int(lengths.argmax())
-        alone = self.memory.check(int(lengths[longest]), field_of(longest), len(layers),
-                                  response_bytes)
-        self.hold_response(holds, response_bytes, on_top=alone if self.memory.shared else 0.0)
-        return await self.scheduler.submit(sequences, layers, deadline, outputs, alone, lengths,
-                                           spans)
-
-    # --- embed ------------------------------------------------------------------------
-
-    async def embed(self, request: EmbedRequest, holds: Holds, deadline: float | None) -> Embedded:
-        self.check_ready()
-        names = request.names
-        count = len(request.texts) or len(request.token_ids)
-        if not count:
-            raise InvalidArgument(names.sequences, "empty: send at least one sequence")
-        if request.chunking is not None:
-            return await self._embed_chunked(request, holds, deadline)
-        # The cheap bounds first, from the count of sequences alone (each has at least an
-        # empty text's tokens, or one id): a request that cannot be served is refused
-        # before any text is tokenized or any id read.
-        least = len(self.tokenizer.empty.ids) if request.texts else 1
-        self.scheduler.admit(count * least, at_least=True)
-        request.size.check(np.full(count, least), at_least=True)
-        if request.texts:
-            encoded = await self._tokenize(request.texts, request.truncate, names, holds, False)
-            ids = [e.ids for e in encoded]
-            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        else:
-            ids, lengths = await self.offload.request(
-                cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S), self._read_ids,
-                request.token_ids, request.truncate, names)
-        size = request.size.check(lengths)
-        results = await self._run(ids, lengths, names.sequence, request.layers, request.outputs,
-                                  size, holds, deadline)
-        return Embedded(ids, lengths, results, response_bytes=size)
-
-    # --- embed, chunked -----------------------------------------------------------------
-
-    async def _embed_chunked(self, request: EmbedRequest, holds: Holds,
-                             deadline: float | None) -> Embedded:
-        """Each text cut into chunks and run as its windows (LATE) or chunks (ISOLATED),
-        under the same bounds as any request, each as soon as it can be known: the queue
-        and the response from the count of texts, the response again from the count of
-        chunks, the queue from the tokens of every window, the memory budget from the
-        longest."""
-        names, texts, chunking = request.names, request.texts, request.chunking
-        if request.token_ids:
-            raise InvalidArgument(names.chunking, "chunking cuts texts into chunks: send texts, "
-                                  "not token ids")
-        specials = len(self.tokenizer.empty.ids)
-        width = self.manifest.max_positions - specials  # a window's tokens, specials aside
-        overlap = window_overlap(chunking, names, width)
-        # A text may have no tokens, and so no chunks.
-        self.scheduler.admit(0, at_least=True)
-        request.size.check(np.zeros(len(texts), dtype=np.int64), at_least=True)
-        with self.metrics.stage_duration.labels("tokenize").time():
-            plans = await self.offload.request(
-                cost(texts, TEXT_S, TEXT_CHAR_S + CUT_CHAR_S), self._plan_chunks, texts,
-                chunking, width, overlap, names, request.size, holds)
-        size = request.size.check(np.fromiter((p.chunks.count for p in plans), np.int64, len(plans)))
-        per_text = [p.lengths(specials) for p in plans]
-        lengths = np.concatenate(per_text)
-        late = chunking.mode is ChunkingMode.LATE
-        results: list[SequenceResult] = []
-        if len(lengths):
-            self.scheduler.admit(int(lengths.sum()))
-            sequences, spans = await self.offload.request(
-                cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._sequences,
-                plans, late, holds)
-            text_of = np.repeat(np.arange(len(plans)), list(map(len, per_text)))
-            outputs = HIDDEN_ONLY if late else frozenset({pooled_output("mean", request.normalize)})
-            results = await self._run(sequences, lengths, lambda i: names.sequence(int(text_of[i])),
-                                      (), outputs, size, holds, deadline, spans)
-        return Embedded([], lengths, [], await self.offload.request(
-            cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._chunk_vectors, plans,
-            list(map(len, per_text)), results, request.normalize), size)
-
-    def _plan_chunks(self, texts: Sequence[str], chunking: Chunking, width: int, overlap: int,
-                     names: FieldNames, size: ResponseSize, holds: Holds) -> list[TextPlan]:
-        """Each text tokenized whole, cut into chunks and (LATE) placed in windows of
-        `width` tokens that overlap by `overlap`."""
-        max_tokens = chunking.max_tokens
-        limit = self.max_chunking_chars
-        for i, text in enumerate(texts):
-            if len(text) > limit:
-                raise InvalidArgument(names.sequence(i), f"{len(text)} characters, more than "
-                                      f"the {limit} a text to chunk may have on this server "
-                                      "(--max-chunking-chars): split it")
-        tokens = self.tokenizer.encode_whole(texts, holds)
-        # Before any cutting: each text has at least this many chunks.
-        size.check(np.fromiter((-(-len(t.ids) // max_tokens) for t in tokens), np.int64,
-                               len(tokens)), at_least=True)
-        plans = []
-        for text, text_tokens in zip(texts, tokens, strict=True):
-            chunks = cut(text, text_tokens, max_tokens)
-            plans.append(TextPlan.late(text_tokens, chunks, width, overlap)
-                         if chunking.mode is ChunkingMode.LATE
-                         else TextPlan.isolated(text_tokens, chunks))
-        return plans
-
-    def _sequences(self, plans: list[TextPlan], late: bool,
-                   holds: Holds) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-        """Every plan's sequences and, for windows (`late`), the chunks' token spans in
-        each."""
-        head, tail = self.tokenizer.head_ids, self.tokenizer.tail_ids
-        sequences: list[np.ndarray] = []
-        spans: list[np.ndarray] = []
-        for plan in plans:
-            sequences += plan.sequences(head, tail)
-            if late:
-                spans += plan.spans(len(head))
-        holds.take(KEPT_BYTES_PER_ID * sum(map(len, sequences)), "token ids")
-        return sequences, spans if late else None
-
-    def _chunk_vectors(self, plans: list[TextPlan], counts: list[int],
-                       results: list[SequenceResult], normalize: bool) -> list[ChunkedText]:
-        """Each text's chunks and their vectors; `counts`: the sequences each plan ran."""
-        pooled, hidden = pooled_output("mean", normalize), self.manifest.hidden_size
-        out, at = [], 0
-        for plan, count in zip(plans, counts, strict=True):
-            vectors = plan.vectors(results[at:at + count], pooled, normalize, hidden)
-            out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans,
-                                   plan.chunks.token_counts, vectors))
-            at += count
-        return out
-
-    def _read_ids(self, token_ids: Sequence[Sequence[int]], truncate: bool,
-                  names: FieldNames) -> tuple[list[np.ndarray], np.ndarray]:
-        """Caller-supplied ids, taken as they are (the caller adds special tokens), and
-        their lengths: a Python loop over the sequences, which lets the interpreter go
-        between them. A sequence longer than the model takes is refused, or only its first
-        max_positions ids are read."""
-        limit, vocab = self.manifest.max_positions, self.manifest.vocab_size
-        sequences = []
-        lengths = np.empty(len(token_ids), dtype=np.int64)
-        for i, entry in enumerate(token_ids):
-            count = len(entry)
-            if count == 0:
-                raise InvalidArgument(names.sequence(i), "empty sequence")
-            if count > limit and not truncate:
-                raise InvalidArgument(
-                    names.sequence(i), f"{count} tokens, longer than the model's {limit} "
-                    "positions; set truncate=true to cut it")
-            try:
-                ids = np.asarray(entry[:limit] if count > limit else entry, dtype=np.int64)
-            except OverflowError:  # an integer past int64 (JSON's are unbounded)
-                ids = np.asarray([min(max(int(x), -1), vocab) for x in entry[:limit]], np.int64)
-            bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-            if bad.size:
-                j = int(bad[0])
-                raise InvalidArgument(names.token(i, j), f"id {quote(entry[j])} is outside the "
-                                      f"vocabulary [0, {vocab})")
-            sequences.append(ids)
-            lengths[i] = ids.size
-        return sequences, lengths
-
-    # --- tokenize ---------------------------------------------------------------------
-
-    async def _tokenize(self, texts: Sequence[str], truncate: bool, names: FieldNames,
-                        holds: Holds, details: bool) -> list[Encoded]:
-        try:
-            with self.metrics.stage_duration.labels("tokenize").time():
-                return await self.offload.request(
-                    cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
-                    holds, details)
-        except TooLong as err:
-            raise InvalidArgument(names.sequence(err.index), err.reason) from err
-
-    async def tokenize(self, request: TokenizeRequest, holds: Holds) -> list[Encoded]:
-        """Ids, tokens and character offsets of each text; the door holds its response."""
-        self.check_ready()
-        if not request.texts:
-            raise InvalidArgument(request.names.sequences, "empty: send at least one text")
-        return await self._tokenize(request.texts, request.truncate, request.names, holds, True)
-
-    # --- infer on tensors -------------------------------------------------------------
-
-    async def infer(self, request: InferRequest, holds: Holds, deadline: float | None) -> Inferred:
-        """input_ids and attention_mask, INT64 [batch, seq], each row's mask ones then
-        zeros; the outputs asked for, each row zero past its length, so no computed
-        padding reaches the caller."""
-        self.check_ready()
-        # The cheap checks first, from the declared shapes: no id is read for a request
-        # that cannot be served.
-        batch, seq = self._input_shape(request.inputs)
-        names, layers = self._output_names(request.outputs)
-        self.scheduler.admit(batch, at_least=True)
-        shapes = [(name, self._output_shape(name, layers, batch, seq)) for name in names]
-        response_bytes = request.size(shapes).check(np.zeros(0, np.int64))
-        sequences, lengths = await self.offload.request(
-            batch * (ID_SEQUENCE_S + seq * 2 * TOKEN_ID_S), self._rows, request.inputs, batch, seq)
-        results = await self._run(sequences, lengths, _INFER_NAMES.sequence, layers,
-                                  frozenset({HIDDEN_OUTPUT}), response_bytes, holds, deadline)
-        dense = await self.offload.response(
-            response_bytes * COPY_BYTE_S, self._dense, shapes, layers, results)
-        return Inferred(dense)
-
-    def _input_shape(self, inputs: Sequence[InputTensor]) -> tuple[int, int]:
-        """(batch, seq), from the inputs' declared shapes and sizes alone."""
-        names = [t.name for t in inputs[:len(INPUT_NAMES) + 1]]
-        if sorted(names) != sorted(INPUT_NAMES):
-            shown = ", ".join(quote(n) for n in names) + (" …" if len(inputs) > len(names) else "")
-            raise InvalidArgument("inputs", f"got [{shown}], expected exactly {list(INPUT_NAMES)}")
-        shapes = []
-        for i, t in enumerate(inputs):
-            field = f"inputs[{i}] ({t.name})"
-            if t.datatype != "INT64":
-                raise InvalidArgument(field, f"datatype {quote(t.datatype)}, expected INT64")
-            shape = tuple(t.shape[:3])
-            if len(shape) != 2 or min(shape) < 1:
-                raise InvalidArgument(field, f"shape {list(t.shape[:8])}, expected [batch ≥ 1, "
-                                      "seq ≥ 1]")
-            count = shape[0] * shape[1]
-            raw = isinstance(t.data, bytes | bytearray | memoryview)
-            given = len(t.data) // 8 if raw else len(t.data)
-            if given != count or (raw and len(t.data) % 8):
-                what = f"{len(t.data)} raw bytes" if raw else f"{given} values"
-                raise InvalidArgument(field, f"{what}, shape {list(shape)} INT64 needs "
-                                      f"{count * 8 if raw else count}{' bytes' if raw else ''}")
-            shapes.append(shape)
-        if shapes[0] != shapes[1]:
-            mask = names.index("attention_mask")
-            raise InvalidArgument("attention_mask", f"shape {list(shapes[mask])} differs from "
-                                  f"input_ids {list(shapes[1 - mask])}")
-        batch, seq = shapes[0]
-        if seq > self.manifest.max_positions:
-            raise InvalidArgument("input_ids", f"seq {seq} is longer than the model's "
-                                  f"{self.manifest.max_positions} positions")
-        return batch, seq
-
-    def _output_names(self, outputs: Sequence[str]) -> tuple[list[str], tuple[int, ...]]:
-        known = self.output_layers
-        if len(outputs) > len(known):
-            raise InvalidArgument("outputs", f"{len(outputs)} named; the model has {len(known)}, "
-                                  "each to be named once")
-        names = list(outputs) or [HIDDEN_OUTPUT]
-        layers: set[int] = set()
-        for i, name in enumerate(names):
-            if name not in known:
-                raise InvalidArgument(f"outputs[{i}]", f"unknown output {quote(name)}; known: "
-                                      f"{HIDDEN_OUTPUT}, {ALL_ATTENTIONS}, attentions.0 … "
-                                      f"attentions.{self.manifest.num_layers - 1}")
-            if name in names[:i]:
-                raise InvalidArgument(f"outputs[{i}]", f"{quote(name)} is named twice")
-            layers.update(known[name])
-        return names, tuple(sorted(layers))
-
-    def _output_shape(self, name: str, layers: tuple[int, ...], batch: int,
-                      seq: int) -> tuple[int, ...]:
-        m = self.manifest
-        if name == HIDDEN_OUTPUT:
-            return batch, seq, m.hidden_size
-        if name == ALL_ATTENTIONS:
-            return len(layers), batch, m.num_heads, seq, seq
-        return batch, m.num_heads, seq, seq
-
-    def _rows(self, inputs: Sequence[InputTensor], batch: int,
-              seq: int) -> tuple[list[np.ndarray], np.ndarray]:
-        """Each row's ids up to its length, and the lengths."""
-        arrays = {}
-        for t in inputs:
-            if isinstance(t.data, bytes | bytearray | memoryview):
-                array = np.frombuffer(t.data, dtype="<i8")
-            else:
-                # A slice at a time, letting the interpreter go between them.
-                try:
-                    array = np.concatenate([
-                        np.asarray(t.data[start:start + VALUES_SLICE], dtype=np.int64)
-                        for start in range(0, len(t.data), VALUES_SLICE)])
-                except OverflowError as err:
-                    raise InvalidArgument(t.name, "a value is outside INT64's range") from err
-            arrays[t.name] = array.reshape(batch, seq).astype(np.int64, copy=False)
-        ids, mask = arrays["input_ids"], arrays["attention_mask"]
-        if not np.isin(mask, (0, 1)).all():
-            raise InvalidArgument("attention_mask", "values must be 0 or 1")
-        lengths = mask.sum(axis=1)
-        ones_then_zeros = (np.arange(seq)[None, :] < lengths[:, None]).astype(mask.dtype)
-        bad_rows = (lengths == 0) | (mask != ones_then_zeros).any(axis=1)
-        if bad_rows.any():
-            raise InvalidArgument(f"attention_mask[{int(np.argmax(bad_rows))}]",
-                                  "must be ones then zeros, with at least one one")
-        vocab = self.manifest.vocab_size
-        bad = np.argwhere((ids < 0) | (ids >= vocab))
-        if bad.size:
-            r, c = (int(x) for x in bad[0])
-            raise InvalidArgument(f"input_ids[{r}, {c}]", f"id {int(ids[r, c])} is outside the "
-                                  f"vocabulary [0, {vocab})")
-        return [ids[row, :length] for row, length in enumerate(lengths.tolist())], lengths
-
-    def _dense(self, shapes: list[tuple[str, tuple[int, ...]]], layers: tuple[int, ...],
-               results: list[SequenceResult]) -> list[tuple[str, np.ndarray]]:
-        """The outputs asked for, each row zero past its sequence's length."""
-        out = []
-        for name, shape in shapes:
-            array = np.zeros(shape, dtype="<f4")
-            if name == HIDDEN_OUTPUT:
-                for row, r in enumerate(results):
-                    array[row, :len(r.hidden)] = r.hidden
-            else:
-                wanted = layers if name == ALL_ATTENTIONS else self.output_layers[name]
-                stacked = array if name == ALL_ATTENTIONS else array[None]
-                for row, r in enumerate(results):
-                    n = len(r.hidden)
-                    for k, layer in enumerate(wanted):
-                        stacked[k, row, :, :n, :n] = r.attentions[layer]
-            out.append((name, array))
-        return out
-
-    # --- model info -------------------------------------------------------------------
-
-    def model_info(self) -> ModelInfo:
-        m = self.manifest
-        outputs = [TensorInfo(HIDDEN_OUTPUT, "FP32", (-1, -1, m.hidden_size)),
-                   TensorInfo(ALL_ATTENTIONS, "FP32", (m.num_layers, -1, m.num_heads, -1, -1))]
-        outputs += [TensorInfo(attention_output(i), "FP32", (-1, m.num_heads, -1, -1))
-                    for i in range(m.num_layers)]
-        return ModelInfo(
-            model=m.model_name, hidden_size=m.hidden_size, num_layers=m.num_layers,
-            num_heads=m.num_heads, max_positions=m.max_positions, vocab_size=m.vocab_size,
-            default_pooling=m.default_pooling, provider=self.provider, precision=self.precision,
-            artifact_sha256=self.artifact.manifest_sha256,
-            inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in INPUT_NAMES],
-            outputs=outputs)
-
-
-class _InferNames:
-    """Rows of the input tensors, as both KServe doors name them."""
-
-    sequences = "input_ids"
-
-    def sequence(self, index: int) -> str:
-        return f"input_ids[{index}]"
-
-    def token(self, index: int, position: int) -> str:
-        return f"input_ids[{index}, {position}]"
-
-
-_INFER_NAMES = _InferNames()
+    def end_call(self, holds: Holds, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """The answer has been sent (or the caller is gone): everything the call held goes
+        back, and a call that held much hands the heap's free pages back to the OS (on the
+        responses pool, after a moment for the transport to free what it sent). `loop`: the
+        server's event loop, for a caller outside it."""
+        holds.release()
+        trim_after(holds, self.offload.responses_pool, loop or asyncio.get_running_loop())

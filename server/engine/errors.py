@@ -42,6 +42,10 @@ class InvalidArgument(RequestError):
 class NotFound(RequestError):
     code = Code.NOT_FOUND
 
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
 
 class ResourceExhausted(RequestError):
     code = Code.RESOURCE_EXHAUSTED

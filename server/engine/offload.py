@@ -13,7 +13,6 @@ import asyncio
 import threading
 from collections.abc import Callable, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -62,37 +61,24 @@ def cost(items: Sized, per_item_s: float, per_unit_s: float,
     return fixed + per_unit_s * sum(map(units, items))
 
 
-@dataclass(frozen=True)
-class Executors:
-    inference: ThreadPoolExecutor
-    """the backend's batches, one per thread at a time, as many threads as the backend
-    runs batches at once (`Backend.concurrency`: 1 on the CPU, where onnxruntime already
-    spreads a batch over the cores and a second thread would only fight it for them)"""
-    inference_threads: int
-    requests: ThreadPoolExecutor
-    """request-side work: bodies parsed, texts tokenized, ids read"""
-    responses: ThreadPoolExecutor
-    """response-side work: results packed into messages and bodies"""
-
-
-def create_executors(inference_threads: int = 1,
-                     bind_inference_thread: Callable[[], None] | None = None) -> Executors:
-    """`bind_inference_thread` runs once in each inference thread as it starts."""
-    return Executors(
-        inference=ThreadPoolExecutor(inference_threads, thread_name_prefix="inference",
-                                     initializer=bind_inference_thread),
-        inference_threads=inference_threads,
-        requests=ThreadPoolExecutor(1, thread_name_prefix="requests"),
-        responses=ThreadPoolExecutor(1, thread_name_prefix="responses"),
-    )
+def inference_pool(model: str, threads: int = 1,
+                   bind_inference_thread: Callable[[], None] | None = None) -> ThreadPoolExecutor:
+    """One model's batches, one per thread at a time, as many threads as its backend runs
+    batches at once (`Backend.concurrency`: 1 on the CPU, where onnxruntime already spreads
+    a batch over the cores and a second thread would only fight it for them);
+    `bind_inference_thread` runs once in each thread as it starts."""
+    return ThreadPoolExecutor(threads, thread_name_prefix=f"inference-{model}",
+                              initializer=bind_inference_thread)
 
 
 class Offload:
-    """Request-side and response-side work, inline when cheap, else on its pool."""
+    """Request-side work (bodies parsed, texts tokenized, ids read) and response-side work
+    (results packed into messages and bodies), inline when cheap, else on its pool: one
+    thread each, shared by every door and model of the process."""
 
-    def __init__(self, requests: ThreadPoolExecutor, responses: ThreadPoolExecutor):
-        self.requests_pool = requests
-        self.responses_pool = responses
+    def __init__(self):
+        self.requests_pool = ThreadPoolExecutor(1, thread_name_prefix="requests")
+        self.responses_pool = ThreadPoolExecutor(1, thread_name_prefix="responses")
 
     async def request(self, seconds: float, work: Callable[..., T], *args) -> T:
         if seconds < INLINE_S:

@@ -29,7 +29,7 @@ from attnserve.server.engine.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 
@@ -130,10 +130,11 @@ class Waiting:
 
 
 class RequestQueue:
-    def __init__(self, limits: Limits, memory: MemoryBudget, metrics: Metrics,
-                 watch: Callable[[int, int], None] | None = None):
-        """`watch(requests, tokens)`: told the queued counts whenever they change."""
-        self.watch = watch
+    def __init__(self, model: str, limits: Limits, memory: ModelMemory, metrics: Metrics):
+        """One model's queue."""
+        self.model = model
+        self.watch: Callable[[int, int], None] | None = None
+        """told the queued counts (requests, tokens) whenever they change"""
         self.limits = limits
         self.memory = memory
         self.metrics = metrics
@@ -157,7 +158,6 @@ class RequestQueue:
         a batch ends): the batch loop looks again"""
         # Taken -> claimed (the inference thread) races taken -> dropped (the event loop).
         self.claim_lock = threading.Lock()
-        metrics.live.queue_depth = lambda: len(self.jobs)
 
     # --- admission -------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ class RequestQueue:
                      spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
         """Queue a request's sequences and wait for their results, in order. `outputs`:
         the graph outputs the results must carry; `alone`: the peak of its largest batch
-        run alone (MemoryBudget.check), kept free while it waits; `lengths`: the
+        run alone (ModelMemory.check), kept free while it waits; `lengths`: the
         sequences' lengths, when already known; `spans`: per sequence, int64 [k, 2]
         token ranges [start, end), ascending, not overlapping, none empty, whose mean
         embeddings each result carries (SequenceResult.span_means) instead of the token
@@ -218,7 +218,7 @@ class RequestQueue:
 
     def _enqueue(self, job: Job, start: int, lengths: list[int]) -> None:
         by_length = self.by_length.setdefault(job.layers, {})
-        observe = self.metrics.sequence_length.observe
+        observe = self.metrics.sequence_length.labels(self.model).observe
         for i, length in enumerate(lengths, start):
             w = Waiting(job, i, length)
             job.items.append(w)
@@ -307,7 +307,7 @@ class RequestQueue:
         # Break the cycle job -> items -> job, so the batch outputs its results are views
         # of are freed once the caller is answered, not at the next garbage collection.
         job.items = []
-        self.metrics.stage_duration.labels("queue").observe(time.monotonic() - job.enqueued)
+        self.metrics.stage_duration.labels(self.model, "queue").observe(time.monotonic() - job.enqueued)
         self._keep_free()
 
     def drop(self, job: Job, reason: str, error: RequestError | None) -> None:
@@ -341,7 +341,7 @@ class RequestQueue:
                 w.state = State.DROPPED
         mine = queued + taken
         if mine:
-            self.metrics.dropped.labels(reason).inc(len(mine))
+            self.metrics.dropped.labels(self.model, reason).inc(len(mine))
             self._leave(mine)
             self.changed.set()
 

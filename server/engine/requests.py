@@ -191,6 +191,10 @@ class ModelInfo:
     default_pooling: str
     provider: str
     precision: str
+    platform: str
+    """the backend's framework and format (onnxruntime_onnx)"""
+    family: str
+    """the checkpoint's model_type (bert, roberta, xlm-roberta, modernbert)"""
     artifact_sha256: str
     inputs: list[TensorInfo] = field(default_factory=list)
     outputs: list[TensorInfo] = field(default_factory=list)

@@ -2,6 +2,8 @@
 outside the batches (the ledger), against one budget: what admission refuses and what the
 batch loop lets run together."""
 
+from collections.abc import Callable
+
 from attnserve.server.engine.errors import ResourceExhausted
 from attnserve.server.memory.ledger import Ledger, Totals
 from attnserve.server.memory.model import MemoryModel, MemoryModels
@@ -15,48 +17,115 @@ MIB = 1 << 20
 
 
 class MemoryBudget:
-    """Predicted peak memory of a batch, and what requests hold outside the batches (the
-    ledger: requests being parsed or tokenized, responses until sent), against the
-    budget: what admission refuses and what the batch loop lets run together.
+    """One budget for every model the server holds: what their batches in flight may take
+    together, and what calls hold outside the batches (the ledger: requests being parsed
+    or tokenized, responses until sent).
 
-    On the CPU both share the one budget: the batch loop runs what fits in the budget
-    less what the ledger holds, and the ledger keeps free the peak of the largest batch
-    an admitted request still has to run alone, so nothing it admitted waits on a caller
-    that does not read. On CUDA the budget is the device's, and the ledger, host memory,
-    has a limit of its own (`host_bytes`)."""
+    On the CPU both share the one budget: a model's batch loop runs what fits in the budget
+    less what the ledger holds and every model's batches in flight hold, and the ledger
+    keeps free the peak of the largest batch an admitted request of any model still has to
+    run alone, so nothing admitted waits on a caller that does not read. On CUDA the budget
+    is the device's, and the ledger, host memory, has a limit of its own (`host_bytes`)."""
 
-    def __init__(self, model: MemoryModel | MemoryModels, budget_bytes: int, heads: int, hidden: int,
-                 responses_in_budget: bool, host_bytes: int | None = None,
+    def __init__(self, budget_bytes: int, responses_in_budget: bool, host_bytes: int | None = None,
                  totals: Totals | None = None):
         """The ledger's limit is the budget where responses are in it, else `host_bytes`;
         or `totals`, the ledger's totals with their limit set (shared by a server's
         processes with --workers)."""
-        self.model = model
         self.budget = budget_bytes
-        self.heads = heads
-        self.hidden = hidden
         self.shared = responses_in_budget
         self.ledger = Ledger(totals if totals is not None else
                              budget_bytes if responses_in_budget or host_bytes is None
                              else host_bytes)
         self.response_copies = RESPONSE_COPIES
+        self._reserved: dict[str, float] = {}
+        self._in_flight: dict[str, float] = {}
+        self._waiting: dict[str, Callable[[], None]] = {}
+
+    def room(self) -> float:
+        """What the batches in flight, of every model, may take together now."""
+        return self.budget - (self.ledger.held if self.shared else 0)
+
+    def in_flight_bytes(self, besides: str | None = None) -> float:
+        """What every model's batches in flight hold (but those of `besides`)."""
+        return sum(held for model, held in self._in_flight.items() if model != besides)
+
+    def keep_free(self, model: str, peak: float) -> None:
+        """The largest peak a waiting request of `model` needs to run alone: the ledger
+        leaves the largest of every model's."""
+        self._reserved[model] = peak
+        if self.shared:
+            self.ledger.reserve = max(self._reserved.values())
+
+    def in_flight(self, model: str, held: float) -> None:
+        """What `model`'s batches in flight hold now: the ledger leaves every model's.
+        Less than before, the other models' batch loops are told (`on_freed`)."""
+        freed = held < self._in_flight.get(model, 0.0)
+        self._in_flight[model] = held
+        if self.shared:
+            self.ledger.batches = self.in_flight_bytes()
+        if freed:
+            for other, wake in self._waiting.items():
+                if other != model:
+                    wake()
+
+    def on_freed(self, model: str, wake: Callable[[], None]) -> None:
+        """Call `wake()` (on the event loop the batch loops run on) whenever another
+        model's batches in flight hold less."""
+        self._waiting[model] = wake
+
+    def for_model(self, name: str, model: MemoryModel | MemoryModels, heads: int,
+                  hidden: int) -> "ModelMemory":
+        return ModelMemory(self, name, model, heads, hidden)
+
+
+class ModelMemory:
+    """One model's predicted peaks (its memory model), against the budget every model
+    shares: what admission refuses and what its batch loop lets run."""
+
+    def __init__(self, budget: MemoryBudget, name: str, model: MemoryModel | MemoryModels,
+                 heads: int, hidden: int):
+        self.shared_budget = budget
+        self.name = name
+        self.model = model
+        self.heads = heads
+        self.hidden = hidden
+
+    @property
+    def budget(self) -> int:
+        return self.shared_budget.budget
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.shared_budget.ledger
+
+    @property
+    def shared(self) -> bool:
+        """the ledger and the batches share one budget (the CPU)"""
+        return self.shared_budget.shared
+
+    @property
+    def response_copies(self) -> int:
+        return self.shared_budget.response_copies
 
     def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
         return self.model.predict(batch, seq, self.heads, layers)
 
     def room(self) -> float:
-        """What the batches in flight may take together now."""
-        return self.budget - (self.ledger.held if self.shared else 0)
+        return self.shared_budget.room()
+
+    def others_in_flight(self) -> float:
+        """What the other models' batches in flight hold."""
+        return self.shared_budget.in_flight_bytes(besides=self.name)
 
     def keep_free(self, peak: float) -> None:
-        """The largest peak a waiting request needs to run alone: the ledger leaves it."""
-        if self.shared:
-            self.ledger.reserve = peak
+        self.shared_budget.keep_free(self.name, peak)
 
     def in_flight(self, held: float) -> None:
-        """What the batches in flight hold now: the ledger leaves it too."""
-        if self.shared:
-            self.ledger.batches = held
+        self.shared_budget.in_flight(self.name, held)
+
+    def on_freed(self, wake: Callable[[], None]) -> None:
+        self.shared_budget.on_freed(self.name, wake)
 
     def check(self, longest: int, field: str, layers: int, response_bytes: int) -> float:
         """Refuse a request that could not run even alone, whatever else is held; its

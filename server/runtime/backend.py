@@ -9,12 +9,15 @@ own business, so those can change without touching the queue or the loop.
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT
 from attnserve.server.runtime.shapes import Shape
+
+if TYPE_CHECKING:
+    from attnserve.server.runtime.backends import Placement
 
 Outputs = frozenset[str]
 """Graph outputs a batch must bring back: HIDDEN_OUTPUT and the pooled vectors
@@ -79,6 +82,8 @@ class Backend(Protocol):
     """cpu or cuda"""
     platform: str
     """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
+    placement: "Placement"
+    """all of the above, as the backend resolved them"""
     precision: str
     """fp32, fp16 or int8"""
     concurrency: int

@@ -27,6 +27,8 @@ class Placement:
     """cpu or cuda"""
     why: str
     """one phrase: why this provider, for the start-up log"""
+    platform: str
+    """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
 
 
 class BackendKind(Protocol):

@@ -55,6 +55,8 @@ log = logging.getLogger("attnserve.backend")
 # root it would try to write a device id under $HOME at every start.
 ort.disable_telemetry_events()
 
+# What KServe's model metadata calls this backend.
+PLATFORM = "onnxruntime_onnx"
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 # What onnxruntime raises for a file it cannot load as a graph: the artifact's fault.
@@ -111,7 +113,7 @@ def place(manifest: Manifest, device: str, precision: str) -> Placement:
     if precision == "int8" and provider == CUDA:
         # Their quantized kernels (QAttention, DynamicQuantizeMatMul) are CPU ones.
         raise ConfigError("precision", "int8 graphs run on the CPU: add --device cpu")
-    return Placement(provider, precision, "cuda" if provider == CUDA else "cpu", why)
+    return Placement(provider, precision, "cuda" if provider == CUDA else "cpu", why, PLATFORM)
 
 
 def session_options(threads: int, provider: str, precision: str = "fp32",
@@ -253,8 +255,7 @@ class OrtBackend:
     """`sessions` lanes of sessions (embeddings only, and with attention maps), one
     provider, shape buckets and CUDA graphs as the strategy says."""
 
-    platform = "onnxruntime_onnx"
-    """what KServe's model metadata calls this backend"""
+    platform = PLATFORM
 
     def __init__(self, artifact: Artifact, device: str = "auto", precision: str = "auto",
                  intra_op_threads: int = 0, strategy: Strategy = DEFAULT_STRATEGY):
@@ -275,11 +276,13 @@ class OrtBackend:
                 self._build(provider, intra_op_threads)
             else:
                 raise
+        self.placement = Placement(self.provider, self.precision, self.device, why, PLATFORM)
         self._local = threading.local()
         self._bind_lock = threading.Lock()
         self._bound = 0
-        log.info("event=provider provider=%s precision=%s threads=%d sessions=%d shape_buckets=%s "
-                 "cuda_graphs=%s reason=%r graphs=%s,%s", provider, self.precision, self.threads,
+        log.info("event=provider model=%s provider=%s precision=%s threads=%d sessions=%d shape_buckets=%s "
+                 "cuda_graphs=%s reason=%r graphs=%s,%s", artifact.manifest.model_name, provider,
+                 self.precision, self.threads,
                  self.concurrency, "off" if self.buckets is None else
                  f"rows_pow2_to_{self.buckets.max_batch_size},seq_multiple_{self.buckets.seq_multiple}",
                  self.cuda_graphs, why, self.embed_graph.file, self.attn_graph.file)

@@ -15,16 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from attnserve.artifact import load_artifact
 from attnserve.server.config import config_from_json
-from attnserve.server.engine.core import Core
 from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
+from attnserve.server.engine.queue import RequestQueue
+from attnserve.server.engine.registry import load_models
+from attnserve.server.engine.runner import Runners
 from attnserve.server.host import resident_bytes_of
 from attnserve.server.logs import setup_logging
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
-from attnserve.server.runtime.ort_backend import CPU
 from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel, encode
 from attnserve.server.workers.shared import (
@@ -42,22 +42,23 @@ class FrontEndLink:
     """One front end's connection: its submissions queued, its results sent back, and,
     when it goes, its queued sequences dropped unrun."""
 
-    def __init__(self, engine: "EngineProcess", sock: socket.socket, index: int):
-        self.engine = engine
+    def __init__(self, process: "EngineProcess", sock: socket.socket, index: int):
+        self.process = process
         self.jobs: dict[int, asyncio.Task] = {}
         self.index = index
         self.said_bye = False
         self.channel = Channel(sock, self.message, self.closed)
-        self.channel.send(*messages.welcome(engine.facts))
+        self.channel.send(*messages.welcome(process.facts))
 
     def message(self, header, arrays: list[np.ndarray]) -> None:
         kind = header[0]
         if kind == "submit":
-            _, job, layers, deadline, outputs, alone, _ = header
+            _, job, model, layers, deadline, outputs, alone, _ = header
             sequences, lengths, spans = messages.submitted(header, arrays)
+            queue = self.process.runners.models[model].queue
             self.jobs[job] = asyncio.get_running_loop().create_task(
-                self.run(job, sequences, lengths, tuple(layers), deadline, frozenset(outputs),
-                         alone, spans))
+                self.run(queue, job, sequences, lengths, tuple(layers), deadline,
+                         frozenset(outputs), alone, spans))
         elif kind == "cancel":
             task = self.jobs.get(header[1])
             if task is None:  # answered already: its place is free
@@ -67,11 +68,11 @@ class FrontEndLink:
         elif kind == "bye":
             self.said_bye = True
 
-    async def run(self, job: int, sequences, lengths, layers, deadline, outputs, alone,
-                  spans) -> None:
+    async def run(self, queue: RequestQueue, job: int, sequences, lengths, layers, deadline,
+                  outputs, alone, spans) -> None:
         try:
-            results = await self.engine.core.queue.submit(sequences, layers, deadline, outputs,
-                                                          alone, lengths, spans)
+            results = await queue.submit(sequences, layers, deadline, outputs, alone, lengths,
+                                         spans)
             header, entries = messages.results(job, results, layers)
             del results
             nbytes = sum(part.nbytes for parts in entries for part in parts)
@@ -80,7 +81,7 @@ class FrontEndLink:
                 frame = encode(header, entries)
             else:
                 frame = await asyncio.get_running_loop().run_in_executor(
-                    self.engine.encoding, encode, header, entries)
+                    self.process.encoding, encode, header, entries)
             self.channel.send_frame(frame)
         except RequestError as err:
             self.channel.send(*messages.error(job, err))
@@ -93,9 +94,9 @@ class FrontEndLink:
     def closed(self) -> None:
         for task in list(self.jobs.values()):
             task.cancel()
-        self.engine.links.discard(self)
+        self.process.links.discard(self)
         if not self.said_bye:
-            self.engine.metrics.worker_deaths.inc()
+            self.process.metrics.worker_deaths.inc()
             log.warning("event=front_end_lost worker=%s jobs_dropped=%d", self.index,
                         len(self.jobs))
 
@@ -103,18 +104,18 @@ class FrontEndLink:
 class EngineProcess:
     def __init__(self, config, shared: SharedState, listener: socket.socket):
         self.config, self.shared, self.listener = config, shared, listener
-        artifact = load_artifact(config.artifact)
-        self.metrics = Metrics(artifact.manifest.max_positions, os.environ[FRONT_ENDS_METRICS_ENV])
+        named = load_models(config)
+        self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in named),
+                               os.environ[FRONT_ENDS_METRICS_ENV])
 
         def totals(limit: float) -> SharedTotals:
             shared.fields.ledger_limit = limit
             return SharedTotals(shared, ENGINE_SLOT)
 
-        self.core = Core(config, artifact, self.metrics, totals, alone=False)
-        backend = self.core.backend
-        self.facts = messages.EngineFacts(backend.provider, backend.precision,
-                                          self.core.limits.memory_budget_bytes,
-                                          self.core.memory.shared)
+        self.runners = Runners(config, named, self.metrics, totals, alone=False)
+        runners = self.runners
+        self.facts = messages.EngineFacts(runners.limits.memory_budget_bytes, runners.budget.shared,
+                                          [m.backend.placement for m in runners.models])
         self.links: set[FrontEndLink] = set()
         self.encoding = ThreadPoolExecutor(1, thread_name_prefix="encode")
         fields = shared.fields
@@ -122,17 +123,18 @@ class EngineProcess:
         fields.engine_pid = os.getpid()
         fields.engine_loaded = 1
 
-    def _counted(self, requests: int, tokens: int) -> None:
-        fields = self.shared.fields
-        fields.queue_requests, fields.queue_tokens = requests, tokens
+    def _counted(self, model: str, requests: int, tokens: int) -> None:
+        fields, index = self.shared.fields, self.index[model]
+        fields.queue_requests[index], fields.queue_tokens[index] = requests, tokens
 
     async def run(self) -> None:
-        core, config, fields = self.core, self.config, self.shared.fields
-        core.start(self._counted)
-        core.describe()
+        runners, config, fields = self.runners, self.config, self.shared.fields
+        self.index = {m.name: i for i, m in enumerate(runners.models)}
+        runners.start(self._counted)
+        runners.describe()
         live = self.metrics.live
         live.serving = self.shared.serving
-        if core.backend.provider == CPU:
+        if runners.device == "cpu":
             live.device_memory_used = lambda: sum(map(resident_bytes_of, self.shared.pids()))
         scrapes = MetricsThread(self.metrics, config.metrics_host, config.metrics_port) \
             if config.metrics_port else None
@@ -142,14 +144,14 @@ class EngineProcess:
         stop = asyncio.Event()
         signals.take_stop(loop, stop.set)
         accepting = loop.create_task(self._accept())
-        await core.warm_up()
+        await runners.warm_up()
         fields.engine_ready = 1
-        log.info("event=engine_serving provider=%s budget_bytes=%d memory_model=%r",
-                 self.facts.provider, self.facts.budget, core.memory_model.source)
+        log.info("event=engine_serving models=%s budget_bytes=%d memory_model=%r",
+                 ",".join(self.index), self.facts.budget, runners.memory_source())
         await stop.wait()
         # The front ends have drained (the supervisor stops them first); what they left is
         # answered within the drain time.
-        finished = await core.queue.drain(config.drain_seconds)
+        finished = await runners.drain(config.drain_seconds)
         fields.engine_drained = int(finished)
         accepting.cancel()
         if scrapes:

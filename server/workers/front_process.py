@@ -1,6 +1,7 @@
 """A front-end process of a server with --workers: the doors on the shared ports, parsing,
-validating, tokenizing and packing on an event loop of its own; the engine (the queue, the
-batch loop, the sessions) is the engine process's, reached through `RemoteScheduler`.
+validating, tokenizing and packing on an event loop of its own, for every model; the engine
+(each model's queue, batch loop and sessions) is the engine process's, reached through
+`RemoteEngine`, one `RemoteScheduler` a model.
 
 It serves while the engine is warm and nothing drains, whatever becomes of the other front
 ends: one that dies fails only its own calls. If the engine process goes, every call
@@ -14,17 +15,18 @@ import os
 import socket
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from attnserve.artifact import TOKENIZER, load_artifact
+from attnserve.artifact import TOKENIZER
 from attnserve.server.config import ServeConfig, config_from_json
 from attnserve.server.doors.ports import Ports
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import Unavailable
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.queue import Limits, check_room
+from attnserve.server.engine.registry import load_models
+from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import load_tokenizer
 from attnserve.server.logs import setup_logging
 from attnserve.server.memory.budget import MemoryBudget
@@ -37,6 +39,7 @@ from attnserve.server.workers.shared import (
     CONFIG_ENV,
     DRAIN_TIMED_OUT,
     DRAINED,
+    STANDBY,
     SharedState,
     SharedTotals,
 )
@@ -48,18 +51,16 @@ ENGINE_GONE = "the engine process is gone; the server is restarting: retry on an
 HEALTH_POLL_S = 0.05
 
 
-class RemoteScheduler:
-    """The engine's scheduler, in the engine process: admission from the queue's counts in
-    the shared state, submissions over the channel."""
+class RemoteEngine:
+    """The engine process, as this front end reaches it: one channel for every model's
+    submissions, their answers, and the engine's facts."""
 
-    def __init__(self, sock: socket.socket, shared: SharedState, heads: int, width: int,
-                 on_lost: Callable[[], None]):
+    def __init__(self, sock: socket.socket, shared: SharedState, on_lost: Callable[[], None]):
         """`on_lost()`: called once if the engine process goes."""
-        self.shared, self.heads, self.width, self.on_lost = shared, heads, width, on_lost
-        self.limits: Limits | None = None
-        self.waiting: dict[int, tuple[asyncio.Future, np.ndarray]] = {}
-        self.releasing: dict[int, int] = {}
-        """cancelled jobs the engine has not yet taken out: job -> tokens"""
+        self.shared, self.on_lost = shared, on_lost
+        self.waiting: dict[int, tuple[asyncio.Future, np.ndarray, RemoteScheduler]] = {}
+        self.releasing: dict[int, tuple[int, int]] = {}
+        """cancelled jobs the engine has not yet taken out: job -> (model, tokens)"""
         self.idle = asyncio.Event()
         self.idle.set()
         self.jobs = itertools.count()
@@ -67,36 +68,28 @@ class RemoteScheduler:
         self.welcome: asyncio.Future = asyncio.get_running_loop().create_future()
         self.channel = Channel(sock, self._message, self._closed)
 
-    def admit(self, tokens: int, at_least: bool = False) -> None:
-        if not self.alive:
-            raise Unavailable(ENGINE_GONE)
-        # The queue's counts, less what this front end has cancelled and the engine is
-        # taking out: a caller whose call was cancelled finds its place free at once.
-        fields = self.shared.fields
-        check_room(self.limits, bool(fields.draining),
-                   fields.queue_requests - len(self.releasing),
-                   fields.queue_tokens - sum(self.releasing.values()), tokens, at_least)
+    def released(self, model: int) -> tuple[int, int]:
+        """(requests, tokens) of `model` cancelled here and not yet taken out there."""
+        mine = [tokens for index, tokens in self.releasing.values() if index == model]
+        return len(mine), sum(mine)
 
-    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
-                     deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
-        if lengths is None:
-            lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
-        self.admit(int(lengths.sum()))
+    async def submit(self, scheduler: "RemoteScheduler", sequences: list[np.ndarray],
+                     lengths: np.ndarray, layers: tuple[int, ...], deadline: float | None,
+                     outputs: Outputs, alone: float,
+                     spans: list[np.ndarray] | None) -> list[SequenceResult]:
         job = next(self.jobs)
         future = asyncio.get_running_loop().create_future()
-        self.waiting[job] = (future, lengths)
+        self.waiting[job] = (future, lengths, scheduler)
         self.idle.clear()
-        self.channel.send(*messages.submit(job, sequences, lengths, layers, deadline, outputs, alone,
-                                           spans))
+        self.channel.send(*messages.submit(job, scheduler.index, sequences, lengths, layers,
+                                           deadline, outputs, alone, spans))
         try:
             return await future
         except asyncio.CancelledError:
             # Cancelling this task cancelled the future it awaited: unless an answer came
             # first, the engine still has the job.
             if future.cancelled():
-                self.releasing[job] = int(lengths.sum())
+                self.releasing[job] = (scheduler.index, int(lengths.sum()))
                 self.channel.send(["cancel", job])
             raise
         finally:
@@ -110,18 +103,19 @@ class RemoteScheduler:
             self.welcome.set_result(messages.welcomed(header))
             return
         self.releasing.pop(header[1], None)
-        future, lengths = self.waiting.get(header[1], (None, None))
+        future, lengths, scheduler = self.waiting.get(header[1], (None, None, None))
         if future is None or future.done():
             return  # cancelled meanwhile
         if kind == "results":
-            future.set_result(messages.received(header, arrays, lengths, self.heads, self.width))
+            future.set_result(messages.received(header, arrays, lengths, scheduler.heads,
+                                                scheduler.width))
         elif kind == "error":
             future.set_exception(messages.raised(header))
 
     def _closed(self) -> None:
         self.alive = False
         log.error("event=engine_lost waiting=%d", len(self.waiting))
-        for future, _ in self.waiting.values():
+        for future, _, _ in self.waiting.values():
             if not future.done():
                 future.set_exception(Unavailable(ENGINE_GONE))
         if not self.welcome.done():
@@ -129,14 +123,43 @@ class RemoteScheduler:
         self.on_lost()
 
 
+class RemoteScheduler:
+    """One model's scheduler, in the engine process: admission from its queue's counts in
+    the shared state, submissions over the engine's channel."""
+
+    def __init__(self, engine: RemoteEngine, index: int, limits: Limits, heads: int, width: int):
+        self.engine, self.index, self.limits, self.heads, self.width = engine, index, limits, heads, width
+
+    def admit(self, tokens: int, at_least: bool = False) -> None:
+        engine = self.engine
+        if not engine.alive:
+            raise Unavailable(ENGINE_GONE)
+        # The queue's counts, less what this front end has cancelled and the engine is
+        # taking out: a caller whose call was cancelled finds its place free at once.
+        fields = engine.shared.fields
+        requests, released = engine.released(self.index)
+        check_room(self.limits, bool(fields.draining), fields.queue_requests[self.index] - requests,
+                   fields.queue_tokens[self.index] - released, tokens, at_least)
+
+    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
+                     deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
+                     alone: float = 0.0, lengths: np.ndarray | None = None,
+                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
+        if lengths is None:
+            lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+        self.admit(int(lengths.sum()))
+        return await self.engine.submit(self, sequences, lengths, layers, deadline, outputs,
+                                        alone, spans)
+
+
 class FrontProcess:
     def __init__(self, config: ServeConfig, shared: SharedState, index: int, address: bytes):
         self.config, self.shared, self.index, self.address = config, shared, index, address
-        # What this process reads of the artifact is checked: its tokenizer (the engine
+        # What this process reads of each artifact is checked: its tokenizer (the engine
         # process checked the graphs it loads).
-        self.artifact = load_artifact(config.artifact, verify=(TOKENIZER,))
-        self.metrics = Metrics(self.artifact.manifest.max_positions)
-        self.tokenizer = load_tokenizer(self.artifact)
+        self.named = load_models(config, verify=(TOKENIZER,))
+        self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
+        self.tokenizers = [load_tokenizer(n.artifact) for n in self.named]
         self.ports = Ports(config, self.metrics)
         self.draining = False
 
@@ -144,22 +167,31 @@ class FrontProcess:
         return not self.draining and self.remote.alive and self.shared.serving()
 
     async def run(self) -> None:
-        config, manifest = self.config, self.artifact.manifest
+        config = self.config
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.connect(self.address)
         # Health says NOT_SERVING the moment the engine is gone, not at the next look.
-        self.remote = RemoteScheduler(sock, self.shared, manifest.num_heads, manifest.hidden_size,
-                                      lambda: asyncio.ensure_future(self.ports.set_health(False)))
+        self.remote = RemoteEngine(sock, self.shared,
+                                   lambda: asyncio.ensure_future(self.ports.set_health(False)))
         facts: messages.EngineFacts = await self.remote.welcome
-        self.remote.limits = Limits.of(config, facts.budget)
-        model = load_memory_model(self.artifact.directory, manifest, facts.provider, facts.precision)
-        memory = MemoryBudget(model, facts.budget, manifest.num_heads, manifest.hidden_size,
-                              facts.responses_in_budget, totals=SharedTotals(self.shared, self.index))
-        requests = ThreadPoolExecutor(1, thread_name_prefix="requests")
-        offload = Offload(requests, ThreadPoolExecutor(1, thread_name_prefix="responses"))
-        plane = DataPlane(self.artifact, self.tokenizer, self.remote, memory, offload, self.metrics,
-                          facts.provider, facts.precision, self.serving, config.max_chunking_chars)
-        await self.ports.start(plane, requests, shared_ports=True, metrics_port=False)
+        limits = Limits.of(config, facts.budget)
+        budget = MemoryBudget(facts.budget, facts.responses_in_budget,
+                              totals=SharedTotals(self.shared, self.index))
+        offload = Offload()
+        models = []
+        for i, (named, tokenizer, placement) in enumerate(zip(self.named, self.tokenizers,
+                                                              facts.models, strict=True)):
+            manifest = named.artifact.manifest
+            memory = budget.for_model(named.name, load_memory_model(
+                named.artifact.directory, manifest, placement.provider, placement.precision),
+                manifest.num_heads, manifest.hidden_size)
+            scheduler = RemoteScheduler(self.remote, i, limits, manifest.num_heads,
+                                        manifest.hidden_size)
+            models.append(ServedModel(named.name, named.artifact, tokenizer, scheduler, memory,
+                                      placement, offload, self.metrics, self.serving,
+                                      config.max_chunking_chars))
+        plane = DataPlane(models, budget, offload, self.metrics, self.serving)
+        await self.ports.start(plane, offload.requests_pool, shared_ports=True, metrics_port=False)
         self.shared.fields.worker_up[self.index] = 1
         log.info("event=front_end_up worker=%d port=%d http_port=%d", self.index, self.ports.port,
                  self.ports.http_port)
@@ -201,14 +233,33 @@ class FrontProcess:
                  finished, self.ports.answered())
 
 
+def assignment(fd: int) -> int:
+    """A standby's index, once the supervisor writes it (a line) to the pipe `fd`."""
+    text = b""
+    while not text.endswith(b"\n"):
+        chunk = os.read(fd, 16)
+        if not chunk:  # the supervisor is gone: PR_SET_PDEATHSIG ends this process anyway
+            sys.exit(0)
+        text += chunk
+    os.close(fd)
+    return int(text)
+
+
 def main() -> int:
     setup_logging()
     config = config_from_json(os.environ.pop(CONFIG_ENV))
     logging.getLogger().setLevel(config.log_level.upper())
-    shared_fd, index, address = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    shared_fd, index, address = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     shared = SharedState.attach(shared_fd)
     signals.become_child(shared.fields.supervisor_pid)
-    front = FrontProcess(config, shared, index, b"\0" + address.encode())
+    # A standby does everything that takes time (the interpreter, the imports, every
+    # model's tokenizer) before it is needed, then waits to be told whose place it takes:
+    # a dead front end's replacement then only connects and binds.
+    front = FrontProcess(config, shared, -1 if index == STANDBY else int(index),
+                         b"\0" + address.encode())
+    if index == STANDBY:
+        front.index = assignment(int(sys.argv[4]))
+        log.info("event=standby_takes_over worker=%d", front.index)
     asyncio.run(front.run())
     return 0
 

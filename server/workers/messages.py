@@ -1,10 +1,11 @@
 """What a front end and the engine process say to each other, as a channel's headers and
 arrays (server/workers/channel.py).
 
-front end -> engine: ["submit", job, layers, deadline, outputs, alone, has spans] with
+front end -> engine: ["submit", job, model, layers, deadline, outputs, alone, has spans] with
 the sequences' ids laid end to end, their lengths and (late chunking) their token spans;
 ["cancel", job]; ["bye"] (a drained front end leaving).
-engine -> front end: ["welcome", EngineFacts's fields]; ["results", job, hidden, layers,
+engine -> front end: ["welcome", EngineFacts's fields] (the models in the order the front
+ends hold them: --artifact's); ["results", job, hidden, layers,
 pooled names, has span means] with the arrays; ["error", job, kind, message];
 ["cancelled", job] (a cancel was done: the job's place in the queue is free).
 
@@ -23,6 +24,7 @@ from attnserve.server.engine.errors import (
     Unavailable,
 )
 from attnserve.server.runtime.backend import Outputs, SequenceResult
+from attnserve.server.runtime.backends import Placement
 
 ERRORS = {cls.__name__: cls for cls in (RequestError, ResourceExhausted, Unavailable,
                                         DeadlineExceeded)}
@@ -33,21 +35,22 @@ ERRORS = {cls.__name__: cls for cls in (RequestError, ResourceExhausted, Unavail
 class EngineFacts:
     """What a front end needs from the engine process before it serves."""
 
-    provider: str
-    precision: str
     budget: int
     responses_in_budget: bool
     """the ledger and the batches share one budget (the CPU), as MemoryBudget.shared"""
+    models: list[Placement]
+    """where each model runs, in --artifact's order"""
 
 
-def submit(job: int, sequences: list[np.ndarray], lengths: np.ndarray, layers: tuple[int, ...],
+def submit(job: int, model: int, sequences: list[np.ndarray], lengths: np.ndarray, layers: tuple[int, ...],
            deadline: float | None, outputs: Outputs, alone: float,
            spans: list[np.ndarray] | None):
     ids = [s.astype(np.int32, copy=False) for s in sequences]
     entries = [ids, [lengths]]
     if spans is not None:  # late chunking: each sequence's [k, 2] token spans, and the ks
         entries += [spans, [np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))]]
-    header = ["submit", job, list(layers), deadline, sorted(outputs), alone, spans is not None]
+    header = ["submit", job, model, list(layers), deadline, sorted(outputs), alone,
+              spans is not None]
     return header, entries
 
 
@@ -62,7 +65,7 @@ def submitted(header, arrays: list[np.ndarray]):
     """The sequences (views of the message), their lengths and their spans (or None)."""
     lengths = arrays[1].astype(np.int64)
     sequences = [s.reshape(-1) for s in _split(arrays[0], lengths, 1)]
-    spans = _split(arrays[2], arrays[3], 2) if header[6] else None
+    spans = _split(arrays[2], arrays[3], 2) if header[7] else None
     return sequences, lengths, spans
 
 
@@ -107,7 +110,9 @@ def welcome(facts: EngineFacts):
 
 
 def welcomed(header) -> EngineFacts:
-    return EngineFacts(**header[1])
+    fields = dict(header[1])
+    fields["models"] = [Placement(**placement) for placement in fields["models"]]
+    return EngineFacts(**fields)
 
 
 def error(job: int, err: RequestError):

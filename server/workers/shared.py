@@ -15,12 +15,14 @@ import mmap
 import os
 import threading
 
-from attnserve.server.config import MAX_WORKERS
+from attnserve.server.config import MAX_MODELS, MAX_WORKERS
 from attnserve.server.memory.ledger import Totals
 
 ENGINE_SLOT = MAX_WORKERS
 """the ledger slot of the engine process (a front end's is its index)"""
 DRAINED, DRAIN_TIMED_OUT = 1, 2
+STANDBY = "standby"
+"""a front end's index on its command line while it waits to replace one that died"""
 CONFIG_ENV = "ATTNSERVE_INTERNAL_CONFIG"
 """the environment variable a process of the group finds its settings in, as JSON"""
 FRONT_ENDS_METRICS_ENV = "ATTNSERVE_INTERNAL_METRICS_DIR"
@@ -42,8 +44,9 @@ class _Fields(ctypes.Structure):
         ("ledger_limit", ctypes.c_double),
         ("ledger_reserve", ctypes.c_double),
         ("ledger_batches", ctypes.c_double),
-        ("queue_requests", ctypes.c_int64),
-        ("queue_tokens", ctypes.c_int64),
+        # Each model's queue (in --artifact's order).
+        ("queue_requests", ctypes.c_int64 * MAX_MODELS),
+        ("queue_tokens", ctypes.c_int64 * MAX_MODELS),
         ("held", ctypes.c_int64 * (MAX_WORKERS + 1)),
         ("worker_pids", ctypes.c_int64 * MAX_WORKERS),
         ("worker_up", ctypes.c_int64 * MAX_WORKERS),

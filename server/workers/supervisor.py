@@ -6,7 +6,9 @@ and the engine's socket, starts the engine process, then N front ends, and watch
 
 - a front end that dies fails only its own calls: the others go on serving, health stays
   SERVING; its death is counted (by the engine, which sees its connection drop) and
-  logged, its held memory is freed, and a new one takes its place at once;
+  logged, its held memory is freed, and a standby takes its place at once: a front end
+  started and loaded beforehand that only has to connect and bind (another standby is
+  started behind it), so the group is whole again in a fraction of a second;
 - if the engine process dies, the front ends answer UNAVAILABLE at once and say
   NOT_SERVING, and the supervisor stops the group and exits non-zero, so Kubernetes
   restarts the pod: a new engine has to load and warm up its sessions anyway, and a
@@ -43,6 +45,7 @@ from attnserve.server.workers.shared import (
     CONFIG_ENV,
     DRAINED,
     FRONT_ENDS_METRICS_ENV,
+    STANDBY,
     SharedState,
 )
 
@@ -53,6 +56,8 @@ MAX_AUTO_WORKERS = 8
 # How long the engine may take to load the artifact and open its sessions before the
 # front ends start (they need its budget): generous, CUDA sessions take a while.
 ENGINE_LOAD_TIMEOUT_S = 600
+# A standby that died waiting is started again after this long at the soonest.
+STANDBY_RESTART_S = 5.0
 # Told to stop, each process gets the drain time and this much more to exit.
 EXIT_GRACE_S = 5.0
 
@@ -93,6 +98,9 @@ class Group:
         self.listener.listen(64)
         self.engine: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen | None] = [None] * workers
+        self.standby: tuple[subprocess.Popen, int] | None = None
+        """a front end started and loaded, waiting to take a dead one's place, and the
+        pipe its index is written to"""
         self.stopping = False
 
     def _start_engine(self) -> None:
@@ -104,16 +112,52 @@ class Group:
                  str(self.shared.fd), str(self.listener.fileno())],
                 pass_fds=(self.shared.fd, self.listener.fileno()), env=env)
 
-    def _start_worker(self, index: int) -> None:
+    def _front_end(self, index: str, *fds: int) -> subprocess.Popen:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir,
                CONFIG_ENV: config_to_json(self.front_config)}
         with signals.starting_a_child():
-            worker = subprocess.Popen(
+            return subprocess.Popen(
                 [sys.executable, "-m", "attnserve.server.workers.front_process",
-                 str(self.shared.fd), str(index), self.address],
-                pass_fds=(self.shared.fd,), env=env)
+                 str(self.shared.fd), index, self.address, *map(str, fds)],
+                pass_fds=(self.shared.fd, *fds), env=env)
+
+    def _start_worker(self, index: int) -> None:
+        """Front end `index`: the standby, told to take that place, where one is up (a
+        replacement that only binds its ports), else a new process."""
+        standby, self.standby = self.standby, None
+        if standby is not None and standby[0].poll() is None:
+            worker, pipe = standby
+            self.shared.fields.worker_pids[index] = worker.pid  # before it connects
+            os.write(pipe, f"{index}\n".encode())
+            os.close(pipe)
+        else:
+            worker = self._front_end(str(index))
+            self.shared.fields.worker_pids[index] = worker.pid
         self.workers[index] = worker
-        self.shared.fields.worker_pids[index] = worker.pid
+
+    def _standby_wanted(self) -> bool:
+        """No standby waits (the last took a dead front end's place, or died): start
+        another, but not more often than STANDBY_RESTART_S after one that died waiting."""
+        if self.standby is None:
+            return True
+        process, pipe = self.standby
+        if process.poll() is None:
+            return False
+        if time.monotonic() - self.standby_started < STANDBY_RESTART_S:
+            return False
+        log.warning("event=standby_died pid=%d code=%d note='started again'", process.pid,
+                    process.returncode)
+        os.close(pipe)
+        self.standby = None
+        return True
+
+    def _start_standby(self) -> None:
+        read, write = os.pipe()
+        try:
+            self.standby = (self._front_end(STANDBY, read), write)
+            self.standby_started = time.monotonic()
+        finally:
+            os.close(read)
 
     def _forget_worker(self, index: int) -> None:
         """A front end is gone: what it held in the ledger and its live gauges with it."""
@@ -174,6 +218,8 @@ class Group:
             if not ready_written and self.shared.whole():
                 ready_written = True
                 self._ready()
+            if ready_written and self._standby_wanted():
+                self._start_standby()
             time.sleep(POLL_S)
         return self._shut_down(0)
 
@@ -194,7 +240,8 @@ class Group:
         """Drain the front ends, then the engine; `code`, or 1 if one of them failed."""
         self.shared.fields.draining = 1
         log.info("event=draining workers=%d seconds=%.0f", self.count, self.config.drain_seconds)
-        failed = _stop_all([w for w in self.workers if w is not None],
+        standby = [self.standby[0]] if self.standby is not None else []
+        failed = _stop_all([w for w in self.workers if w is not None] + standby,
                            self.config.drain_seconds + EXIT_GRACE_S)
         if self.engine is not None:
             failed |= _stop_all([self.engine], self.config.drain_seconds + EXIT_GRACE_S)

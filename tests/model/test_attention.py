@@ -1,4 +1,5 @@
-"""The seed article's checks, then masks, batch invariance and cross-attention."""
+"""Attention's defining properties (shapes, rows of weights summing to one, weights in
+[0, 1]), then masks, batch invariance and cross-attention."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from attnserve.model.positions import RotaryEmbedding
 
 
 @pytest.mark.parametrize("heads", [1, 2])
-def test_seed_shapes_rows_sum_to_one_and_weights_in_unit_range(heads):
+def test_shapes_rows_sum_to_one_and_weights_in_unit_range(heads):
     torch.manual_seed(0)
     x = torch.randn(2, 4, 8)  # batch 2, seq_len 4, d_model 8
     out, probs = MultiHeadAttention(8, heads)(x, x, x)

@@ -9,7 +9,6 @@ as long as a test needs, so nothing depends on how fast this machine is."""
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnserve.artifact import load_artifact
-from attnserve.server.engine.batch_loop import MAX_PADDING_RATIO, BatchLoop
+from attnserve.server.engine.batch_loop import MAX_PADDING_RATIO
 from attnserve.server.engine.errors import RequestError
-from attnserve.server.engine.queue import Limits, RequestQueue, State
+from attnserve.server.engine.queue import Limits, State
+from attnserve.server.engine.runner import ModelRunner
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe
@@ -32,9 +32,14 @@ WAIT_S = 30  # bound on any wait: a broken loop fails the test instead of hangin
 LINEAR = MemoryModel(a=1000.0, b=1.0, c=0.0, d=0.0, source="test")
 
 
+# The tiny artifact, loaded once the module's backend fixture has run.
+ARTIFACT: list = []
+
+
 @pytest.fixture(scope="module")
 def backend(tiny_artifact):
-    return OrtBackend(load_artifact(tiny_artifact), device="cpu", intra_op_threads=1)
+    ARTIFACT[:] = [load_artifact(tiny_artifact)]
+    return OrtBackend(ARTIFACT[0], device="cpu", intra_op_threads=1)
 
 
 class Gated:
@@ -44,7 +49,8 @@ class Gated:
     def __init__(self, backend: OrtBackend, hold: int | None = None):
         self.backend = backend
         self.provider, self.precision = backend.provider, backend.precision
-        self.max_in_flight = backend.max_in_flight
+        self.concurrency, self.max_in_flight = backend.concurrency, backend.max_in_flight
+        self.bind_thread = backend.bind_thread
         self.hold = hold
         self.held = threading.Event()
         self.gate = threading.Event()
@@ -68,26 +74,28 @@ class Gated:
         return self.backend.run(input_ids, attention_mask, layers, outputs)
 
 
-class Core:
-    """A queue and a batch loop as the server assembles them."""
+MODEL = "tiny"
 
-    def __init__(self, backend, budget: int = 1 << 40, **caps):
-        limits = Limits(**{"max_batch_size": 64, "max_batch_tokens": 16384,
-                           "max_queue_requests": 1024, "max_queue_tokens": 1 << 20,
-                           "memory_budget_bytes": budget, "max_wait_s": 0.0, **caps})
-        self.metrics = Metrics(128)
-        memory = MemoryBudget(LINEAR, budget, heads=4, hidden=32, responses_in_budget=False)
-        self.queue = RequestQueue(limits, memory, self.metrics)
-        self.inference = ThreadPoolExecutor(1, thread_name_prefix="inference")
-        self.loop = BatchLoop(self.queue, backend, self.inference, self.metrics,
-                              MemoryProbe(cuda=False), limits, memory, pad_id=0)
 
-    def submit(self, lengths: list[int], layers: tuple[int, ...] = ()) -> asyncio.Task:
-        sequences = [np.arange(1000, 1000 + n, dtype=np.int64) for n in lengths]
-        return asyncio.get_running_loop().create_task(self.queue.submit(sequences, layers))
+def assembled(backend, budget: int = 1 << 40, **caps) -> ModelRunner:
+    """The server's own runner of one model (queue, batch loop, inference thread) on
+    `backend`, its batch loop not started."""
+    limits = Limits(**{"max_batch_size": 64, "max_batch_tokens": 16384,
+                       "max_queue_requests": 1024, "max_queue_tokens": 1 << 20,
+                       "memory_budget_bytes": budget, "max_wait_s": 0.0, **caps})
+    memory = MemoryBudget(budget, responses_in_budget=False).for_model(MODEL, LINEAR, heads=4,
+                                                                       hidden=32)
+    return ModelRunner(MODEL, ARTIFACT[0], backend, memory, limits, Metrics(128),
+                       MemoryProbe(cuda=False))
 
-    def sample(self, name: str, **labels) -> float:
-        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+def submit(core: ModelRunner, lengths: list[int], layers: tuple[int, ...] = ()) -> asyncio.Task:
+    sequences = [np.arange(1000, 1000 + n, dtype=np.int64) for n in lengths]
+    return asyncio.get_running_loop().create_task(core.queue.submit(sequences, layers))
+
+
+def sample(core: ModelRunner, name: str, **labels) -> float:
+    return core.metrics.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
 
 
 async def until(condition, what: str) -> None:
@@ -108,14 +116,14 @@ def check_rows(backend: OrtBackend, lengths: list[int], results) -> None:
 
 # --- forming ---------------------------------------------------------------------------
 
-async def formed(backend, lengths: list[int], **caps) -> tuple[list[int], Core]:
+async def formed(backend, lengths: list[int], **caps) -> tuple[list[int], ModelRunner]:
     """The first batch the loop would form from requests of one sequence each, queued
     in this order: its lengths, shortest first."""
-    core = Core(backend, **caps)
-    tasks = [core.submit([n]) for n in lengths]
+    core = assembled(backend, **caps)
+    tasks = [submit(core, [n]) for n in lengths]
     await asyncio.sleep(0)  # every submit has queued
     oldest = core.queue.oldest()
-    batch = core.loop.next_batch(oldest)
+    batch = core.batch_loop.next_batch(oldest)
     assert oldest in batch
     for task in tasks:
         task.cancel()
@@ -142,11 +150,11 @@ def test_a_batch_groups_the_oldest_with_its_nearest_lengths_within_the_caps(back
 
 def test_among_equal_lengths_the_oldest_go_first(backend):
     async def main():
-        core = Core(backend, max_batch_size=2)
-        tasks = [core.submit([n]) for n in (8, 8, 8, 9)]
+        core = assembled(backend, max_batch_size=2)
+        tasks = [submit(core, [n]) for n in (8, 8, 8, 9)]
         await asyncio.sleep(0)
         queued = list(core.queue.index)
-        batch = core.loop.next_batch(core.queue.oldest())
+        batch = core.batch_loop.next_batch(core.queue.oldest())
         assert batch == queued[:2]  # the two oldest 8s, not the newest
         for task in tasks:
             task.cancel()
@@ -180,15 +188,15 @@ def test_every_batch_formed_respects_the_caps_and_the_padding_ratio(
 def test_the_next_batch_is_formed_while_one_runs_and_needs_no_event_loop_to_start(backend):
     async def main():
         gated = Gated(backend, hold=0)
-        core = Core(gated, max_batch_size=1)
-        first, second = core.submit([12]), core.submit([7])
-        core.loop.start()
+        core = assembled(gated, max_batch_size=1)
+        first, second = submit(core, [12]), submit(core, [7])
+        core.batch_loop.start()
         await until(lambda: gated.held.is_set() and len(core.queue.jobs) == 1,
                     "the first batch runs")
         # While the first batch is held running, the second has been formed, padded and
         # handed to the inference thread, and is still waiting: counted in the queue.
-        assert len(core.loop.in_flight) == 2
-        (waiting,) = [b for b in core.loop.in_flight if b.items[0].state is State.TAKEN]
+        assert len(core.batch_loop.in_flight) == 2
+        (waiting,) = [b for b in core.batch_loop.in_flight if b.items[0].state is State.TAKEN]
         assert waiting.input_ids.shape == (1, 7) and core.queue.waiting_tokens == 7
         # The inference thread goes on to it while this event loop is blocked: it never
         # waits for the loop between batches.
@@ -200,7 +208,7 @@ def test_the_next_batch_is_formed_while_one_runs_and_needs_no_event_loop_to_star
         assert gated.runs == [(1, 12), (1, 7)]
         check_rows(backend, [12], await first)
         check_rows(backend, [7], await second)
-        assert core.sample("attnserve_batch_size_count") == 2
+        assert sample(core, "attnserve_batch_size_count") == 2
     asyncio.run(main())
 
 
@@ -208,12 +216,12 @@ def test_batches_in_flight_share_the_memory_budget(backend):
     async def main():
         gated = Gated(backend, hold=0)
         # 1000 + 100 bytes each: either fits alone, both do not.
-        core = Core(gated, budget=1500, max_batch_size=1)
-        first, second = core.submit([100]), core.submit([100])
-        core.loop.start()
+        core = assembled(gated, budget=1500, max_batch_size=1)
+        first, second = submit(core, [100]), submit(core, [100])
+        core.batch_loop.start()
         await until(gated.held.is_set, "the first batch runs")
         # Forming stopped at the first batch, in the same pass: the second waits queued.
-        assert len(core.loop.in_flight) == 1
+        assert len(core.batch_loop.in_flight) == 1
         assert [w.state for w in core.queue.index] == [State.QUEUED]
         gated.gate.set()
         await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
@@ -224,14 +232,14 @@ def test_batches_in_flight_share_the_memory_budget(backend):
 def test_leaving_a_formed_batch_frees_the_place_at_once_and_skips_the_sequence(backend):
     async def main():
         gated = Gated(backend, hold=0)
-        core = Core(gated)
-        running = core.submit([5])
+        core = assembled(gated)
+        running = submit(core, [5])
         # Another layer set: a batch of their own, formed while the first runs.
-        leaving, staying = core.submit([19], (0,)), core.submit([20], (0,))
-        core.loop.start()
+        leaving, staying = submit(core, [19], (0,)), submit(core, [20], (0,))
+        core.batch_loop.start()
         await until(lambda: gated.held.is_set() and len(core.queue.jobs) == 2,
                     "the first batch runs")
-        assert [len(b.items) for b in core.loop.in_flight] == [1, 2]
+        assert [len(b.items) for b in core.batch_loop.in_flight] == [1, 2]
         leaving.cancel()
         await asyncio.gather(leaving, return_exceptions=True)
         assert len(core.queue.jobs) == 1 and core.queue.waiting_tokens == 20
@@ -242,30 +250,30 @@ def test_leaving_a_formed_batch_frees_the_place_at_once_and_skips_the_sequence(b
         assert 0 in results[0].attentions
         # The second batch ran without the cancelled row.
         assert gated.runs == [(1, 5), (1, 20)]
-        assert core.sample("attnserve_dropped_sequences_total", reason="cancelled") == 1
-        assert core.sample("attnserve_batch_size_count") == 2
+        assert sample(core, "attnserve_dropped_sequences_total", reason="cancelled") == 1
+        assert sample(core, "attnserve_batch_size_count") == 2
     asyncio.run(main())
 
 
 def test_a_batch_whose_callers_all_left_never_runs(backend):
     async def main():
         gated = Gated(backend, hold=0)
-        core = Core(gated)
-        running = core.submit([5])
-        leaving = core.submit([9], (0,))
-        core.loop.start()
-        await until(lambda: len(core.loop.in_flight) == 2, "the second batch formed")
+        core = assembled(gated)
+        running = submit(core, [5])
+        leaving = submit(core, [9], (0,))
+        core.batch_loop.start()
+        await until(lambda: len(core.batch_loop.in_flight) == 2, "the second batch formed")
         leaving.cancel()
         await asyncio.gather(leaving, return_exceptions=True)
         # Its slot is free again: a new request gets a batch formed at once.
-        later = core.submit([6], (1,))
-        await until(lambda: any(b.items[0].job.layers == (1,) for b in core.loop.in_flight),
+        later = submit(core, [6], (1,))
+        await until(lambda: any(b.items[0].job.layers == (1,) for b in core.batch_loop.in_flight),
                     "a batch formed in the freed slot")
         gated.gate.set()
         await running
         check_rows(backend, [6], await later)
         assert gated.runs == [(1, 5), (1, 6)]
-        assert core.sample("attnserve_batch_size_count") == 2
+        assert sample(core, "attnserve_batch_size_count") == 2
     asyncio.run(main())
 
 
@@ -273,12 +281,12 @@ def test_a_failed_batch_fails_only_its_own_requests_and_the_loop_goes_on(backend
     async def main():
         gated = Gated(backend)
         gated.fail_at_length = 33
-        core = Core(gated)
-        ok, failing = core.submit([4]), core.submit([33], (0,))
-        core.loop.start()
+        core = assembled(gated)
+        ok, failing = submit(core, [4]), submit(core, [33], (0,))
+        core.batch_loop.start()
         check_rows(backend, [4], await asyncio.wait_for(ok, WAIT_S))
         with pytest.raises(RequestError, match="inference failed: this batch fails"):
             await asyncio.wait_for(failing, WAIT_S)
-        check_rows(backend, [8], await asyncio.wait_for(core.submit([8]), WAIT_S))
-        assert len(core.queue.jobs) == 0 and not core.loop.in_flight
+        check_rows(backend, [8], await asyncio.wait_for(submit(core, [8]), WAIT_S))
+        assert len(core.queue.jobs) == 0 and not core.batch_loop.in_flight
     asyncio.run(main())

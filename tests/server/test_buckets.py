@@ -7,6 +7,7 @@ outputs it asked for when it shares a batch with others, and that fixed IO-bound
 
 import asyncio
 import random
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,9 +18,9 @@ from hypothesis import strategies as st
 
 from attnserve.artifact import HIDDEN_OUTPUT, load_artifact, pooled_output
 from attnserve.client import EncoderClient
-from attnserve.server.engine.batch_loop import BatchLoop
-from attnserve.server.engine.offload import create_executors, on_every_thread
-from attnserve.server.engine.queue import Limits, RequestQueue
+from attnserve.server.engine.offload import inference_pool, on_every_thread
+from attnserve.server.engine.queue import Limits
+from attnserve.server.engine.runner import ModelRunner
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe
@@ -100,23 +101,22 @@ def test_a_bucketed_backend_warms_every_bucket_and_then_meets_no_new_shape(bucke
         assert not bucketed.run(ids, mask, outputs=frozenset({MEAN})).new_shape, shape
 
 
-class Core:
-    """A queue and a batch loop as the server assembles them, on `backend`."""
+MODEL = "tiny"
 
-    def __init__(self, backend: OrtBackend, max_batch_tokens: int = 16384):
-        self.limits = Limits(max_batch_size=64, max_batch_tokens=max_batch_tokens,
-                             max_queue_requests=1024, max_queue_tokens=1 << 20,
-                             memory_budget_bytes=1 << 40, max_wait_s=0.0)
-        self.metrics = Metrics(128)
-        memory = MemoryBudget(MemoryModel(a=1000.0, b=1.0, c=0.0, d=0.0, source="test"), 1 << 40,
-                              heads=4, hidden=32, responses_in_budget=False)
-        self.queue = RequestQueue(self.limits, memory, self.metrics)
-        self.executors = create_executors(backend.concurrency, backend.bind_thread)
-        self.loop = BatchLoop(self.queue, backend, self.executors.inference, self.metrics,
-                              MemoryProbe(cuda=False), self.limits, memory, pad_id=0)
 
-    def sample(self, name: str, **labels) -> float:
-        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+def assembled(backend: OrtBackend, max_batch_tokens: int = 16384) -> ModelRunner:
+    """The server's own runner of one model on `backend`, its batch loop not started."""
+    limits = Limits(max_batch_size=64, max_batch_tokens=max_batch_tokens,
+                    max_queue_requests=1024, max_queue_tokens=1 << 20,
+                    memory_budget_bytes=1 << 40, max_wait_s=0.0)
+    memory = MemoryBudget(1 << 40, responses_in_budget=False).for_model(
+        MODEL, MemoryModel(a=1000.0, b=1.0, c=0.0, d=0.0, source="test"), heads=4, hidden=32)
+    return ModelRunner(MODEL, backend.artifact, backend, memory, limits, Metrics(128),
+                       MemoryProbe(cuda=False))
+
+
+def counted(core: ModelRunner, name: str, **labels) -> float:
+    return core.metrics.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
 
 
 def sequences(lengths: list[int]) -> list[np.ndarray]:
@@ -127,17 +127,17 @@ def test_the_batch_loop_caps_padded_tokens_and_runs_only_warmed_shapes(bucketed)
     """Nine sequences of 20 tokens under a cap of 256 padded tokens: eight pad to 8 × 32 =
     256, nine would pad to 16 × 32, so they run as 8 and 1, both warmed shapes."""
     async def scenario():
-        core = Core(bucketed, max_batch_tokens=256)
-        core.loop.start()
+        core = assembled(bucketed, max_batch_tokens=256)
+        core.batch_loop.start()
         results = await asyncio.wait_for(asyncio.gather(
             *(core.queue.submit(sequences([20]), outputs=frozenset({MEAN})) for _ in range(9))), WAIT_S)
         return core, results
 
     core, results = asyncio.run(scenario())
-    assert core.sample("attnserve_batch_size_count") == 2
-    assert core.sample("attnserve_batch_size_sum") == 9
-    assert core.sample("attnserve_batch_tokens_sum", kind="padded") == 8 * 32 + 1 * 32
-    assert core.sample(UNSEEN, graph="embeddings") == 0
+    assert counted(core, "attnserve_batch_size_count") == 2
+    assert counted(core, "attnserve_batch_size_sum") == 9
+    assert counted(core, "attnserve_batch_tokens_sum", kind="padded") == 8 * 32 + 1 * 32
+    assert counted(core, UNSEEN, graph="embeddings") == 0
     alone = bucketed.run(sequences([20])[0][None], np.ones((1, 20), np.int64), outputs=frozenset({MEAN}))
     for (result,) in results:
         assert result.hidden is None
@@ -152,14 +152,14 @@ def test_each_request_gets_the_outputs_it_asked_for_from_a_shared_batch(bucketed
     asks = [frozenset({MEAN}), HIDDEN_ONLY, frozenset({normalized, HIDDEN_OUTPUT})]
 
     async def scenario():
-        core = Core(bucketed)
-        core.loop.start()
+        core = assembled(bucketed)
+        core.batch_loop.start()
         tasks = [core.queue.submit(sequences([n]), outputs=ask)
                  for n, ask in zip((9, 10, 11), asks, strict=True)]
         return core, await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
 
     core, results = asyncio.run(scenario())
-    assert core.sample("attnserve_batch_size_count") == 1
+    assert counted(core, "attnserve_batch_size_count") == 1
     for n, ask, (result,) in zip((9, 10, 11), asks, results, strict=True):
         ids = sequences([n])[0][None]
         alone = bucketed.run(ids, np.ones_like(ids), outputs=ask)
@@ -179,14 +179,14 @@ def test_every_inference_thread_warms_its_own_lane(tiny_artifact):
     backend = OrtBackend(load_artifact(tiny_artifact), device="cpu", intra_op_threads=1,
                          strategy=Strategy(shape_buckets="on", sessions=2, cuda_graphs=True))
     assert backend.concurrency == 2 and backend.max_in_flight == 3
-    executors = create_executors(backend.concurrency, backend.bind_thread)
+    inference = inference_pool(MODEL, backend.concurrency, backend.bind_thread)
     shapes = backend.warm_up_shapes(16384)
-    for future in on_every_thread(executors.inference, 2, lambda: backend.warm_up(shapes)):
+    for future in on_every_thread(inference, 2, lambda: backend.warm_up(shapes)):
         future.result(WAIT_S)
     for lane in backend.lanes:
         assert {(False, shape) for shape in shapes} <= lane.seen
     ids = np.zeros((4, 64), dtype=np.int64)
-    runs = [executors.inference.submit(backend.run, ids, np.ones_like(ids), (), frozenset({MEAN}))
+    runs = [inference.submit(backend.run, ids, np.ones_like(ids), (), frozenset({MEAN}))
             for _ in range(8)]
     assert not any(run.result(WAIT_S).new_shape for run in runs)
 
@@ -220,7 +220,7 @@ def bucket_server(tiny_artifact):
 def test_a_bucketed_server_warms_up_before_serving_and_never_meets_a_new_shape(bucket_server):
     log = bucket_server.output()
     assert "event=warm_up lane=0 shapes=28/28" in log
-    assert "event=warmed_up shapes=28 threads=1 seconds=" in log
+    assert re.search(r"event=warmed_up model=\S+ shapes=28 threads=1 seconds=", log)
     before = bucket_server.scrape()
     assert sample(before, UNSEEN, graph="embeddings") == 0
     sent = mixed_traffic(bucket_server.address, seed=1)
@@ -247,7 +247,7 @@ def test_fixed_buffers_in_two_lanes_answer_as_the_model_does_alone(tiny_artifact
     texts = [[rnd.randrange(1000, 30000) for _ in range(rnd.randint(1, 128))] for _ in range(24)]
     with ServerProcess(tiny_artifact, "--shape-buckets", "on", "--cuda-graphs", "on",
                        "--sessions", "2", "--intra-op-threads", "1") as server:
-        assert "event=warmed_up shapes=28 threads=2" in server.output()
+        assert re.search(r"event=warmed_up model=\S+ shapes=28 threads=2", server.output())
 
         def call(ids: list[int]):
             with EncoderClient(server.address) as client:

@@ -191,6 +191,6 @@ def test_chunked_response_sizes_are_never_under_protobufs_own():
             for _ in range(n):
                 e.chunks.add(start=2 ** 32 - 1, end=2 ** 32 - 1, num_tokens=2 ** 32 - 1,
                              pooled=tensor(np.ones(384), dtype))
-        counted = chunked_response_bytes(plan, counts, type("M", (), {"hidden_size": 384,
-                                                                     "model_name": "all-MiniLM-L6-v2"}))
+        counted = chunked_response_bytes(plan, counts, type("M", (), {"hidden_size": 384}),
+                                         response.model)
         assert response.ByteSize() <= counted <= 1.05 * response.ByteSize()

@@ -172,6 +172,11 @@ def test_texts_are_served_as_transformers_embeds_them(client, hf):
         assert np.abs(result.pooled - hidden.mean(axis=0)).max() <= SERVED_ATOL
 
 
+def test_the_server_says_which_family_it_serves(client, checkpoint):
+    family = json.loads((checkpoint / "config.json").read_text())["model_type"]
+    assert client.model_info().family == family
+
+
 def test_token_ids_are_served_as_transformers_embeds_them(client, hf):
     """Ids as a caller sends them (special tokens included), random ones beside the
     tokenizer's; the first token's vector is what `cls` pooling returns."""

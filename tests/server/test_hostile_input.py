@@ -179,7 +179,8 @@ def small_messages(minilm_artifact):
 
 def largest_that_fits(manifest, plan, length: int, limit: int) -> int:
     count = 1
-    while embed_response_bytes(plan, np.full(count + 1, length), manifest) <= limit:
+    while embed_response_bytes(plan, np.full(count + 1, length), manifest,
+                               manifest.model_name) <= limit:
         count += 1
     return count
 

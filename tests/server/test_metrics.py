@@ -55,14 +55,26 @@ def ids(n: int) -> list[int]:
 
 
 class Scrape:
-    def __init__(self, text: str):
+    """The exposition's samples, by name and labels. A server of one model labels every
+    model series with it (and a call refused before it named a model with ""): the label
+    is checked here, then left out, so the tests below read the counts as one model's."""
+
+    def __init__(self, text: str, model: str):
         self.text = text
         self.samples: dict[tuple[str, frozenset], float] = {}
         self.types: dict[str, str] = {}
+        self.models: dict[str, set[str]] = {}
+        """sample name -> the model labels it carried"""
         for family in text_string_to_metric_families(text):
             self.types[family.name] = family.type
             for sample in family.samples:
-                self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+                labels = dict(sample.labels)
+                if "model" in labels and sample.name != "attnserve_info":
+                    self.models.setdefault(sample.name, set()).add(labels.pop("model"))
+                key = (sample.name, frozenset(labels.items()))
+                self.samples[key] = self.samples.get(key, 0.0) + sample.value
+        for name, models in self.models.items():
+            assert models <= {model, ""}, (name, models)
 
     def value(self, name: str, **labels) -> float:
         key = (name, frozenset(labels.items()))
@@ -107,7 +119,7 @@ def scrape(tiny_artifact, tiny_checkpoint, tmp_path_factory):
         server.stop()
     sha = hashlib.sha256((artifact / MANIFEST).read_bytes()).hexdigest()
     # `export --from DIR` names the model after the directory.
-    return Scrape(text), log, {"model": tiny_checkpoint.name, "sha": sha}
+    return Scrape(text, tiny_checkpoint.name), log, {"model": tiny_checkpoint.name, "sha": sha}
 
 
 def test_requests_counted_by_rpc_and_code(scrape):
@@ -121,6 +133,19 @@ def test_requests_counted_by_rpc_and_code(scrape):
     assert counted == expected
     for (rpc, code), count in expected.items():
         assert s.value("attnserve_request_duration_seconds_count", rpc=rpc, code=code) == count
+
+
+def test_every_model_series_names_the_model(scrape):
+    s, _, expected = scrape
+    for name in ("attnserve_requests_total", "attnserve_request_duration_seconds_count",
+                 "attnserve_stage_duration_seconds_count", "attnserve_batch_size_count",
+                 "attnserve_batch_tokens_count", "attnserve_sequence_length_tokens_count",
+                 "attnserve_inference_duration_seconds_count",
+                 "attnserve_batch_peak_memory_bytes_count",
+                 "attnserve_batch_predicted_memory_bytes_count", "attnserve_queue_depth"):
+        assert expected["model"] in s.models[name], name
+    # Refused before it named a model: in the interceptor, or for a field before the model.
+    assert s.models["attnserve_requests_total"] == {expected["model"]}
 
 
 def test_sequence_lengths_bucketed_exactly(scrape):
@@ -177,8 +202,8 @@ def test_inference_and_memory_by_bucket_and_attention(scrape):
 
 
 def test_memory_model_loaded_from_artifact(scrape):
-    _, log, _ = scrape
-    assert "memory_model='written by test_metrics'" in log
+    _, log, expected = scrape
+    assert f"memory_model='{expected['model']}: written by test_metrics'" in log
 
 
 def test_gauges_and_info(scrape):

@@ -49,11 +49,22 @@ WHOLE_WITHIN_S = 10.0
 
 
 def children(pid: int) -> dict[str, list[int]]:
-    """The supervisor's processes by role: {"engine": [pid], "front": [pids]}."""
-    found: dict[str, list[int]] = {"engine": [], "front": []}
+    """The supervisor's processes by role: {"engine": [pid], "front": [pids], "standby":
+    [pids]}: a front end listens on the group's ports, the standby that waits to take a
+    dead one's place on none."""
+    listening = {line.split()[9] for table in ("tcp", "tcp6")
+                 for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+                 if line.split()[3] == "0A"}
+    found: dict[str, list[int]] = {"engine": [], "front": [], "standby": []}
     for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        role = "engine" if b"attnserve.server.workers.engine_process" in args else "front"
+        try:
+            args = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            sockets = {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{child}/fd").iterdir()
+                       if os.readlink(fd).startswith("socket:[")}
+        except OSError:  # gone meanwhile
+            continue
+        role = ("engine" if b"attnserve.server.workers.engine_process" in args else
+                "front" if sockets & listening else "standby")
         found[role].append(int(child))
     return found
 

@@ -1,0 +1,154 @@
+"""What runs the models, in the process that runs them: each model's backend sessions, its
+memory model against the budget every model shares, its request queue and batch loop, and
+their warm-up. Every start-up check happens while they are built, with nothing bound yet.
+
+Each model has its own inference thread(s): a batch of one model runs beside a batch of
+another, so a flood of calls to one model delays another's by sharing the device, never by
+queueing behind it (bench/fairness.py measures it)."""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from attnserve.artifact import MEMORY_MODEL, Artifact, ArtifactError
+from attnserve.server.config import ServeConfig
+from attnserve.server.engine.batch_loop import BatchLoop
+from attnserve.server.engine.offload import inference_pool, on_every_thread
+from attnserve.server.engine.queue import Limits, RequestQueue
+from attnserve.server.engine.registry import NamedArtifact
+from attnserve.server.host import machine_available_bytes
+from attnserve.server.memory.budget import MemoryBudget, ModelMemory
+from attnserve.server.memory.ledger import Totals
+from attnserve.server.memory.model import MemoryModels, load_memory_model
+from attnserve.server.memory.probe import MemoryProbe
+from attnserve.server.metrics import Metrics
+from attnserve.server.runtime.backend import Backend, Strategy
+from attnserve.server.runtime.backends import create_backend
+
+log = logging.getLogger("attnserve.server")
+
+# A batch may take this share of the memory that is free when the server starts.
+DEFAULT_BUDGET_SHARE = 0.5
+
+
+class ModelRunner:
+    """One model's backend, memory, request queue and batch loop (started by `start`)."""
+
+    def __init__(self, name: str, artifact: Artifact, backend: Backend, memory: ModelMemory,
+                 limits: Limits, metrics: Metrics, probe: MemoryProbe):
+        self.name, self.artifact, self.backend = name, artifact, backend
+        self.memory, self.limits, self.metrics = memory, limits, metrics
+        self.inference_threads = backend.concurrency
+        self.inference: ThreadPoolExecutor = inference_pool(name, backend.concurrency,
+                                                            backend.bind_thread)
+        self.queue = RequestQueue(name, limits, memory, metrics)
+        self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, metrics, probe,
+                                    limits, memory, artifact.manifest.pad_token_id)
+        self.ready = False
+
+    def start(self, watch: Callable[[int, int], None] | None = None) -> None:
+        """The batch loop, on the running event loop; `watch(requests, tokens)`: told the
+        queue's counts as they change."""
+        self.queue.watch = watch
+        self.batch_loop.start()
+
+    async def warm_up(self) -> None:
+        """Ready only once both graphs have run, every shape bucket included, on every
+        inference thread's sessions: the first caller must not pay for it."""
+        shapes = self.backend.warm_up_shapes(self.limits.max_batch_tokens)
+        threads, started = self.inference_threads, time.perf_counter()
+        log.info("event=warm_up_start model=%s shapes=%d threads=%d", self.name, len(shapes),
+                 threads)
+        await asyncio.gather(*map(asyncio.wrap_future, on_every_thread(
+            self.inference, threads, lambda: self.backend.warm_up(shapes))))
+        log.info("event=warmed_up model=%s shapes=%d threads=%d seconds=%.2f", self.name,
+                 len(shapes), threads, time.perf_counter() - started)
+        self.ready = True
+
+
+class Runners:
+    """Every model the process runs, in the order named (the first is the default), under
+    one memory budget on one device."""
+
+    def __init__(self, config: ServeConfig, models: list[NamedArtifact], metrics: Metrics,
+                 totals: Callable[[float], Totals] = Totals, alone: bool = True):
+        """`totals(limit)`: the memory ledger's totals, under that limit (shared by a
+        server's processes with --workers); `alone`: no other process of the server needs
+        the cores (with --workers the front ends do)."""
+        self.config, self.metrics = config, metrics
+        # A backend's threads spin between operations only where nothing else needs the
+        # cores: one model, one process.
+        strategy = Strategy(config.shape_buckets, config.bucket_seq_multiple, config.max_batch_size,
+                            config.sessions, config.cuda_graphs == "on",
+                            spinning=alone and len(models) == 1)
+        backends = []
+        for m in models:
+            try:
+                backends.append(create_backend(m.artifact, config.device, config.precision,
+                                               config.intra_op_threads, strategy))
+            except ArtifactError as err:
+                raise ArtifactError(f"--artifact {m.source}: {err}") from err
+        devices = {b.device for b in backends}
+        if len(devices) > 1:
+            where = ", ".join(f"{m.name} on {b.device}" for m, b in zip(models, backends, strict=True))
+            raise ArtifactError(f"--artifact: every model must run on one device ({where}); "
+                                "set --device")
+        self.device = devices.pop()
+        self.probe = MemoryProbe(cuda=self.device == "cuda")
+        budget = config.memory_budget_bytes or int(self.probe.available_bytes() * DEFAULT_BUDGET_SHARE)
+        self.limits = Limits.of(config, budget)
+        # On CUDA the budget is the device's; requests and responses live in host memory,
+        # under a limit of their own.
+        shared = self.device == "cpu"
+        ledger_limit = budget if shared else int(machine_available_bytes() * DEFAULT_BUDGET_SHARE)
+        self.budget = MemoryBudget(budget, responses_in_budget=shared, totals=totals(ledger_limit))
+        self.models: list[ModelRunner] = []
+        for named, backend in zip(models, backends, strict=True):
+            manifest = named.artifact.manifest
+            memory_model = _memory_model(named.artifact, backend)
+            memory = self.budget.for_model(named.name, memory_model, manifest.num_heads,
+                                           manifest.hidden_size)
+            self.models.append(ModelRunner(named.name, named.artifact, backend, memory,
+                                           self.limits, metrics, self.probe))
+
+    @property
+    def ready(self) -> bool:
+        return all(m.ready for m in self.models)
+
+    def describe(self) -> None:
+        """What /metrics says of the models and the device."""
+        live, memory = self.metrics.live, self.probe.device_memory()
+        live.info = {m.name: {"provider": m.backend.provider, "precision": m.backend.precision,
+                              "artifact_sha256": m.artifact.manifest_sha256} for m in self.models}
+        live.device, live.device_memory_total = memory.device, memory.total
+        live.device_memory_used = lambda: self.probe.device_memory().used
+
+    def start(self, watch: Callable[[str, int, int], None] | None = None) -> None:
+        """Every model's queue and batch loop; `watch(model, requests, tokens)`: told each
+        queue's counts as they change."""
+        for m in self.models:
+            m.start(None if watch is None else
+                    lambda requests, tokens, name=m.name: watch(name, requests, tokens))
+            self.metrics.live.queue_depth[m.name] = lambda q=m.queue: len(q.jobs)
+
+    async def warm_up(self) -> None:
+        await asyncio.gather(*(m.warm_up() for m in self.models))
+
+    async def drain(self, seconds: float) -> bool:
+        """Finish what every model accepted, within `seconds` in all."""
+        done = await asyncio.gather(*(m.queue.drain(seconds) for m in self.models))
+        return all(done)
+
+    def memory_source(self) -> str:
+        return "; ".join(f"{m.name}: {m.memory.model.source}" for m in self.models)
+
+
+def _memory_model(artifact: Artifact, backend: Backend) -> MemoryModels:
+    try:
+        return load_memory_model(artifact.directory, artifact.manifest, backend.provider,
+                                 backend.precision)
+    except (ValueError, TypeError) as err:
+        raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid memory model "
+                            f"({err})") from err
