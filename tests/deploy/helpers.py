@@ -83,10 +83,43 @@ EXPORTED_METRICS = {
     "attnserve_inflight_requests",
     "attnserve_info",
     "attnserve_health_serving",
+    "attnserve_dropped_sequences_total",
+    "attnserve_unseen_shape_runs_total",
+    "attnserve_memory_waits_total",
+    "attnserve_worker_deaths_total",
+}
+
+# Those of them counted per model, with a `model` label (the rest are the pod's:
+# device memory, in flight, health, worker deaths). The dashboard filters these,
+# and only these, by its `model` variable; test_consistency.py checks the set
+# against a live scrape of a server of two models.
+MODEL_LABELLED = {
+    "attnserve_request_duration_seconds",
+    "attnserve_requests_total",
+    "attnserve_stage_duration_seconds",
+    "attnserve_batch_size",
+    "attnserve_batch_tokens",
+    "attnserve_sequence_length_tokens",
+    "attnserve_inference_duration_seconds",
+    "attnserve_batch_peak_memory_bytes",
+    "attnserve_batch_predicted_memory_bytes",
+    "attnserve_queue_depth",
+    "attnserve_info",
+    "attnserve_dropped_sequences_total",
+    "attnserve_unseen_shape_runs_total",
+    "attnserve_memory_waits_total",
 }
 
 _METRIC_RE = re.compile(r"\battnserve_[A-Za-z0-9_]+")
 _SUFFIX_RE = re.compile(r"_(bucket|sum|count)$")
+_SELECTOR_RE = re.compile(r"\b(attnserve_[A-Za-z0-9_]+)(?:\{([^}]*)\})?")
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric name, its label matchers) for each attnserve_* selector in a PromQL
+    expression, the name's histogram suffix stripped: `attnserve_batch_size_sum{pod=~"a"}`
+    is ("attnserve_batch_size", 'pod=~"a"')."""
+    return [(_SUFFIX_RE.sub("", name), matchers) for name, matchers in _SELECTOR_RE.findall(expr)]
 
 
 def metric_names(expr: str) -> set[str]:

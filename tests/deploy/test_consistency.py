@@ -2,11 +2,12 @@
 
 - The container args of each overlay (and of the KServe predictor) parse with
   `attnserve serve --check-config` against a real artifact.
-- A real server, started with the cpu overlay's args on free loopback ports,
-  answers grpc.health.v1 SERVING and GET /health 200 on the ports it was told
-  (the ones the probes and Services use), exports every metric that the alert rules, the dashboard
-  and the autoscaler's adapter rule read, and on SIGTERM exits within the pod's
-  grace period.
+- A real server, started with the cpu overlay's args on free loopback ports and
+  serving two models, answers grpc.health.v1 SERVING and GET /health 200 on the
+  ports it was told (the ones the probes and Services use), exports every metric
+  that the alert rules, the dashboard and the autoscaler's adapter rule read,
+  labels with `model` exactly the series that the dashboard filters and the rules
+  group by model, and on SIGTERM exits within the pod's grace period.
 
 Needs the `tiny_artifact` fixture (tests/conftest.py).
 """
@@ -23,11 +24,34 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.cli import main
+from attnserve.client import EncoderClient
 from bench.harness import ATTNSERVE, ServerProcess, free_port
 
-from .helpers import OVERLAYS, REPO, SERVE_FLAGS, find, kserve_predictor_pod, only_container
+from .helpers import (
+    EXPORTED_METRICS,
+    MODEL_LABELLED,
+    OVERLAYS,
+    REPO,
+    SERVE_FLAGS,
+    find,
+    kserve_predictor_pod,
+    only_container,
+)
+
+# The second model the live server serves, beside the artifact's own name: the dashboard
+# and the rules split by model, so the scrape they are checked against has two.
+SECOND_MODEL = "second"
+# Per-model counters that move only on their event (a batch held back for memory, a
+# sequence dropped, a shape never run): a call to each model may leave them without a
+# sample, and so without labels to check.
+COUNTED_ON_AN_EVENT = {
+    "attnserve_memory_waits_total",
+    "attnserve_dropped_sequences_total",
+    "attnserve_unseen_shape_runs_total",
+}
 
 
 def clean_env() -> dict[str, str]:
@@ -111,10 +135,12 @@ def exported_names(exposition: str) -> set[str]:
 @pytest.fixture(scope="module")
 def live_server(tiny_artifact, rendered):
     """`attnserve serve` with the cpu overlay's args; host and ports overridden (the last
-    flag wins) so that it runs on free loopback ports."""
+    flag wins) so that it runs on free loopback ports, and the tiny artifact served a
+    second time, as SECOND_MODEL."""
     port, http_port = free_port(), free_port()
     overrides = ["--host", "127.0.0.1", "--port", str(port), "--metrics-host", "127.0.0.1",
-                 "--metrics-port", str(free_port()), "--http-port", str(http_port), "--device", "cpu"]
+                 "--metrics-port", str(free_port()), "--http-port", str(http_port), "--device", "cpu",
+                 "--artifact", f"{SECOND_MODEL}={tiny_artifact}"]
     with ServerProcess(tiny_artifact, *container_args(rendered, None, "cpu"), *overrides) as server:
         assert server.port == port, "the server did not bind the port it was told"
         assert server.http_port == http_port, "the server did not bind the HTTP port it was told"
@@ -138,6 +164,35 @@ def test_every_metric_read_by_rules_dashboard_and_adapter_is_exported(live_serve
     # The health alert and the absent() alert read these two directly.
     assert re.search(r"^attnserve_health_serving 1(\.0)?$", exposition, re.MULTILINE)
     assert re.search(r"^attnserve_info\{", exposition, re.MULTILINE)
+    assert not EXPORTED_METRICS - exported, "helpers.EXPORTED_METRICS names metrics the server lacks"
+
+
+def test_the_series_split_by_model_are_those_the_server_labels(live_server):
+    """After a call to each model, every sample of a name in helpers.MODEL_LABELLED (what
+    the dashboard filters by $model and the rules group by model) carries the model it was
+    counted for, and no sample of another attnserve metric carries a model label: a
+    dashboard filter on one of those would show nothing."""
+    with EncoderClient(live_server.address) as client:
+        models = {m.model for m in client.list_models()}
+        assert len(models) == 2 and SECOND_MODEL in models, models
+        for model in models:
+            client.embed(token_ids=[[101, 7592, 2088, 102]], model=model)
+    labels: dict[str, list[dict[str, str]]] = {}
+    for family in text_string_to_metric_families(scrape(live_server.metrics_port)):
+        for sample in family.samples:
+            name = re.sub(r"_(bucket|sum|count)$", "", sample.name)
+            if name in EXPORTED_METRICS:
+                labels.setdefault(name, []).append(sample.labels)
+    labelled = {name for name, samples in labels.items() if any("model" in s for s in samples)}
+    assert labelled == MODEL_LABELLED & labels.keys()
+    assert not MODEL_LABELLED - labels.keys() - COUNTED_ON_AN_EVENT, "a call moved none of them"
+    for name in labelled:
+        # "" is a call refused before it named a model (ListModels names none).
+        assert {s.get("model") for s in labels[name]} <= models | {""}, name
+    assert {s["model"] for s in labels["attnserve_info"]} == models
+    assert {s["model"] for s in labels["attnserve_queue_depth"]} == models
+    embedded = {s["model"] for s in labels["attnserve_requests_total"] if s["rpc"] == "Embed"}
+    assert embedded == models
 
 
 def test_sigterm_exits_within_the_grace_period(live_server, rendered):

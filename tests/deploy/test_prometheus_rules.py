@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from .helpers import DATA, EXPORTED_METRICS, RULES_FILE, find
+from .helpers import DATA, EXPORTED_METRICS, MODEL_LABELLED, RULES_FILE, find, metric_names
 
 UNIT_TESTS = DATA / "attnserve-rules.test.yml"
 BOUND_RECORD = "attnserve:request_duration_seconds:p99_bound"
@@ -84,6 +84,7 @@ def test_every_alert_has_severity_summary_and_runbook(rule_groups):
         "AttnserveDeviceMemoryHigh",
         "AttnserveP99LatencyHigh",
         "AttnserveErrorRatioHigh",
+        "AttnserveMemoryUnderpredicted",
         "AttnserveTargetDown",
         "AttnserveNotServing",
         "AttnserveAbsent",
@@ -97,6 +98,19 @@ def test_latency_bound_is_one_named_constant(rule_groups):
     rules = {r.get("record") or r.get("alert"): r for g in rule_groups for r in g["rules"]}
     assert rules[BOUND_RECORD]["expr"].startswith("vector(")
     assert BOUND_RECORD in rules["AttnserveP99LatencyHigh"]["expr"]
+
+
+@pytest.mark.parametrize(
+    "alert", ["AttnserveP99LatencyHigh", "AttnserveErrorRatioHigh", "AttnserveMemoryUnderpredicted"]
+)
+def test_model_alerts_read_only_series_counted_per_model(rule_groups, alert):
+    """An alert that groups by model reads series the server labels with it
+    (helpers.MODEL_LABELLED, checked against a live scrape in test_consistency.py): on
+    one of the pod's own series `by (model)` would page with no model named. The unit
+    test cases show each firing for one model while another is quiet."""
+    (expr,) = [r["expr"] for g in rule_groups for r in g["rules"] if r.get("alert") == alert]
+    assert "model" in expr
+    assert metric_names(expr) <= MODEL_LABELLED, metric_names(expr) - MODEL_LABELLED
 
 
 def test_health_alerts_cover_down_not_serving_and_absent(rule_groups):
