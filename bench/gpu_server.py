@@ -138,7 +138,8 @@ def server_phase(artifact: Path, device: str, config: Config, plan: Plan, inputs
                            start_timeout_s=240)
     out: dict = {"flags": list(flags), "ready_s": time.perf_counter() - started, "shapes": {}}
     try:
-        warm = re.search(r"event=warmed_up shapes=(\d+) threads=(\d+) seconds=([\d.]+)", server.output())
+        warm = re.search(r"event=warmed_up model=\S+ shapes=(\d+) threads=(\d+) seconds=([\d.]+)",
+                         server.output())
         if warm:
             out.update(warm_up_shapes=int(warm[1]), lanes=int(warm[2]), warm_up_s=float(warm[3]))
         with EncoderClient(server.address) as client:

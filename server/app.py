@@ -13,10 +13,9 @@ from attnserve.server.config import ServeConfig
 from attnserve.server.doors.ports import Ports
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import Offload
-from attnserve.server.engine.registry import load_models
+from attnserve.server.engine.registry import load_models, load_tokenizers
 from attnserve.server.engine.runner import Runners
 from attnserve.server.engine.served_model import ServedModel
-from attnserve.server.engine.tokenize import load_tokenizer
 from attnserve.server.metrics import Metrics
 
 log = logging.getLogger("attnserve.server")
@@ -39,7 +38,8 @@ class Server:
         self.named = load_models(config)
         self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
         self.runners = Runners(config, self.named, self.metrics)
-        self.tokenizers = {n.name: load_tokenizer(n.artifact) for n in self.named}
+        self.tokenizers = dict(zip((n.name for n in self.named), load_tokenizers(self.named),
+                                   strict=True))
         self.ports = Ports(config, self.metrics)
         self.draining = False
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from attnserve.artifact import Artifact, ArtifactError, load_artifact
 from attnserve.server.config import ConfigError, ModelSource, ServeConfig
+from attnserve.server.engine.tokenize import TextTokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -32,3 +33,14 @@ def load_models(config: ServeConfig, verify: tuple[str, ...] | None = None) -> l
                                           f"{name!r}; name one of them: --artifact NAME=DIR")
         models[name] = NamedArtifact(name, artifact, source)
     return list(models.values())
+
+
+def load_tokenizers(models: list[NamedArtifact]) -> list[TextTokenizer]:
+    """Each model's tokenizer; one that does not load is refused naming the flag too."""
+    tokenizers = []
+    for named in models:
+        try:
+            tokenizers.append(load_tokenizer(named.artifact))
+        except ArtifactError as err:
+            raise ArtifactError(f"--artifact {named.source}: {err}") from err
+    return tokenizers

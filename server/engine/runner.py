@@ -107,7 +107,10 @@ class Runners:
         self.models: list[ModelRunner] = []
         for named, backend in zip(models, backends, strict=True):
             manifest = named.artifact.manifest
-            memory_model = _memory_model(named.artifact, backend)
+            try:
+                memory_model = _memory_model(named.artifact, backend)
+            except ArtifactError as err:
+                raise ArtifactError(f"--artifact {named.source}: {err}") from err
             memory = self.budget.for_model(named.name, memory_model, manifest.num_heads,
                                            manifest.hidden_size)
             self.models.append(ModelRunner(named.name, named.artifact, backend, memory,

@@ -25,9 +25,8 @@ from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import Unavailable
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.queue import Limits, check_room
-from attnserve.server.engine.registry import load_models
+from attnserve.server.engine.registry import load_models, load_tokenizers
 from attnserve.server.engine.served_model import ServedModel
-from attnserve.server.engine.tokenize import load_tokenizer
 from attnserve.server.logs import setup_logging
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import load_memory_model
@@ -159,7 +158,7 @@ class FrontProcess:
         # process checked the graphs it loads).
         self.named = load_models(config, verify=(TOKENIZER,))
         self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
-        self.tokenizers = [load_tokenizer(n.artifact) for n in self.named]
+        self.tokenizers = load_tokenizers(self.named)
         self.ports = Ports(config, self.metrics)
         self.draining = False
 
@@ -258,6 +257,7 @@ def main() -> int:
     front = FrontProcess(config, shared, -1 if index == STANDBY else int(index),
                          b"\0" + address.encode())
     if index == STANDBY:
+        shared.fields.standby_ready = os.getpid()
         front.index = assignment(int(sys.argv[4]))
         log.info("event=standby_takes_over worker=%d", front.index)
     asyncio.run(front.run())

@@ -53,6 +53,8 @@ class _Fields(ctypes.Structure):
         # Set once a front end has drained: DRAINED, or DRAIN_TIMED_OUT.
         ("worker_drained", ctypes.c_int64 * MAX_WORKERS),
         ("engine_drained", ctypes.c_int64),
+        # The pid of the standby front end once it is loaded and waiting.
+        ("standby_ready", ctypes.c_int64),
     ]
 
 

@@ -18,8 +18,8 @@ and the engine's socket, starts the engine process, then N front ends, and watch
   of them did: the children stop only when it tells them to (signals.py), and die with
   it if it is killed.
 
-It writes the ready file (--ready-file) once the engine is warm and every front end is
-up, with every pid of the group."""
+It writes the ready file (--ready-file) once the engine is warm, every front end is up and
+the standby waits, with every pid of the group but the standby's."""
 
 import dataclasses
 import logging
@@ -135,6 +135,12 @@ class Group:
             self.shared.fields.worker_pids[index] = worker.pid
         self.workers[index] = worker
 
+    def _standby_waits(self) -> bool:
+        """The standby is loaded and waiting (or has died: the group serves without one)."""
+        process = self.standby[0] if self.standby is not None else None
+        return (process is None or process.poll() is not None
+                or self.shared.fields.standby_ready == process.pid)
+
     def _standby_wanted(self) -> bool:
         """No standby waits (the last took a dead front end's place, or died): start
         another, but not more often than STANDBY_RESTART_S after one that died waiting."""
@@ -196,6 +202,9 @@ class Group:
             time.sleep(POLL_S)
         for index in range(self.count):
             self._start_worker(index)
+        # The standby loads beside the front ends, so that its loading never competes with
+        # the calls of a group that serves.
+        self._start_standby()
         ready_written, ever_up = False, [False] * self.count
         while not self.stopping:
             if self.engine.poll() is not None:
@@ -215,7 +224,7 @@ class Group:
                             index, worker.pid, worker.returncode)
                 self._forget_worker(index)
                 self._start_worker(index)
-            if not ready_written and self.shared.whole():
+            if not ready_written and self.shared.whole() and self._standby_waits():
                 ready_written = True
                 self._ready()
             if ready_written and self._standby_wanted():

@@ -142,7 +142,9 @@ def test_a_bad_artifact_is_refused_at_start_naming_the_file(tiny_artifact, tmp_p
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     message = done.stderr
-    assert f"attnserve serve: {directory / name}:" in message, message[-2000:]
+    # One line, naming the flag and the artifact it came from, then the file at fault.
+    assert f"attnserve serve: --artifact {directory}: {directory / name}:" in message, \
+        message[-2000:]
     assert why in message, message[-2000:]
     assert "Traceback" not in message, message[-2000:]
     assert "event=serving" not in message

@@ -561,7 +561,8 @@ def test_a_signal_to_the_whole_process_group_drains_it_and_exits_0(tiny_artifact
 def test_the_groups_processes_die_with_a_killed_supervisor(tiny_artifact):
     with serve(tiny_artifact, "--workers", "2") as server:
         group = children(server.proc.pid)
-        pids = group["engine"] + group["front"]
+        pids = group["engine"] + group["front"] + group["standby"]
+        assert len(group["standby"]) == 1
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(30)
         try:
@@ -576,6 +577,12 @@ def test_the_groups_processes_die_with_a_killed_supervisor(tiny_artifact):
             with socket.socket() as sock:
                 # (SO_REUSEADDR: past the closed connections' TIME_WAIT, never a listener)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("127.0.0.1", port))
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    rows = [line for table in ("tcp", "tcp6")
+                            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+                            if int(line.split()[1].split(":")[1], 16) == port]
+                    raise AssertionError(f"port {port} still held: {rows}") from None
                 sock.listen()
     print(f"\nsupervisor killed: its {len(pids)} processes gone with it, the ports free")
