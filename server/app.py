@@ -3,11 +3,8 @@ batch loop -> the data plane -> the doors on their ports; drain on SIGTERM. One 
 or with --workers N (server/workers/) front-end processes around one engine process."""
 
 import asyncio
-import json
 import logging
-import os
 import signal
-from pathlib import Path
 
 from attnserve.server.config import ServeConfig
 from attnserve.server.doors.ports import Ports
@@ -17,16 +14,9 @@ from attnserve.server.engine.registry import load_models, load_tokenizers
 from attnserve.server.engine.runner import Runners
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.metrics import Metrics
+from attnserve.server.startup import write_ready_file
 
 log = logging.getLogger("attnserve.server")
-
-
-def write_ready_file(path: Path, ports: dict[str, int]) -> None:
-    """Tell whoever started the server that it serves, on which ports, as which pid:
-    written beside `path` and renamed onto it, so a reader never sees half a file."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps({**ports, "pid": os.getpid()}))
-    os.replace(partial, path)
 
 
 class Server:

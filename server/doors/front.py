@@ -12,7 +12,7 @@ import logging
 import time
 from pathlib import Path
 
-from attnserve.server.engine.errors import RequestError, Unauthenticated
+from attnserve.server.errors import RequestError, Unauthenticated
 from attnserve.server.metrics import Metrics, call_model
 
 log = logging.getLogger("attnserve.calls")

@@ -20,13 +20,13 @@ from grpc_status import rpc_status
 from attnserve.server.doors.front import CANCELLED, ApiKeys, CallRecord
 from attnserve.server.doors.grpc_wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import (
+from attnserve.server.engine.queue import DEADLINE_SLACK_S
+from attnserve.server.errors import (
     InvalidArgument,
     RequestError,
     ResourceExhausted,
     Unauthenticated,
 )
-from attnserve.server.engine.queue import DEADLINE_SLACK_S
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 

@@ -19,7 +19,6 @@ from attnserve.server.doors.grpc_encoder_pack import (
 )
 from attnserve.server.doors.grpc_wire import field_bytes
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import InvalidArgument
 from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.requests import (
     Chunking,
@@ -30,6 +29,7 @@ from attnserve.server.engine.requests import (
 )
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import Encoded
+from attnserve.server.errors import InvalidArgument
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 

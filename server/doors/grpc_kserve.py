@@ -23,9 +23,9 @@ from attnserve.server.doors.kserve import (
     repository_index,
 )
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import InvalidArgument
 from attnserve.server.engine.offload import COPY_BYTE_S
 from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.errors import InvalidArgument
 from attnserve.server.metrics import Metrics
 
 INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"

@@ -17,13 +17,13 @@ from aiohttp import web
 
 from attnserve.server.doors.front import CANCELLED, CallRecord
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import (
+from attnserve.server.engine.offload import JSON_BYTE_S
+from attnserve.server.errors import (
     Code,
     InvalidArgument,
     RequestError,
     TooLarge,
 )
-from attnserve.server.engine.offload import JSON_BYTE_S
 from attnserve.server.http_framing import MalformedBody
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics

@@ -25,10 +25,10 @@ from attnserve.server.doors.kserve import (
     repository_index,
 )
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import InvalidArgument, RequestError, quote
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
 from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
 from attnserve.server.engine.served_model import ServedModel
+from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.memory.ledger import Holds
 
 HEADER_LENGTH = "Inference-Header-Content-Length"

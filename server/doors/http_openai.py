@@ -25,7 +25,6 @@ from aiohttp import web
 from attnserve.artifact import pooled_output
 from attnserve.server.doors.http_calls import HttpCalls
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import InvalidArgument, RequestError, quote
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
     Chunking,
@@ -35,6 +34,7 @@ from attnserve.server.engine.requests import (
     ResponseSize,
 )
 from attnserve.server.engine.served_model import ServedModel
+from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"

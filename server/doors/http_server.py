@@ -27,7 +27,7 @@ from attnserve.server.doors.http_openai import OpenAIEmbeddings
 from attnserve.server.doors.http_openai import refusal as openai_refusal
 from attnserve.server.doors.openapi import openapi_document
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import NotFound, RequestError, Unauthenticated
+from attnserve.server.errors import NotFound, RequestError, Unauthenticated
 from attnserve.server.listener import Listener
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread

@@ -3,8 +3,8 @@ way: the server's name and version, each model's one version, its metadata and t
 repository index (Triton's extension), from the data plane's models."""
 
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import NotFound, quote
 from attnserve.server.engine.served_model import ServedModel
+from attnserve.server.errors import NotFound, quote
 
 SERVER_NAME = "attnserve"
 SERVER_VERSION = "0.1.0"

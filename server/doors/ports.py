@@ -19,6 +19,7 @@ from attnserve.server.doors.grpc_kserve import KServeService
 from attnserve.server.doors.http_server import HttpServers
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.metrics import Metrics, answered_by_code
+from attnserve.server.startup import PortInUse
 
 SERVICES = (
     encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
@@ -39,14 +40,6 @@ def credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
         return grpc.ssl_server_credentials(chain)
     return grpc.ssl_server_credentials(chain, root_certificates=config.tls_client_ca.read_bytes(),
                                        require_client_auth=True)
-
-
-class PortInUse(OSError):
-    """A port another process holds: a server never shares its ports by accident."""
-
-    def __init__(self, flag: str, address: str):
-        super().__init__(f"{flag}: {address}: address already in use (by another attnserve "
-                         "server, or another program); stop it or choose another port")
 
 
 class Ports:

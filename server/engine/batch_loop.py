@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT
-from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.queue import Limits, RequestQueue, State, Waiting
+from attnserve.server.errors import RequestError
 from attnserve.server.host import TRIM_AFTER_BYTES
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.memory.probe import MemoryProbe

@@ -10,9 +10,9 @@ server's."""
 import asyncio
 from collections.abc import Callable
 
-from attnserve.server.engine.errors import NotFound, Unavailable, quote
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.served_model import NOT_SERVING, ServedModel
+from attnserve.server.errors import NotFound, Unavailable, quote
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.ledger import Holds, trim_after
 from attnserve.server.metrics import Metrics, routed_to

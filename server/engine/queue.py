@@ -23,7 +23,7 @@ from itertools import islice
 import numpy as np
 
 from attnserve.server.config import ServeConfig
-from attnserve.server.engine.errors import (
+from attnserve.server.errors import (
     DeadlineExceeded,
     RequestError,
     ResourceExhausted,

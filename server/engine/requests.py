@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from attnserve.server.engine.errors import ResourceExhausted
+from attnserve.server.errors import ResourceExhausted
 from attnserve.server.runtime.backend import Outputs, SequenceResult
 
 

@@ -21,7 +21,6 @@ import numpy as np
 from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output, pooled_output
 from attnserve.server.engine.chunked import TextPlan, window_overlap
 from attnserve.server.engine.chunking import cut
-from attnserve.server.engine.errors import InvalidArgument, Unavailable, quote
 from attnserve.server.engine.offload import (
     CHUNK_S,
     COPY_BYTE_S,
@@ -49,11 +48,11 @@ from attnserve.server.engine.requests import (
     TokenizeRequest,
 )
 from attnserve.server.engine.tokenize import KEPT_BYTES_PER_ID, Encoded, TextTokenizer, TooLong
+from attnserve.server.errors import InvalidArgument, Unavailable, quote
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
-from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
-from attnserve.server.runtime.backends import Placement
+from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, Placement, SequenceResult
 
 ALL_ATTENTIONS = "attentions"
 """the output holding every layer's attention maps, stacked: [layers, batch, heads, seq, seq]"""

@@ -4,7 +4,7 @@ batch loop lets run together."""
 
 from collections.abc import Callable
 
-from attnserve.server.engine.errors import ResourceExhausted
+from attnserve.server.errors import ResourceExhausted
 from attnserve.server.memory.ledger import Ledger, Totals
 from attnserve.server.memory.model import MemoryModel, MemoryModels
 

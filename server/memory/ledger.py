@@ -15,7 +15,7 @@ import math
 import threading
 from concurrent.futures import Executor
 
-from attnserve.server.engine.errors import ResourceExhausted
+from attnserve.server.errors import ResourceExhausted
 from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
 
 MIB = 1 << 20

@@ -9,23 +9,20 @@ own business, so those can change without touching the queue or the loop.
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT
 from attnserve.server.runtime.shapes import Shape
 
-if TYPE_CHECKING:
-    from attnserve.server.runtime.backends import Placement
-
 Outputs = frozenset[str]
 """Graph outputs a batch must bring back: HIDDEN_OUTPUT and the pooled vectors
 (artifact.POOLED_OUTPUTS); attention maps are asked for by layer."""
 HIDDEN_ONLY: Outputs = frozenset({HIDDEN_OUTPUT})
 
-__all__ = ["HIDDEN_ONLY", "Backend", "BatchOutput", "Outputs", "SequenceResult", "Shape", "Strategy",
-           "DEFAULT_STRATEGY"]
+__all__ = ["DEFAULT_STRATEGY", "HIDDEN_ONLY", "Backend", "BatchOutput", "Outputs", "Placement",
+           "SequenceResult", "Shape", "Strategy"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +42,23 @@ class Strategy:
 
 
 DEFAULT_STRATEGY = Strategy()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an artifact's graphs would run."""
+
+    provider: str
+    """the backend's name for it, e.g. CPUExecutionProvider (keys the memory model)"""
+    precision: str
+    """fp32, fp16 or int8"""
+    device: str
+    """cpu or cuda"""
+    why: str
+    """one phrase: why this provider, for the start-up log"""
+    platform: str
+    """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
+
 
 
 @dataclass
@@ -82,7 +96,7 @@ class Backend(Protocol):
     """cpu or cuda"""
     platform: str
     """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
-    placement: "Placement"
+    placement: Placement
     """all of the above, as the backend resolved them"""
     precision: str
     """fp32, fp16 or int8"""

@@ -1,34 +1,20 @@
 """Which backend runs an artifact, and where: the one place the rest of the server gets a
 backend from.
 
-A backend module under server/runtime/ registers itself here under the artifact format it
-runs (`Manifest.runtime`; onnxruntime's is "onnx", ort_backend.py). The server asks for a
-backend by the artifact and the device flags (`create_backend`), or first only for where it
-would run (`place`: cheap, nothing loaded), and never names a framework or a provider:
-adding a backend is one module and one `register` call.
+A backend module under server/runtime/ offers a `KIND` (a BackendKind) for the artifact
+format it runs (`Manifest.runtime`), named in BUILTIN below: onnxruntime's is "onnx",
+ort_backend.py, imported only when an artifact of its format is served. The server asks
+for a backend by the artifact and the device flags (`create_backend`), or first only for
+where it would run (`place`: cheap, nothing loaded), and never names a framework or a
+provider: adding a backend is one module and one line in BUILTIN (or, from outside the
+server, one `register` call).
 """
 
-from dataclasses import dataclass
+import importlib
 from typing import Protocol
 
 from attnserve.artifact import Artifact, ArtifactError, Manifest
-from attnserve.server.runtime.backend import DEFAULT_STRATEGY, Backend, Strategy
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where an artifact's graphs would run."""
-
-    provider: str
-    """the backend's name for it, e.g. CPUExecutionProvider (keys the memory model)"""
-    precision: str
-    """fp32, fp16 or int8"""
-    device: str
-    """cpu or cuda"""
-    why: str
-    """one phrase: why this provider, for the start-up log"""
-    platform: str
-    """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
+from attnserve.server.runtime.backend import DEFAULT_STRATEGY, Backend, Placement, Strategy
 
 
 class BackendKind(Protocol):
@@ -42,6 +28,8 @@ class BackendKind(Protocol):
         ...
 
 
+BUILTIN = {"onnx": "attnserve.server.runtime.ort_backend"}
+"""runtime -> the module whose KIND runs it"""
 KINDS: dict[str, BackendKind] = {}
 
 
@@ -50,11 +38,12 @@ def register(runtime: str, kind: BackendKind) -> None:
 
 
 def kind_of(manifest: Manifest, where: str = "manifest.json") -> BackendKind:
-    _load_builtin()
+    if manifest.runtime not in KINDS and manifest.runtime in BUILTIN:
+        register(manifest.runtime, importlib.import_module(BUILTIN[manifest.runtime]).KIND)
     kind = KINDS.get(manifest.runtime)
     if kind is None:
         raise ArtifactError(f"{where}: runtime {manifest.runtime!r} is not one this server runs "
-                            f"({', '.join(sorted(KINDS))})")
+                            f"({', '.join(sorted(KINDS.keys() | BUILTIN.keys()))})")
     return kind
 
 
@@ -67,11 +56,3 @@ def create_backend(artifact: Artifact, device: str = "auto", precision: str = "a
                    intra_op_threads: int = 0, strategy: Strategy = DEFAULT_STRATEGY) -> Backend:
     kind = kind_of(artifact.manifest, str(artifact.path("manifest.json")))
     return kind.create(artifact, device, precision, intra_op_threads, strategy)
-
-
-
-def _load_builtin() -> None:
-    """The backends that ship with the server register themselves on first use, so that
-    importing this module loads no framework."""
-    if "onnx" not in KINDS:
-        from attnserve.server.runtime import ort_backend  # noqa: F401 - registers "onnx"

@@ -45,9 +45,9 @@ from attnserve.server.runtime.backend import (
     HIDDEN_ONLY,
     BatchOutput,
     Outputs,
+    Placement,
     Strategy,
 )
-from attnserve.server.runtime.backends import Placement, register
 from attnserve.server.runtime.shapes import Shape, ShapeBuckets
 
 log = logging.getLogger("attnserve.backend")
@@ -434,4 +434,4 @@ class OnnxKind:
         return OrtBackend(artifact, device, precision, intra_op_threads, strategy)
 
 
-register("onnx", OnnxKind())
+KIND = OnnxKind()

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from attnserve.server.config import config_from_json
-from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
 from attnserve.server.engine.queue import RequestQueue
 from attnserve.server.engine.registry import load_models
 from attnserve.server.engine.runner import Runners
+from attnserve.server.errors import RequestError
 from attnserve.server.host import resident_bytes_of
 from attnserve.server.logs import setup_logging
 from attnserve.server.metrics import Metrics

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnserve.server.engine.errors import (
+from attnserve.server.errors import (
     DeadlineExceeded,
     RequestError,
     ResourceExhausted,
     Unavailable,
 )
-from attnserve.server.runtime.backend import Outputs, SequenceResult
-from attnserve.server.runtime.backends import Placement
+from attnserve.server.runtime.backend import Outputs, Placement, SequenceResult
 
 ERRORS = {cls.__name__: cls for cls in (RequestError, ResourceExhausted, Unavailable,
                                         DeadlineExceeded)}

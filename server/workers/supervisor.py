@@ -37,9 +37,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from attnserve.server.config import ServeConfig, config_to_json
-from attnserve.server.doors.ports import PortInUse
 from attnserve.server.host import gpu_present, usable_cores
 from attnserve.server.metrics import answered_by_code
+from attnserve.server.startup import PortInUse, write_ready_file
 from attnserve.server.workers import signals
 from attnserve.server.workers.shared import (
     CONFIG_ENV,
@@ -233,8 +233,6 @@ class Group:
         return self._shut_down(0)
 
     def _ready(self) -> None:
-        from attnserve.server.app import write_ready_file
-
         config, fields = self.front_config, self.shared.fields
         pids = self.shared.pids()
         log.info("event=serving workers=%d port=%d http_port=%d metrics_port=%d tls=%s mtls=%s "

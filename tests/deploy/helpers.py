@@ -65,34 +65,10 @@ SERVE_FLAGS = {
     "--precision",
 }
 
-# The metric names the server exports (the observability contract);
-# test_consistency.py reads the real ones from a live scrape.
-EXPORTED_METRICS = {
-    "attnserve_request_duration_seconds",
-    "attnserve_requests_total",
-    "attnserve_stage_duration_seconds",
-    "attnserve_batch_size",
-    "attnserve_batch_tokens",
-    "attnserve_sequence_length_tokens",
-    "attnserve_inference_duration_seconds",
-    "attnserve_batch_peak_memory_bytes",
-    "attnserve_batch_predicted_memory_bytes",
-    "attnserve_device_memory_used_bytes",
-    "attnserve_device_memory_total_bytes",
-    "attnserve_queue_depth",
-    "attnserve_inflight_requests",
-    "attnserve_info",
-    "attnserve_health_serving",
-    "attnserve_dropped_sequences_total",
-    "attnserve_unseen_shape_runs_total",
-    "attnserve_memory_waits_total",
-    "attnserve_worker_deaths_total",
-}
-
-# Those of them counted per model, with a `model` label (the rest are the pod's:
-# device memory, in flight, health, worker deaths). The dashboard filters these,
-# and only these, by its `model` variable; test_consistency.py checks the set
-# against a live scrape of a server of two models.
+# The metric names the server exports (the observability contract), in two sets:
+# test_consistency.py reads the real ones from a live scrape of a server of two models.
+# Those counted per model, with a `model` label: the dashboard filters these, and only
+# these, by its `model` variable.
 MODEL_LABELLED = {
     "attnserve_request_duration_seconds",
     "attnserve_requests_total",
@@ -108,6 +84,14 @@ MODEL_LABELLED = {
     "attnserve_dropped_sequences_total",
     "attnserve_unseen_shape_runs_total",
     "attnserve_memory_waits_total",
+}
+# ... and the pod's own: device memory, in flight, health, worker deaths.
+EXPORTED_METRICS = MODEL_LABELLED | {
+    "attnserve_device_memory_used_bytes",
+    "attnserve_device_memory_total_bytes",
+    "attnserve_inflight_requests",
+    "attnserve_health_serving",
+    "attnserve_worker_deaths_total",
 }
 
 _METRIC_RE = re.compile(r"\battnserve_[A-Za-z0-9_]+")

@@ -28,18 +28,17 @@ from attnserve.artifact import (
 )
 from attnserve.server.config import ModelSource, ServeConfig
 from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.errors import NotFound
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.registry import load_models
 from attnserve.server.engine.requests import EmbedRequest, ResponseSize
 from attnserve.server.engine.runner import Runners
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import load_tokenizer
+from attnserve.server.errors import NotFound
 from attnserve.server.memory.model import EMBEDDINGS, model_key, save_entries
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime import backends
-from attnserve.server.runtime.backend import BatchOutput, Strategy
-from attnserve.server.runtime.backends import Placement
+from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy
 from bench.harness import minilm_dir
 
 HIDDEN, HEADS, LAYERS, VOCAB = 8, 2, 1, 30522

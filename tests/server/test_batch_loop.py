@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from attnserve.artifact import load_artifact
 from attnserve.server.engine.batch_loop import MAX_PADDING_RATIO
-from attnserve.server.engine.errors import RequestError
 from attnserve.server.engine.queue import Limits, State
 from attnserve.server.engine.runner import ModelRunner
+from attnserve.server.errors import RequestError
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe

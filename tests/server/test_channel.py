@@ -10,9 +10,8 @@ import socket
 import numpy as np
 import pytest
 
-from attnserve.server.engine.errors import DeadlineExceeded, RequestError, ResourceExhausted
-from attnserve.server.runtime.backend import SequenceResult
-from attnserve.server.runtime.backends import Placement
+from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted
+from attnserve.server.runtime.backend import Placement, SequenceResult
 from attnserve.server.workers import messages
 from attnserve.server.workers.channel import INLINE_BYTES, Channel, decode, encode
 
