@@ -163,8 +163,8 @@ _HELP = {
             "0: one the OS picks (see --ready-file)",
     "metrics_host": "address the Prometheus /metrics port binds to",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
-    "http_port": "HTTP port on --host: OpenAI-compatible /v1/embeddings, KServe v2 REST "
-                 "(/v2/...), GET /health (0 disables it)",
+    "http_port": "HTTP port on --host: OpenAI's, Infinity's and TEI's routes, KServe v2 REST "
+                 "(/v2/...), GET /health, /openapi.json and its page /docs (0 disables it)",
     "http_max_body_bytes": "largest HTTP request body (413 past it); it bounds the time "
                            "parsing one JSON body holds the interpreter (~7 ms per MiB of "
                            "texts, ~45 ms per MiB of one-id lists)",

@@ -45,16 +45,18 @@ class Cors:
                 or self.allowed(request) is None:
             return await handler(request)
         return web.Response(status=204, headers={
+            hdrs.ACCESS_CONTROL_ALLOW_ORIGIN: self.allowed(request),
             hdrs.ACCESS_CONTROL_ALLOW_METHODS: METHODS,
             hdrs.ACCESS_CONTROL_ALLOW_HEADERS: HEADERS,
             hdrs.ACCESS_CONTROL_MAX_AGE: str(MAX_AGE_S)})
 
     async def mark(self, request: web.Request, response: web.StreamResponse) -> None:
         """on_response_prepare: every answer to an allowed origin (errors too, so a page
-        can read why), and the preflight's. An answer that depends on the origin says so,
-        so that no cache hands one origin's answer to another."""
+        can read why) but to an OPTIONS that is no preflight allowed. An answer that
+        depends on the origin says so, so that no cache hands one origin's answer to
+        another."""
         if self.origins and not self.any:
             response.headers.add(hdrs.VARY, hdrs.ORIGIN)
         origin = self.allowed(request)
-        if origin is not None:
+        if origin is not None and request.method != hdrs.METH_OPTIONS:
             response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = origin
