@@ -44,7 +44,6 @@ from attnserve.server.engine.errors import InvalidArgument, RequestError, quote
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.requests import (
     DecodeRequest,
-    Embedded,
     EmbedRequest,
     ResponseSize,
     TokenizeRequest,
@@ -243,7 +242,7 @@ class TeiHttp:
         body = await self._body(request, holds, parse_embed_all)
         model = self.plane.model(None)
         hidden = model.manifest.hidden_size
-        embedded: Embedded = await model.embed(EmbedRequest(
+        embedded = await model.embed(EmbedRequest(
             names=body.names, size=self._size(LIST_BYTES, LIST_BYTES + hidden * JSON_FLOAT_BYTES),
             truncate=body.truncate, outputs=frozenset({HIDDEN_OUTPUT}), **body.inputs), holds, None)
         seconds = len(embedded.results) * RESULT_S + embedded.total_tokens * hidden * FLOAT_TEXT_S
