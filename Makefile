@@ -63,10 +63,14 @@ docs: $(BIN)/attnserve
 	$(BIN)/python docs/generate.py
 
 # promtool and prometheus (Debian's `prometheus` package) for the metrics and rules tests;
+# headless Chromium and its driver (`chromium`, `chromium-driver`) for the /docs page test;
 # kubectl (with kustomize) comes with the machine image.
+TOOLS := promtool:prometheus chromium:chromium chromedriver:chromium-driver
 tools:
-	command -v promtool >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	missing=; for tool in $(TOOLS); do command -v $${tool%%:*} >/dev/null || \
+		missing="$$missing $${tool#*:}"; done; \
+	[ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install \
+		-y -qq --no-install-recommends $$missing; }
 
 # checkov, the security linter the deploy tests run on the rendered manifests, in its own
 # environment: its pins clash with the project's (protobuf among them).

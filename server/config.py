@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 
 class ConfigError(ValueError):
@@ -47,8 +48,29 @@ class ModelSource:
         return str(self.path) if self.name is None else f"{self.name}={self.path}"
 
 
-# Several artifacts in one environment variable are separated by commas.
-ARTIFACT_SEPARATOR = ","
+# Several values of a repeatable flag in one value (the environment twin's, or a flag's:
+# --cors-allow-origin A,B) are separated by commas.
+SEPARATOR = ","
+ANY_ORIGIN = "*"
+
+
+def cors_origin(text: str, source: str | None = None) -> str:
+    """One `--cors-allow-origin`: `*`, or an origin as a browser sends it in `Origin`
+    (scheme://host[:port], nothing after it), lower-cased as browsers send it."""
+    origin = text.strip()
+    if origin == ANY_ORIGIN:
+        return origin
+    try:
+        parts = urlsplit(origin)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as err:
+        raise ConfigError("cors_allow_origin", f"{text!r}: not an origin ({err})", source) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username is not None \
+            or parts.path or parts.query or parts.fragment or origin.endswith(("?", "#")):
+        raise ConfigError("cors_allow_origin", f"{text!r}: not an origin; write * or "
+                                               "scheme://host[:port], e.g. https://app.example.com "
+                                               "(no path, no trailing slash)", source)
+    return origin.lower()
 
 
 @dataclass(frozen=True)
@@ -85,6 +107,7 @@ class ServeConfig:
     tls_client_ca: Path | None = None
     api_key: str | None = None
     api_key_file: Path | None = None
+    cors_allow_origin: tuple[str, ...] = ()
     log_level: str = "info"
     ready_file: Path | None = None
 
@@ -140,8 +163,8 @@ _HELP = {
             "0: one the OS picks (see --ready-file)",
     "metrics_host": "address the Prometheus /metrics port binds to",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
-    "http_port": "HTTP port on --host: OpenAI-compatible /v1/embeddings, KServe v2 REST "
-                 "(/v2/...), GET /health (0 disables it)",
+    "http_port": "HTTP port on --host: OpenAI's, Infinity's and TEI's routes, KServe v2 REST "
+                 "(/v2/...), GET /health, /openapi.json and its page /docs (0 disables it)",
     "http_max_body_bytes": "largest HTTP request body (413 past it); it bounds the time "
                            "parsing one JSON body holds the interpreter (~7 ms per MiB of "
                            "texts, ~45 ms per MiB of one-id lists)",
@@ -202,12 +225,20 @@ _HELP = {
                "'authorization: Bearer KEY', HTTP header 'Authorization: Bearer KEY'",
     "api_key_file": "file of API keys, one a line (a mounted Kubernetes Secret), taken as "
                     "--api-key is; both may be given",
+    "cors_allow_origin": "let web pages of this origin (scheme://host[:port], or * for any) "
+                         "call the HTTP port from a browser: preflights answered, answers "
+                         "marked for it; repeat it or separate origins by commas. None by "
+                         "default",
     "log_level": "the least severe log lines written",
     "ready_file": "once health is SERVING, write {\"port\", \"metrics_port\", \"http_port\", "
                   "\"pid\"} as JSON to this file (whole: written beside it, then renamed), "
                   "for whoever started the server and waits for it",
 }
 _TYPE_NAMES = {int: "an integer", float: "a number"}
+# The flags that may be given more than once: how each value is read, and whether a flag's
+# value is split at commas too (an artifact's path may hold one; the twin's is always split).
+REPEATED = {"artifact": (ModelSource.parse, False), "cors_allow_origin": (cors_origin, True)}
+_METAVARS = {"artifact": "[NAME=]DIR", "cors_allow_origin": "ORIGIN"}
 
 
 def flag(field: str) -> str:
@@ -229,13 +260,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ServeConfig field, taken as text: `config_from_args` converts and checks
     flags and environment twins alike."""
     for field in fields(ServeConfig):
-        default = "" if field.default is MISSING or field.default is None else \
-            f"; default {field.default}"
+        default = "" if field.default in (MISSING, None, ()) else f"; default {field.default}"
         choices = CHOICES.get(field.name)
-        repeated = field.name == "artifact"
+        repeated = field.name in REPEATED
         parser.add_argument(flag(field.name), default=None, action="append" if repeated else "store",
                             metavar="{" + ",".join(choices) + "}" if choices else
-                            "[NAME=]DIR" if repeated else None,
+                            _METAVARS.get(field.name),
                             help=f"{_HELP[field.name]}{default} (env {env_name(field.name)})")
 
 
@@ -252,10 +282,12 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             if raw == "":
                 continue
             from_env.add(name)
-        if name == "artifact":
-            texts = raw if isinstance(raw, list) else raw.split(ARTIFACT_SEPARATOR)
-            values[name] = tuple(ModelSource.parse(text, _source(name, from_env))
-                                 for text in texts if text)
+        if name in REPEATED:
+            parse, split_flags = REPEATED[name]
+            texts = raw if isinstance(raw, list) and not split_flags else [
+                text for value in (raw if isinstance(raw, list) else [raw])
+                for text in value.split(SEPARATOR)]
+            values[name] = tuple(parse(text, _source(name, from_env)) for text in texts if text)
             continue
         kind = _field_type(name)
         try:
@@ -282,7 +314,7 @@ def config_to_json(config: ServeConfig) -> str:
         if value is None or isinstance(value, int | float | str):
             return value
         if isinstance(value, tuple):
-            return [[str(source.path), source.name] for source in value]
+            return [[str(v.path), v.name] if isinstance(v, ModelSource) else v for v in value]
         return str(value)
     return json.dumps({f.name: plain(getattr(config, f.name)) for f in fields(config)})
 
@@ -290,5 +322,6 @@ def config_to_json(config: ServeConfig) -> str:
 def config_from_json(text: str) -> ServeConfig:
     values = json.loads(text)
     values["artifact"] = tuple(ModelSource(Path(path), name) for path, name in values["artifact"])
-    return ServeConfig(**{name: value if value is None or name == "artifact"
+    values["cors_allow_origin"] = tuple(values["cors_allow_origin"])
+    return ServeConfig(**{name: value if value is None or name in REPEATED
                           else _field_type(name)(value) for name, value in values.items()})

@@ -1,6 +1,6 @@
-"""What every door shares, written once: the record of each call (in-flight gauge,
-latency and count by status), how an exception becomes the status a caller gets, the log
-line a refusal makes, and the API keys.
+"""What every door shares, written once: the server's name and version, the record of
+each call (in-flight gauge, latency and count by status), how an exception becomes the
+status a caller gets, the log line a refusal makes, and the API keys.
 
 The metrics' `code` label carries the gRPC status name for every door (OK,
 INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), so one alert rule and one dashboard panel read
@@ -18,6 +18,8 @@ from attnserve.server.metrics import Metrics, call_model
 log = logging.getLogger("attnserve.calls")
 
 OK, CANCELLED = "OK", "CANCELLED"
+SERVER_NAME = "attnserve"
+SERVER_VERSION = "0.1.0"
 
 
 class CallRecord:

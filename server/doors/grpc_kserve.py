@@ -12,12 +12,11 @@ import numpy as np
 
 from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
+from attnserve.server.doors.front import SERVER_NAME, SERVER_VERSION
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
 from attnserve.server.doors.grpc_wire import field_bytes
 from attnserve.server.doors.kserve import (
     MODEL_VERSION,
-    SERVER_NAME,
-    SERVER_VERSION,
     find_model,
     model_metadata,
     repository_index,

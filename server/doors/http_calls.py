@@ -1,7 +1,8 @@
 """What every HTTP route shares: its call record and status (server/doors/front.py), the
 body read within its limits and time and held in the memory ledger only as its bytes
-arrive, JSON counted before it is parsed and parsed off the event loop, and errors
-turned into HTTP statuses in the route's own error shape.
+arrive, JSON counted before it is parsed and parsed off the event loop, a body's fields
+checked by name, texts or token ids read from a JSON field, and errors turned into HTTP
+statuses in the route's own error shape.
 
 The cheap limits come first: the content type and encoding and the declared length are
 checked before any byte of the body is read, and a JSON body's entries are counted
@@ -23,6 +24,7 @@ from attnserve.server.errors import (
     InvalidArgument,
     RequestError,
     TooLarge,
+    quote,
 )
 from attnserve.server.http_framing import MalformedBody
 from attnserve.server.memory.ledger import Holds
@@ -47,6 +49,9 @@ _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 # Types a web page can post to another origin without asking first (no CORS preflight):
 # never accepted, so that a page cannot make a visitor's browser call the server.
 CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+# The most a float32 takes in a JSON body: orjson's shortest repr (-1.1754944e-38) and a comma.
+JSON_FLOAT_BYTES = 16
+SEQUENCE_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
 
 class UnsupportedMediaType(RequestError):
@@ -69,6 +74,77 @@ def http_status(err: RequestError) -> int:
     if isinstance(err, TooLarge):
         return 413
     return HTTP_STATUS.get(err.code, 500)
+
+
+def known_fields(body, known: tuple[str, ...]) -> dict:
+    """A JSON body that must be an object of these fields and no others."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "expected a JSON object")
+    for name in body:
+        if name not in known:
+            raise InvalidArgument(name[:64], f"unknown field; known: {', '.join(known)}")
+    return body
+
+
+class SequenceNames:
+    """The names of a JSON field of texts or token ids and of its parts, as the route's
+    callers know them (`input`, `input[3]`, `input[3][5]`); a lone string or id list is
+    the field itself."""
+
+    chunking = "chunking"
+
+    def __init__(self, field: str, single: bool):
+        self.sequences = field
+        self.single = single
+
+    def sequence(self, index: int) -> str:
+        return self.sequences if self.single else f"{self.sequences}[{index}]"
+
+    def token(self, index: int, position: int) -> str:
+        return f"{self.sequence(index)}[{position}]"
+
+
+def token_ids(value, field: str, empty: type[InvalidArgument] = InvalidArgument) -> list[int]:
+    """One JSON list of token ids; `empty`: the error for an empty one."""
+    if not isinstance(value, list):
+        raise InvalidArgument(field, f"{quote(value)}; expected a list of token ids")
+    if not value:
+        raise empty(field, "an empty list; send at least one token id")
+    for j, token in enumerate(value):
+        if type(token) is not int:  # bool is an int to Python, not to JSON
+            raise InvalidArgument(f"{field}[{j}]", f"{quote(token)} is not a token id (an integer)")
+    return value
+
+
+def sequences(value, field: str, empty: type[InvalidArgument] = InvalidArgument,
+              ids: bool = True) -> tuple[dict, SequenceNames]:
+    """EmbedRequest's texts or token_ids from a JSON field holding a string, a list of
+    strings, a list of token ids or a list of lists of token ids (texts alone without
+    `ids`), and their names; `empty`: the error for an empty string or list."""
+    forms = SEQUENCE_FORMS if ids else "a string or a list of strings"
+    if isinstance(value, str):
+        if not value:
+            raise empty(field, "an empty string; send text")
+        return {"texts": [value]}, SequenceNames(field, True)
+    if not isinstance(value, list):
+        raise InvalidArgument(field, f"{quote(value)}; expected {forms}")
+    if not value:
+        raise empty(field, f"an empty list; expected {forms}, not empty")
+    first, names = value[0], SequenceNames(field, False)
+    if isinstance(first, str):
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                raise InvalidArgument(f"{field}[{i}]", f"{quote(text)}; expected a string, as "
+                                      f"{field}[0] is")
+            if not text:
+                raise empty(f"{field}[{i}]", "an empty string; send text")
+        return {"texts": value}, names
+    if ids and isinstance(first, list):
+        return {"token_ids": [token_ids(entry, f"{field}[{i}]", empty)
+                              for i, entry in enumerate(value)]}, names
+    if ids and type(first) is int:
+        return {"token_ids": [token_ids(value, field, empty)]}, SequenceNames(field, True)
+    raise InvalidArgument(field, f"expected {forms}; {field}[0] is {quote(first)}")
 
 
 def json_entries(body: bytes, limit: int) -> int:

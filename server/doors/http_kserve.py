@@ -15,11 +15,10 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.doors.front import SERVER_NAME, SERVER_VERSION
+from attnserve.server.doors.http_calls import JSON_FLOAT_BYTES, HttpCalls
 from attnserve.server.doors.kserve import (
     MODEL_VERSION,
-    SERVER_NAME,
-    SERVER_VERSION,
     find_model,
     model_metadata,
     repository_index,
@@ -34,8 +33,6 @@ from attnserve.server.memory.ledger import Holds
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Triton's extensions this door implements: binary tensor data, and the repository index.
 EXTENSIONS = ["binary_tensor_data", "model_repository"]
-# The most a float32 takes as JSON data (orjson's shortest repr and a comma).
-FLOAT_BYTES = 16
 ADVICE = "request fewer attentions.K outputs, binary_data outputs, or a smaller batch"
 _DIGITS = re.compile(r"[0-9]{1,12}")
 
@@ -173,7 +170,7 @@ class InferCall:
             total = 256 + len(self.id or "") * 6
             for name, shape in shapes:
                 values = int(np.prod(shape, dtype=np.int64))
-                total += 128 + values * (4 if self.travels_binary(name) else FLOAT_BYTES)
+                total += 128 + values * (4 if self.travels_binary(name) else JSON_FLOAT_BYTES)
             return ResponseSize(lambda _: total, limit, ADVICE)
         return for_outputs
 

@@ -1,9 +1,12 @@
 """POST /v1/embeddings as OpenAI defines it, through the data plane: the JSON body becomes an
 EmbedRequest for mean-pooled, normalised vectors (as OpenAI's are), and the result
 becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
-come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}. `model` names
-one of the server's models, as GET /v1/models lists them; without it, the server's
-default (its first) answers, as TEI's, Infinity's and vLLM's do.
+come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}, a field the
+route does not know among them. `model` names one of the server's models, as GET
+/v1/models lists them; without it, the server's default (its first) answers, as TEI's,
+Infinity's and vLLM's do. Infinity serves the same API without /v1 (POST /embeddings,
+GET /models), with a few fields of its own both ways: those routes are here too, on the
+same code.
 
 Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
 included, as gRPC's token_ids are. Beyond OpenAI's fields, `truncate` (default false) cuts
@@ -17,13 +20,22 @@ counts the tokens run through the model, every window's or chunk's."""
 
 import base64
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
 from attnserve.artifact import pooled_output
-from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.doors.http_calls import (
+    JSON_FLOAT_BYTES,
+    SEQUENCE_FORMS,
+    HttpCalls,
+    SequenceNames,
+    known_fields,
+    sequences,
+)
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
@@ -38,11 +50,16 @@ from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"
+INFINITY_RPC = "http:/embeddings"
+FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate", "chunking")
+# Infinity's body: OpenAI's, and the inputs' modality.
+INFINITY_FIELDS = (*FIELDS, "modality")
+# The model Infinity's clients name when they name none.
+INFINITY_DEFAULT_MODEL = "default/not-specified"
+# Infinity's model objects say who owns them as a constant its own client insists on.
+INFINITY_OWNER = "infinity"
 ENCODINGS = ("float", "base64")
-INPUT_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
-# The most a float32 takes in the body: orjson's shortest repr (-1.1754944e-38) and a comma.
-FLOAT_BYTES = 16
-# ... and as base64: 4 bytes are 5⅓ characters.
+# A float32 as base64: 4 bytes are 5⅓ characters.
 BASE64_FLOAT_BYTES = 6
 ITEM_BYTES = 64
 """{"object":"embedding","index":N,"embedding":...} around each vector"""
@@ -66,57 +83,6 @@ ERROR_KINDS = {
     503: ("server_error", "service_unavailable"),
     504: ("server_error", "timeout"),
 }
-
-
-class InputNames:
-    """OpenAI's names: `input[3]`, `input[3][5]`; a single string or id list is `input`."""
-
-    sequences = "input"
-    chunking = "chunking"
-
-    def __init__(self, single: bool):
-        self.single = single
-
-    def sequence(self, index: int) -> str:
-        return "input" if self.single else f"input[{index}]"
-
-    def token(self, index: int, position: int) -> str:
-        return f"{self.sequence(index)}[{position}]"
-
-
-SINGLE, LIST = InputNames(True), InputNames(False)
-
-
-def _ids(value, field: str) -> list[int]:
-    if not isinstance(value, list) or not value:
-        raise InvalidArgument(field, "expected a non-empty list of token ids")
-    for j, token in enumerate(value):
-        if type(token) is not int:  # bool is an int to Python, not to JSON
-            raise InvalidArgument(f"{field}[{j}]", f"{quote(token)} is not a token id (an integer)")
-    return value
-
-
-def _inputs(value) -> tuple[dict, InputNames]:
-    """EmbedRequest fields for OpenAI's `input`, and its names."""
-    if isinstance(value, str):
-        if not value:
-            raise InvalidArgument("input", "an empty string; send text to embed")
-        return {"texts": [value]}, SINGLE
-    if not isinstance(value, list) or not value:
-        raise InvalidArgument("input", f"expected {INPUT_FORMS}, not empty")
-    first = value[0]
-    if isinstance(first, str):
-        for i, text in enumerate(value):
-            if not isinstance(text, str):
-                raise InvalidArgument(f"input[{i}]", "expected a string, like input[0]")
-            if not text:
-                raise InvalidArgument(f"input[{i}]", "an empty string; send text to embed")
-        return {"texts": value}, LIST
-    if isinstance(first, list):
-        return {"token_ids": [_ids(ids, f"input[{i}]") for i, ids in enumerate(value)]}, LIST
-    if type(first) is int:
-        return {"token_ids": [_ids(value, "input")]}, SINGLE
-    raise InvalidArgument("input", f"expected {INPUT_FORMS}")
 
 
 def _chunking(value) -> Chunking:
@@ -150,12 +116,11 @@ class Parsed:
     chunking: Chunking | None
     inputs: dict
     """EmbedRequest's texts or token_ids"""
-    names: InputNames
+    names: SequenceNames
 
 
 def parse(body) -> Parsed:
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", "expected a JSON object")
+    known_fields(body, FIELDS)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgument("model", f"{quote(model)}; expected a string")
@@ -173,15 +138,30 @@ def parse(body) -> Parsed:
     if user is not None and not isinstance(user, str):
         raise InvalidArgument("user", f"{quote(user)}; expected a string")
     if "input" not in body:
-        raise InvalidArgument("input", f"required: {INPUT_FORMS}")
+        raise InvalidArgument("input", f"required: {SEQUENCE_FORMS}")
     chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
-    fields, names = _inputs(body["input"])
-    return Parsed(model, encoding, dimensions, truncate, chunking, fields, names)
+    inputs, names = sequences(body["input"], "input")
+    return Parsed(model, encoding, dimensions, truncate, chunking, inputs, names)
+
+
+def parse_infinity(body) -> Parsed:
+    """Infinity's body: OpenAI's, with text as its only modality, its name for no model,
+    and dimensions 0 for the model's own size."""
+    known_fields(body, INFINITY_FIELDS)
+    modality = body.get("modality", "text")
+    if modality != "text":
+        raise InvalidArgument("modality", f"{quote(modality)}; this server embeds text only")
+    # Infinity's ways of saying "not set", each of its own type (dimensions false is no 0).
+    unset = {"modality": "text", "model": INFINITY_DEFAULT_MODEL, "dimensions": 0}
+    return parse({name: value for name, value in body.items() if name not in unset
+                  or type(value) is not type(unset[name]) or value != unset[name]})
 
 
 class OpenAIEmbeddings:
     """POST /v1/embeddings, and the models listed as OpenAI lists them: GET /v1/models and
-    GET /v1/models/{model}."""
+    GET /v1/models/{model}; Infinity's POST /embeddings and GET /models, OpenAI's without
+    /v1, their bodies Infinity's (the answer's `id` and `created`, each model's `backend`,
+    `capabilities` and `stats`)."""
 
     def __init__(self, calls: HttpCalls, plane: DataPlane, max_response_bytes: int):
         self.calls = calls
@@ -193,7 +173,9 @@ class OpenAIEmbeddings:
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/embeddings", self.handle), web.get("/v1/models", self.list_models),
-                web.get("/v1/models/{model:.+}", self.get_model)]
+                web.get("/v1/models/{model:.+}", self.get_model),
+                web.post("/embeddings", self.infinity_embeddings),
+                web.get("/models", self.infinity_models)]
 
     def request(self, parsed: Parsed, model: ServedModel) -> EmbedRequest:
         """The model's request for a parsed body: `dimensions` and the response's size
@@ -202,7 +184,7 @@ class OpenAIEmbeddings:
         if parsed.dimensions is not None and parsed.dimensions != hidden:
             raise InvalidArgument("dimensions", f"{quote(parsed.dimensions)}; {model.name!r} has "
                                   f"one size, {hidden}: omit dimensions or set it to that")
-        per_float = FLOAT_BYTES if parsed.encoding == "float" else BASE64_FLOAT_BYTES
+        per_float = JSON_FLOAT_BYTES if parsed.encoding == "float" else BASE64_FLOAT_BYTES
         item = ITEM_BYTES + hidden * per_float
         head = 256 + len(model.name.encode()) * 6
         if parsed.chunking is None:
@@ -219,7 +201,8 @@ class OpenAIEmbeddings:
         return (base64.b64encode(vector.astype("<f4").tobytes()).decode()
                 if encoding == "base64" else vector)
 
-    def body(self, model: str, embedded: Embedded, encoding: str) -> bytes:
+    def body(self, model: str, embedded: Embedded, encoding: str, more: dict) -> bytes:
+        """`more`: fields beside OpenAI's."""
         data = [{"object": "embedding", "index": index,
                  "embedding": self._vector(result.pooled[self.pooled], encoding)}
                 for index, result in enumerate(embedded.results)]
@@ -232,25 +215,42 @@ class OpenAIEmbeddings:
                              "num_tokens": count})
         tokens = embedded.total_tokens
         return orjson.dumps({"object": "list", "data": data, "model": model,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, **more},
                             option=orjson.OPT_SERIALIZE_NUMPY)
 
-    async def _embed(self, request: web.Request, holds: Holds) -> web.Response:
+    async def _embed(self, request: web.Request, holds: Holds, read=parse,
+                     more: Callable[[], dict] = dict) -> web.Response:
+        """`read`: the body's parser; `more()`: the answer's fields beside OpenAI's."""
         self.plane.check_ready()
         self.calls.check_type(request, ("application/json",))
         body = await self.calls.body(request, holds)
-        parsed = await self.calls.json(body, parse)
+        parsed = await self.calls.json(body, read)
         model = self.plane.model(parsed.model)
         embedded = await model.embed(self.request(parsed, model), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
         hidden = model.manifest.hidden_size
         payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self.body,
-                                   model.name, embedded, parsed.encoding)
+                                   model.name, embedded, parsed.encoding, more())
         return web.Response(body=payload, content_type="application/json")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         return await self.calls.answer(RPC, request, lambda holds: self._embed(request, holds),
                                        refusal)
+
+    async def infinity_embeddings(self, request: web.Request) -> web.StreamResponse:
+        def more() -> dict:
+            return {"id": f"attnserve-{uuid.uuid4()}", "created": int(time.time())}
+        return await self.calls.answer(
+            INFINITY_RPC, request, lambda holds: self._embed(request, holds, parse_infinity, more),
+            refusal)
+
+    async def infinity_models(self, request: web.Request) -> web.StreamResponse:
+        async def handle(holds: Holds) -> web.Response:
+            return web.json_response({"object": "list", "data": [
+                {**self._model_object(m), "owned_by": INFINITY_OWNER,
+                 "backend": m.placement.platform, "capabilities": ["embed"], "stats": {}}
+                for m in self.plane.models.values()]})
+        return await self.calls.answer("http:/models", request, handle, refusal)
 
     def _model_object(self, model: ServedModel) -> dict:
         return {"id": model.name, "object": "model", "created": self.created,

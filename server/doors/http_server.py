@@ -1,5 +1,6 @@
-"""The HTTP side of the server, on aiohttp: the HTTP port (OpenAI /v1/embeddings, KServe v2
-REST, GET /health for load balancers, /openapi.json) on the gRPC server's own event loop,
+"""The HTTP side of the server, on aiohttp: the HTTP port (OpenAI /v1/embeddings and
+Infinity's routes, KServe v2 REST, TEI's routes, GET /health for load balancers,
+/openapi.json and its page /docs, CORS) on the gRPC server's own event loop,
 and the metrics port (GET /metrics) on a thread and event loop of its own, so a burst of
 scrapes never delays a health probe or a call.
 
@@ -20,20 +21,25 @@ from pathlib import Path
 from aiohttp import web
 
 from attnserve.server.config import ServeConfig
+from attnserve.server.doors.cors import Cors
+from attnserve.server.doors.docs_page import DocsPage
 from attnserve.server.doors.front import ApiKeys, CallRecord
 from attnserve.server.doors.http_calls import HttpCalls
 from attnserve.server.doors.http_kserve import KServeHttp
 from attnserve.server.doors.http_openai import OpenAIEmbeddings
 from attnserve.server.doors.http_openai import refusal as openai_refusal
+from attnserve.server.doors.http_tei import TeiHttp
+from attnserve.server.doors.http_tei import refusal as tei_refusal
 from attnserve.server.doors.openapi import openapi_document
 from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.engine.served_model import NOT_SERVING
 from attnserve.server.errors import NotFound, RequestError, Unauthenticated
 from attnserve.server.listener import Listener
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
 
 # Paths answered without an API key: health, for probes, and the API's description.
-OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready", "/openapi.json")
+OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready", "/openapi.json", "/docs")
 
 
 def server_ssl(cert: Path | None, key: Path | None, client_ca: Path | None) -> ssl.SSLContext | None:
@@ -64,21 +70,31 @@ class QuietMalformedRequests(logging.Filter):
         return True
 
 
+def _open(request: web.Request) -> bool:
+    """Answered without an API key: OPEN_PATHS, and GET / (TEI's health, as its probes ask)."""
+    return request.path.startswith(OPEN_PATHS) or (
+        request.path == "/" and request.method in ("GET", "HEAD"))
+
+
 def _json_error(err: RequestError, status: int) -> web.Response:
     return web.json_response({"error": err.message}, status=status)
 
 
 def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmbeddings,
-            kserve: KServeHttp, document: bytes) -> web.Application:
+            kserve: KServeHttp, tei: TeiHttp, cors: Cors, document: bytes) -> web.Application:
     metrics = calls.metrics
+    refusals = ({route.path: openai_refusal for route in openai.routes()}
+                | {route.path: tei_refusal for route in tei.routes()})
 
     @web.middleware
     async def front(request: web.Request, handler: Callable[[web.Request], Awaitable]):
         """API keys before any route; unmatched routes and methods in the protocol's error
-        shape ({"error": ...}, or OpenAI's under /v1)."""
-        render = openai_refusal if request.path.startswith("/v1/") else _json_error
+        shape (OpenAI's under /v1 and on its routes, TEI's on its routes, else
+        {"error": ...})."""
+        render = refusals.get(request.path) or (
+            openai_refusal if request.path.startswith("/v1/") else _json_error)
         try:
-            if not request.path.startswith(OPEN_PATHS):
+            if not _open(request):
                 keys.check(request.headers.get("Authorization"))
             return await handler(request)
         except Unauthenticated as err:
@@ -98,16 +114,20 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
             return render(NotFound(f"{request.path[:64]}: no such route; see /openapi.json"), 404)
 
     async def health(request: web.Request) -> web.Response:
-        serving = plane.ready()
-        return web.json_response({"status": "serving" if serving else "not_serving"},
-                                 status=200 if serving else 503)
+        """Also TEI's (GET / too): 503 carries TEI's error and error_type beside status."""
+        if plane.ready():
+            return web.json_response({"status": "serving"})
+        return web.json_response({"status": "not_serving", "error": NOT_SERVING,
+                                  "error_type": "Unhealthy"}, status=503)
 
     async def openapi(request: web.Request) -> web.Response:
         return web.Response(body=document, content_type="application/json")
 
-    app = web.Application(middlewares=[front])
-    app.add_routes([web.get("/health", health), web.get("/openapi.json", openapi),
-                    *openai.routes(), *kserve.routes()])
+    app = web.Application(middlewares=[cors.preflight, front])
+    app.on_response_prepare.append(cors.mark)
+    app.add_routes([web.get("/health", health), web.get("/", health),
+                    web.get("/openapi.json", openapi), *openai.routes(), *kserve.routes(),
+                    *tei.routes(), *DocsPage().routes()])
     return app
 
 
@@ -121,7 +141,10 @@ class HttpServers:
                                config.http_body_timeout_seconds, max_entries)
         openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
         kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
-        self.api = Listener(api_app(self.calls, plane, keys, openai, kserve,
+        tei = TeiHttp(self.calls, plane, config.max_message_bytes, config.max_queue_requests,
+                      config.max_batch_tokens, config.max_batch_size, max_entries)
+        self.api = Listener(api_app(self.calls, plane, keys, openai, kserve, tei,
+                                    Cors(config.cors_allow_origin),
                                     openapi_document([m.model_info() for m in plane.models.values()])),
                             config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)

@@ -1,13 +1,11 @@
 """What both Open Inference Protocol doors (KServe v2 over gRPC and over REST) say the same
-way: the server's name and version, each model's one version, its metadata and the model
-repository index (Triton's extension), from the data plane's models."""
+way: each model's one version, its metadata and the model repository index (Triton's
+extension), from the data plane's models."""
 
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.errors import NotFound, quote
 
-SERVER_NAME = "attnserve"
-SERVER_VERSION = "0.1.0"
 MODEL_VERSION = "1"
 
 

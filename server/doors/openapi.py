@@ -1,11 +1,16 @@
-"""The OpenAPI 3.0 description of the HTTP port, served at /openapi.json: the OpenAI-
-compatible /v1/embeddings (after OpenAI's own definition of the embeddings API), the
-Open Inference Protocol's REST routes (after its specification, with Triton's binary
-tensor extension), and /health. Every status a route answers and every body shape is
-in it; the test suite checks the running server against it (schemathesis)."""
+"""The OpenAPI 3.0 description of the HTTP port, served at /openapi.json (and shown at
+/docs): the OpenAI-compatible /v1/embeddings (after OpenAI's own definition of the
+embeddings API) and Infinity's /embeddings and /models, the Open Inference Protocol's
+REST routes (after its specification, with Triton's binary tensor extension), TEI's
+routes (after TEI 1.9's own document), /health and the /docs page. Every status a route
+answers and every body shape is in it; the test suite checks the running server against
+it (schemathesis)."""
 
 import orjson
 
+from attnserve.server.doors.docs_page import FILES
+from attnserve.server.doors.front import SERVER_VERSION
+from attnserve.server.doors.http_openai import INFINITY_DEFAULT_MODEL
 from attnserve.server.engine.requests import ModelInfo
 
 _ERROR = {"type": "object", "required": ["error"],
@@ -23,7 +28,8 @@ def _json(schema: dict, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _refusals(schema: dict, statuses: tuple[int, ...]) -> dict:
+def _refusals(schema: dict, statuses: tuple[int, ...], **why: str) -> dict:
+    """`why`: a status's reason for these routes, as s400="..."."""
     reasons = {400: "the request names a field that is wrong, and why",
                401: "no valid API key (when the server has keys)",
                404: "no such model, version or route",
@@ -31,9 +37,138 @@ def _refusals(schema: dict, statuses: tuple[int, ...]) -> dict:
                413: "the body, or what it asks for, is larger than the server takes",
                415: "a content type or encoding the route does not take",
                429: "the queue or the memory budget is full: retry with backoff",
+               422: "the request names a field that is wrong, and why (TEI's Validation)",
+               424: "the batch failed in the backend (TEI's Backend)",
                503: "the server is starting or draining: send the request elsewhere",
                504: "the request's deadline passed while it waited"}
+    reasons |= {int(status[1:]): reason for status, reason in why.items()}
     return {str(status): _json(schema, reasons[status]) for status in statuses}
+
+
+_STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+_HEALTH = {"200": _json(_STATUS, "serving"), "503": _json(
+    {**_STATUS, "required": ["status", "error", "error_type"],
+     "properties": {**_STATUS["properties"], "error": {"type": "string"},
+                    "error_type": {"type": "string", "enum": ["Unhealthy"]}}},
+    "starting or draining (with TEI's error and error_type)")}
+_TEI_ERROR = {"type": "object", "required": ["error", "error_type"],
+              "properties": {"error": {"type": "string"}, "error_type": {
+                  "type": "string",
+                  "enum": ["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]}}}
+# TEI's statuses of its POST routes that run the model, and of those that only tokenize.
+_TEI_RUNS = (400, 401, 408, 413, 415, 422, 424, 429, 503)
+_TEI_TOKENIZES = (400, 401, 408, 413, 415, 422, 429, 503)
+_TEI_EMPTY = "an input, list or text is empty (TEI's Empty)"
+
+
+def _tei_paths(infos: list[ModelInfo], ids: dict) -> dict:
+    """TEI's routes, serving the default model, infos[0]."""
+    default = infos[0]
+    texts = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+    inputs = {"oneOf": [{"type": "string", "minLength": 1}, ids, texts,
+                        {"type": "array", "minItems": 1, "items": ids}],
+              "description": "a text, the model's token ids (special tokens included), or a "
+                             "list of texts or of id lists",
+              "example": "attention is all you need"}
+    common = {
+        "inputs": inputs,
+        "truncate": {"type": "boolean", "nullable": True, "default": False,
+                     "description": "cut inputs longer than the model's positions instead of "
+                                    "refusing them (auto_truncate is false)"},
+        "truncation_direction": {"type": "string", "enum": ["Right", "right"], "default": "Right",
+                                 "description": "TEI's Left is refused: the end is cut"},
+        "prompt_name": {"type": "string", "nullable": True,
+                        "description": "refused unless null: the server applies no prompts"}}
+
+    def request(properties: dict, required: tuple[str, ...] = ("inputs",)) -> dict:
+        return {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": list(required), "additionalProperties": False,
+            "properties": properties}}}}
+
+    def answer(schema: dict, description: str, statuses: tuple[int, ...]) -> dict:
+        return {"200": _json(schema, description),
+                **_refusals(_TEI_ERROR, statuses, s400=_TEI_EMPTY)}
+
+    number = {"type": "number"}
+    vectors = {"type": "array", "items": {"type": "array", "items": number}}
+    embed = {"post": {
+        "summary": f"TEI: one vector per input, {default.default_pooling}-pooled",
+        "requestBody": request({**common, "normalize": {"type": "boolean", "default": True},
+                                "dimensions": {"type": "integer", "nullable": True, "minimum": 1,
+                                               "description": "the model's one size, "
+                                                              f"{default.hidden_size}"}}),
+        "responses": answer(vectors, "the vectors, in order", _TEI_RUNS)}}
+    token = {"type": "object", "required": ["id", "text", "special", "start", "stop"],
+             "properties": {"id": {"type": "integer"}, "text": {"type": "string"},
+                            "special": {"type": "boolean"},
+                            "start": {"type": "integer", "nullable": True,
+                                      "description": "the token's first byte (UTF-8) in its "
+                                                     "text; null for a special token"},
+                            "stop": {"type": "integer", "nullable": True}}}
+    info = {"type": "object", "required": [
+        "model_id", "model_dtype", "served_model_name", "model_type", "max_concurrent_requests",
+        "max_input_length", "max_batch_tokens", "max_client_batch_size", "auto_truncate",
+        "tokenization_workers", "version"], "properties": {
+        **{name: {"type": "string"} for name in ("model_id", "model_dtype", "served_model_name",
+                                                  "version")},
+        **{name: {"type": "string", "nullable": True} for name in ("model_sha", "sha",
+                                                                    "docker_label")},
+        **{name: {"type": "integer"} for name in (
+            "max_concurrent_requests", "max_input_length", "max_batch_tokens",
+            "max_batch_requests", "max_client_batch_size", "tokenization_workers")},
+        "auto_truncate": {"type": "boolean"},
+        "model_type": {"type": "object", "required": ["embedding"], "properties": {
+            "embedding": {"type": "object", "required": ["pooling"],
+                          "properties": {"pooling": {"type": "string"}}}}}}}
+    return {
+        "/": {"get": {"summary": "Readiness (TEI's root health route), as /health",
+                      "responses": _HEALTH},
+              "post": {**embed["post"], "summary": "TEI's root: an embedder's is /embed"}},
+        "/embed": embed,
+        "/embed_all": {"post": {
+            "summary": "TEI: every token's vector of each input, special tokens included",
+            "requestBody": request(common),
+            "responses": answer({"type": "array", "items": vectors}, "each input's token vectors",
+                                _TEI_RUNS)}},
+        "/tokenize": {"post": {
+            "summary": "TEI: each text's tokens",
+            "requestBody": request({
+                "inputs": {"oneOf": [{"type": "string", "minLength": 1}, texts],
+                           "example": "attention is all you need"},
+                "add_special_tokens": {"type": "boolean", "default": True},
+                "prompt_name": common["prompt_name"],
+                "truncate": {**common["truncate"], "description": "an extension: cut texts "
+                             "longer than the model's positions instead of refusing them"}}),
+            "responses": answer({"type": "array", "items": {"type": "array", "items": token}},
+                                "each text's tokens", _TEI_TOKENIZES)}},
+        "/decode": {"post": {
+            "summary": "TEI: token ids back to text",
+            "requestBody": request({
+                "ids": {"oneOf": [ids, {"type": "array", "minItems": 1, "items": ids}],
+                        "example": [101, 3086, 2003, 2035, 2017, 2342, 102]},
+                "skip_special_tokens": {"type": "boolean", "default": True}}, ("ids",)),
+            "responses": answer({"type": "array", "items": {"type": "string"}}, "the texts",
+                                _TEI_TOKENIZES)}},
+        "/info": {"get": {"summary": "TEI: the model served and the server's limits",
+                          "responses": {"200": _json(info, "TEI's Info"),
+                                        **_refusals(_TEI_ERROR, (401,))}}},
+    }
+
+
+
+# Each route's peer of origin, which the page groups routes by.
+_TEI = ("/", "/embed", "/embed_all", "/tokenize", "/decode", "/info")
+_INFINITY = ("/embeddings", "/models")
+
+
+def _peer(path: str) -> str:
+    if path.startswith("/v1/"):
+        return "OpenAI"
+    if path.startswith("/v2"):
+        return "KServe v2 (Open Inference Protocol)"
+    if path in _TEI:
+        return "Text Embeddings Inference"
+    return "Infinity" if path in _INFINITY else "attnserve"
 
 
 def openapi_document(infos: list[ModelInfo]) -> bytes:
@@ -83,7 +218,7 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
            "items": {"type": "integer", "minimum": 0,
                      "maximum": max(info.vocab_size for info in infos) - 1}}
     embeddings_request = {
-        "type": "object", "required": ["input"],
+        "type": "object", "required": ["input"], "additionalProperties": False,
         "properties": {
             "input": {"oneOf": [
                 {"type": "string", "minLength": 1},
@@ -157,21 +292,61 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
                                    "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
     model = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
+    embeddings_example = {"input": ["attention is all you need"], "model": infos[0].model}
+    infinity_request = {**embeddings_request, "properties": {
+        **embeddings_request["properties"],
+        "model": {**embeddings_request["properties"]["model"],
+                  "enum": [INFINITY_DEFAULT_MODEL, *embeddings_request["properties"]["model"]["enum"]],
+                  "description": f"{INFINITY_DEFAULT_MODEL} or omitted: the server's default"},
+        "dimensions": {"type": "integer", "enum": [0, *sorted({i.hidden_size for i in infos})],
+                       "description": "0 or the model's one size"},
+        "modality": {"type": "string", "enum": ["text"], "default": "text"}}}
+    infinity_response = {**embeddings_response,
+                         "required": [*embeddings_response["required"], "id", "created"],
+                         "properties": {**embeddings_response["properties"],
+                                        "id": {"type": "string"}, "created": {"type": "integer"}}}
+    embeddings_refusals = _refusals(_OPENAI_ERROR, (400, 401, 404, 408, 413, 415, 429, 503, 504))
     paths: dict = {
-        "/health": {"get": {"summary": "Readiness for load balancers", "responses": {
-            "200": _json({"type": "object", "properties": {"status": {"type": "string"}}}, "serving"),
-            "503": _json({"type": "object", "properties": {"status": {"type": "string"}}},
-                         "starting or draining")}}},
+        "/health": {"get": {"summary": "Readiness for load balancers", "responses": _HEALTH}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {
             "200": _json({"type": "object"}, "the OpenAPI document")}}},
+        "/docs": {"get": {"summary": "This document as a page (Swagger UI)", "responses": {
+            "200": {"description": "the page", "content": {"text/html": {"schema": {
+                "type": "string"}}}}}}},
+        "/docs/start.js": {"get": {"summary": "The page's script", "responses": {
+            "200": {"description": "the script", "content": {"text/javascript": {"schema": {
+                "type": "string"}}}}}}},
+        "/docs/{file}": {"get": {
+            "summary": "Swagger UI's files, from the swagger-ui-bundle package",
+            "parameters": [{"name": "file", "in": "path", "required": True,
+                            "schema": {"type": "string", "enum": list(FILES)}}],
+            "responses": {"200": {"description": "the file", "content": {
+                kind: {"schema": {"type": "string"}} for kind in dict.fromkeys(FILES.values())}},
+                **_refusals(_ERROR, (404,))}}},
         "/v1/embeddings": {"post": {
             "summary": "OpenAI-compatible embeddings (mean-pooled, normalised), one per input or, "
                        "with chunking, one per chunk",
-            "requestBody": {"required": True, "content": {
-                "application/json": {"schema": embeddings_request}}},
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": embeddings_request, "example": embeddings_example}}},
             "responses": {"200": _json(embeddings_response, "one vector per input, in order"),
-                          **_refusals(_OPENAI_ERROR, (400, 401, 404, 408, 413, 415, 429, 503,
-                                                      504))}}},
+                          **embeddings_refusals}}},
+        "/embeddings": {"post": {
+            "summary": "Infinity's embeddings: OpenAI's, with Infinity's fields",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": infinity_request, "example": embeddings_example}}},
+            "responses": {"200": _json(infinity_response, "one vector per input, in order"),
+                          **embeddings_refusals}}},
+        "/models": {"get": {"summary": "The models served, as Infinity lists them", "responses": {
+            "200": _json({"type": "object", "required": ["object", "data"], "properties": {
+                "object": {"type": "string", "enum": ["list"]},
+                "data": {"type": "array", "items": {**model_object, "required": [
+                    *model_object["required"], "backend", "capabilities", "stats"],
+                    "properties": {**model_object["properties"],
+                                   "owned_by": {"type": "string", "enum": ["infinity"]},
+                                   "backend": {"type": "string"},
+                                   "capabilities": {"type": "array", "items": {"type": "string"}},
+                                   "stats": {"type": "object"}}}}}},
+                "every model, the default first"), **_refusals(_OPENAI_ERROR, (401,))}}},
         "/v1/models": {"get": {"summary": "The models served, as OpenAI lists them", "responses": {
             "200": _json({"type": "object", "required": ["object", "data"], "properties": {
                 "object": {"type": "string", "enum": ["list"]},
@@ -230,9 +405,13 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
                 "application/json": {"schema": infer_response},
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                 **_refusals(_ERROR, (400, 401, 404, 408, 413, 415, 429, 503, 504))}}}
+    paths |= _tei_paths(infos, ids)
+    for path, operations in paths.items():
+        for operation in operations.values():
+            operation["tags"] = [_peer(path)]
     document = {
         "openapi": "3.0.3",
-        "info": {"title": "attnserve HTTP API", "version": "0.1.0",
+        "info": {"title": "attnserve HTTP API", "version": SERVER_VERSION,
                  "description": "Serving " + ", ".join(
                      f"{info.model} ({info.hidden_size} dimensions, {info.max_positions} "
                      "positions)" for info in infos) + f"; the default is {infos[0].model}."},

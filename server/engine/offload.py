@@ -28,6 +28,9 @@ ID_SEQUENCE_S = 8e-6
 """reading and range-checking one caller-supplied sequence of ids, its ids aside"""
 TOKEN_ID_S = 0.01e-6
 """reading and range-checking one caller-supplied token id"""
+DECODE_ID_S = 1.8e-6
+"""decoding one token id back to text (decode_batch, random ids of the vocabulary: 1.5-1.8
+µs, measured on a 2-core Intel Xeon on 2026-12-01)"""
 JSON_BYTE_S = 0.05e-6
 """parsing one byte of a JSON body (orjson; densest case: lists of one id)"""
 RESULT_S = 4e-6

@@ -141,6 +141,17 @@ class TokenizeRequest:
     names: FieldNames
     texts: Sequence[str]
     truncate: bool = False
+    special_tokens: bool = True
+    """close each text with the model's special tokens, as the model runs it"""
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Token ids back to text: each sequence's ids in the model's vocabulary."""
+
+    names: FieldNames
+    token_ids: Sequence[Sequence[int]]
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One served model, protocol-neutral: embed, tokenize, infer on tensors, model info.
+"""One served model, protocol-neutral: embed, tokenize, decode, infer on tensors, model info.
 
 Typed requests in (server/engine/requests.py), typed results or typed errors out.
 Everything a request goes through between its door and the model's batch loop happens
@@ -25,6 +25,7 @@ from attnserve.server.engine.offload import (
     CHUNK_S,
     COPY_BYTE_S,
     CUT_CHAR_S,
+    DECODE_ID_S,
     ID_SEQUENCE_S,
     TEXT_CHAR_S,
     TEXT_S,
@@ -36,6 +37,7 @@ from attnserve.server.engine.requests import (
     ChunkedText,
     Chunking,
     ChunkingMode,
+    DecodeRequest,
     Embedded,
     EmbedRequest,
     FieldNames,
@@ -256,7 +258,7 @@ class ServedModel:
         their lengths: a Python loop over the sequences, which lets the interpreter go
         between them. A sequence longer than the model takes is refused, or only its first
         max_positions ids are read."""
-        limit, vocab = self.manifest.max_positions, self.manifest.vocab_size
+        limit = self.manifest.max_positions
         sequences = []
         lengths = np.empty(len(token_ids), dtype=np.int64)
         for i, entry in enumerate(token_ids):
@@ -267,37 +269,65 @@ class ServedModel:
                 raise InvalidArgument(
                     names.sequence(i), f"{count} tokens, longer than the model's {limit} "
                     "positions; set truncate=true to cut it")
-            try:
-                ids = np.asarray(entry[:limit] if count > limit else entry, dtype=np.int64)
-            except OverflowError:  # an integer past int64 (JSON's are unbounded)
-                ids = np.asarray([min(max(int(x), -1), vocab) for x in entry[:limit]], np.int64)
-            bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-            if bad.size:
-                j = int(bad[0])
-                raise InvalidArgument(names.token(i, j), f"id {quote(entry[j])} is outside the "
-                                      f"vocabulary [0, {vocab})")
+            ids = self._vocabulary_ids(entry[:limit] if count > limit else entry, i, names)
             sequences.append(ids)
             lengths[i] = ids.size
         return sequences, lengths
 
+    def _vocabulary_ids(self, entry: Sequence[int], index: int, names: FieldNames) -> np.ndarray:
+        """Sequence `index`'s ids as int64, refused (naming the first) where one lies outside
+        the vocabulary."""
+        vocab = self.manifest.vocab_size
+        try:
+            ids = np.asarray(entry, dtype=np.int64)
+        except OverflowError:  # an integer past int64 (JSON's are unbounded)
+            ids = np.asarray([min(max(int(x), -1), vocab) for x in entry], np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            j = int(bad[0])
+            raise InvalidArgument(names.token(index, j), f"id {quote(entry[j])} is outside the "
+                                  f"vocabulary [0, {vocab})")
+        return ids
+
     # --- tokenize ---------------------------------------------------------------------
 
     async def _tokenize(self, texts: Sequence[str], truncate: bool, names: FieldNames,
-                        holds: Holds, details: bool) -> list[Encoded]:
+                        holds: Holds, details: bool, special_tokens: bool = True) -> list[Encoded]:
         try:
             with self.metrics.stage_duration.labels(self.name, "tokenize").time():
                 return await self.offload.request(
                     cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
-                    holds, details)
+                    holds, details, special_tokens)
         except TooLong as err:
             raise InvalidArgument(names.sequence(err.index), err.reason) from err
 
     async def tokenize(self, request: TokenizeRequest, holds: Holds) -> list[Encoded]:
-        """Ids, tokens and character offsets of each text; the door holds its response."""
+        """Ids, tokens, character offsets and special-token flags of each text; the door
+        holds its response."""
         self.check_ready()
         if not request.texts:
             raise InvalidArgument(request.names.sequences, "empty: send at least one text")
-        return await self._tokenize(request.texts, request.truncate, request.names, holds, True)
+        return await self._tokenize(request.texts, request.truncate, request.names, holds, True,
+                                    request.special_tokens)
+
+    # --- decode -----------------------------------------------------------------------
+
+    async def decode(self, request: DecodeRequest, holds: Holds) -> list[str]:
+        """Each id sequence as text; the door holds its response."""
+        self.check_ready()
+        if not request.token_ids:
+            raise InvalidArgument(request.names.sequences, "empty: send at least one sequence")
+        return await self.offload.request(
+            cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S + DECODE_ID_S), self._decode,
+            request, holds)
+
+    def _decode(self, request: DecodeRequest, holds: Holds) -> list[str]:
+        names = request.names
+        for i, entry in enumerate(request.token_ids):
+            if not entry:
+                raise InvalidArgument(names.sequence(i), "empty sequence")
+            self._vocabulary_ids(entry, i, names)
+        return self.tokenizer.decode(request.token_ids, request.skip_special_tokens, holds)
 
     # --- infer on tensors -------------------------------------------------------------
 

@@ -60,6 +60,9 @@ WORK_BYTES_PER_TEXT = 4 << 10
 KEPT_BYTES_PER_TEXT = 256
 KEPT_BYTES_PER_ID = 8
 KEPT_BYTES_PER_DETAIL = 160
+# A decoded character takes at most this many bytes (UTF-8; a byte-level token's character
+# decodes to one byte, or to U+FFFD where the bytes are not UTF-8).
+DECODED_BYTES_PER_CHAR = 4
 # A whole text is tokenized in pieces of about this many characters; what a call keeps
 # of each of its tokens: id, start, end (int64 each) and whether it starts a word.
 PIECE_CHARS = 16 << 10
@@ -102,6 +105,8 @@ class Encoded:
     tokens: list[str] | None
     """None unless asked for"""
     offsets: list[tuple[int, int]] | None
+    special: list[bool] | None = None
+    """with tokens: which are special tokens ([CLS], [SEP], <s>, ...)"""
 
 
 @dataclass(frozen=True)
@@ -155,18 +160,24 @@ class TextTokenizer:
         self.tail_ids = self.empty.ids[len(empty.ids) - self.tail:]
         """the special tokens after it ([SEP], </s>)"""
         self.cut_points = cut_points(described.get("pre_tokenizer"))
+        longest = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
+        self.decoded_bytes_per_id = DECODED_BYTES_PER_CHAR * longest + 1
+        """the most text one id decodes to: its token's characters, and the space before it"""
 
     def encode(self, texts: list[str], truncate: bool, holds: Holds,
-               details: bool = False) -> list[Encoded]:
+               details: bool = False, special_tokens: bool = True) -> list[Encoded]:
         """Refuses (TooLong) a text longer than the model's positions unless `truncate`;
-        `details`: keep the tokens and offsets too. Takes its memory from `holds`: the
+        `details`: keep the tokens, offsets and special-token flags too; `special_tokens`:
+        close each text with the model's special tokens. Takes its memory from `holds`: the
         working memory while it works, what it returns for good."""
         out: list[Encoded] = []
         per_token = KEPT_BYTES_PER_ID + (KEPT_BYTES_PER_DETAIL if details else 0)
         first = self._first_prefix()
+        tail = self.tail if special_tokens else 0
         for start, end in _slices([min(len(text), first) for text in texts]):
-            encodings = self._encode_slice(texts[start:end], holds)
-            kept = [self._keep(start + i, e, truncate, details) for i, e in enumerate(encodings)]
+            encodings = self._encode_slice(texts[start:end], holds, special_tokens)
+            kept = [self._keep(start + i, e, truncate, details, tail)
+                    for i, e in enumerate(encodings)]
             del encodings
             holds.take(sum(KEPT_BYTES_PER_TEXT + per_token * len(k.ids) for k in kept), "token ids")
             out.extend(kept)
@@ -175,26 +186,28 @@ class TextTokenizer:
     def _first_prefix(self) -> int:
         return PREFIX_CHARS_PER_POSITION * self.max_positions
 
-    def _encode_slice(self, texts: list[str], holds: Holds) -> list:
+    def _encode_slice(self, texts: list[str], holds: Holds, special_tokens: bool = True) -> list:
         """Each text's encoding, from its shortest prefix that decides it: the whole text,
         or a prefix that already has more tokens than the model's positions."""
         sized = [self._prefix(text, self._first_prefix()) for text in texts]
-        encodings = self._tokenize([prefix for prefix, _ in sized], holds)
+        encodings = self._tokenize([prefix for prefix, _ in sized], holds,
+                                   special_tokens=special_tokens)
         for i, text in enumerate(texts):
             prefix, size = sized[i]
             while len(prefix) < len(text) and len(encodings[i]) <= self.max_positions:
                 prefix, size = self._prefix(text, size * PREFIX_GROWTH)
-                encodings[i] = self._tokenize([prefix], holds)[0]
+                encodings[i] = self._tokenize([prefix], holds, special_tokens=special_tokens)[0]
         return encodings
 
-    def _tokenize(self, texts: list[str], holds: Holds, whole: bool = False) -> list:
+    def _tokenize(self, texts: list[str], holds: Holds, whole: bool = False,
+                  special_tokens: bool = True) -> list:
         """`whole`: untruncated, without special tokens."""
         work = WORK_BYTES_PER_TEXT * len(texts) + WORK_BYTES_PER_CHAR * sum(map(len, texts))
         holds.take(work, "tokenizing")
         try:
             if whole:
                 return self.whole.encode_batch(texts, add_special_tokens=False)
-            return self.tokenizer.encode_batch(texts)
+            return self.tokenizer.encode_batch(texts, add_special_tokens=special_tokens)
         finally:
             holds.give_back(work)
             if work >= TRIM_AFTER_BYTES:
@@ -217,6 +230,14 @@ class TextTokenizer:
                 return points[-1].start(), size
             size *= PREFIX_GROWTH
         return len(text), len(text) - start
+
+    def decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool,
+               holds: Holds) -> list[str]:
+        """Each sequence of ids (in the vocabulary) as text; the text held first, as the most
+        its ids can decode to."""
+        holds.take(sum(KEPT_BYTES_PER_TEXT + self.decoded_bytes_per_id * len(ids)
+                       for ids in sequences), "decoded text")
+        return self.tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
     # --- whole texts, for chunking ------------------------------------------------------
 
@@ -243,20 +264,22 @@ class TextTokenizer:
             yield start, end
             start = end
 
-    def _keep(self, index: int, encoding, truncate: bool, details: bool) -> Encoded:
+    def _keep(self, index: int, encoding, truncate: bool, details: bool, closing: int) -> Encoded:
+        """`closing`: the special tokens that end the encoding, which a cut keeps."""
         if len(encoding) <= self.max_positions:
             head, tail = slice(None), slice(0)
         elif not truncate:
             raise TooLong(index, self.max_positions)
         else:
-            head = slice(self.max_positions - self.tail)
-            tail = slice(len(encoding) - self.tail, len(encoding))
+            head = slice(self.max_positions - closing)
+            tail = slice(len(encoding) - closing, len(encoding))
         ids = encoding.ids
         ids = np.asarray(ids[head] + ids[tail], dtype=np.int64)
         if not details:
             return Encoded(ids, None, None)
-        tokens, offsets = encoding.tokens, encoding.offsets
-        return Encoded(ids, tokens[head] + tokens[tail], offsets[head] + offsets[tail])
+        tokens, offsets, mask = encoding.tokens, encoding.offsets, encoding.special_tokens_mask
+        return Encoded(ids, tokens[head] + tokens[tail], offsets[head] + offsets[tail],
+                       [bool(m) for m in mask[head] + mask[tail]])
 
 
 def _slices(sizes: list[int]) -> Iterator[tuple[int, int]]:

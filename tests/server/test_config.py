@@ -25,6 +25,8 @@ BAD_VALUES = [
     ("drain_seconds", "soon", "'soon' is not a number"),
     ("max_batch_size", "0", "must be at least 1"),
     ("max_wait_ms", "-1", "must not be negative"),
+    ("cors_allow_origin", "https://app.example.com/", "'https://app.example.com/': not an origin"),
+    ("cors_allow_origin", "http://ok.example,app.example.com", "'app.example.com': not an origin"),
 ]
 
 

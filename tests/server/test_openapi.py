@@ -53,6 +53,8 @@ def test_every_route_answers_as_documented(api, server):
             failures.append(f"{operation.label}: {failure}")
     assert not failures, "\n\n".join(failures)
     after = server.scrape()
-    for rpc in ("http:/v1/embeddings", "http:/v2/infer", "http:/v2/metadata", "http:/v2/ready"):
+    for rpc in ("http:/v1/embeddings", "http:/embeddings", "http:/v2/infer", "http:/v2/metadata",
+                "http:/v2/ready", "http:/", "http:/embed", "http:/embed_all", "http:/tokenize",
+                "http:/decode"):
         sent = delta(before, after, "attnserve_requests_total", rpc=rpc)
         assert sent >= EXAMPLES_PER_ROUTE // 2, (rpc, sent)
