@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+from attnserve.server.doors import call_context
 from attnserve.server.engine.errors import RequestError, Unauthenticated
 from attnserve.server.metrics import Metrics, call_model
 
@@ -34,6 +35,7 @@ class CallRecord:
         self.started = time.perf_counter()
         self.model = call_model()
         """the model the call was routed to (metrics.routed_to), "" for none"""
+        self.call = call_context.current()
         metrics.inflight.inc()
 
     def refusal(self, err: Exception) -> RequestError:
@@ -47,6 +49,8 @@ class CallRecord:
         return err
 
     def end(self) -> None:
+        if self.call is not None:
+            self.call.code, self.call.model = self.code, self.model[0] or self.call.model
         self.metrics.inflight.dec()
         self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started,
                               self.model[0])

@@ -5,7 +5,11 @@ turned into HTTP statuses in the route's own error shape.
 
 The cheap limits come first: the content type and encoding and the declared length are
 checked before any byte of the body is read, and a JSON body's entries are counted
-before it is parsed."""
+before it is parsed.
+
+Every request is a call (server/doors/call_context.py) from the moment it reaches the app:
+every answer, refusals and unmatched routes included, carries its X-Request-Id and TEI's
+timing headers, and with --otlp-endpoint the call is traced."""
 
 import asyncio
 import re
@@ -15,6 +19,7 @@ from typing import TypeVar
 import orjson
 from aiohttp import web
 
+from attnserve.server.doors import call_context
 from attnserve.server.doors.front import CANCELLED, CallRecord
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import (
@@ -27,6 +32,7 @@ from attnserve.server.engine.offload import JSON_BYTE_S
 from attnserve.server.http_framing import MalformedBody
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
+from attnserve.server.tracing import Tracing
 
 T = TypeVar("T")
 
@@ -47,6 +53,10 @@ _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 # Types a web page can post to another origin without asking first (no CORS preflight):
 # never accepted, so that a page cannot make a visitor's browser call the server.
 CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+# Routes of probes and tools, never traced.
+UNTRACED_PATHS = ("/health", "/v2/health/", "/openapi.json")
+_CALL = "attnserve.call"
+"""the request's key for its call_context.Call"""
 
 
 class UnsupportedMediaType(RequestError):
@@ -93,12 +103,43 @@ class HttpCalls:
     """Shared by the routes of one server: its plane, metrics and limits."""
 
     def __init__(self, plane: DataPlane, metrics: Metrics, max_body_bytes: int,
-                 body_timeout_s: float, max_entries: int):
+                 body_timeout_s: float, max_entries: int, tracing: Tracing | None = None):
         self.plane = plane
+        self.tracing = tracing
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_json_entries = 2 * max_entries + JSON_ENTRY_SLACK
+
+    @web.middleware
+    async def calls(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """The first middleware: the request becomes a call (its id from X-Request-Id, its
+        trace from traceparent), traced once answered."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        tracing = None if request.path.startswith(UNTRACED_PATHS) else self.tracing
+        call = call_context.begin(f"{request.method} {route}",
+                                  request.headers.get(call_context.REQUEST_ID),
+                                  request.headers.get(call_context.TRACEPARENT), tracing)
+        request[_CALL] = call
+        status = None
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            call_context.end(call, tracing, {"http.request.method": request.method,
+                                             "http.route": route}
+                             | ({} if status is None else {"http.response.status_code": status}))
+
+    @staticmethod
+    async def call_headers(request: web.Request, response: web.StreamResponse) -> None:
+        """As every answer's headers are sent (aiohttp's on_response_prepare): the call's
+        X-Request-Id and timings."""
+        call = request.get(_CALL)
+        if call is not None:
+            response.headers.update(call.metadata())
 
     def check_type(self, request: web.Request, accepted: tuple[str, ...],
                    optional: bool = False) -> None:
