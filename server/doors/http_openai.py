@@ -13,17 +13,20 @@ Chunking) embeds each text as chunks: `data` then holds one item per chunk, in o
 each with OpenAI's fields and `input_index` (the text it is a chunk of), `start` and `end`
 (code points into that text, end exclusive) and `num_tokens`. The `openai` client keeps
 fields it does not know (`model_extra`) and sends this one as `extra_body`. `usage`
-counts the tokens run through the model, every window's or chunk's."""
+counts the tokens run through the model, every window's or chunk's. `embedding_types`
+(Cohere's) and `embedding_dtype` choose how the vectors are written
+(server/doors/http_vectors.py)."""
 
-import base64
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 from aiohttp import web
 
 from attnserve.artifact import pooled_output
 from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.doors.http_vectors import VectorFormat
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import InvalidArgument, RequestError, quote
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
@@ -38,12 +41,7 @@ from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"
-ENCODINGS = ("float", "base64")
 INPUT_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
-# The most a float32 takes in the body: orjson's shortest repr (-1.1754944e-38) and a comma.
-FLOAT_BYTES = 16
-# ... and as base64: 4 bytes are 5⅓ characters.
-BASE64_FLOAT_BYTES = 6
 ITEM_BYTES = 64
 """{"object":"embedding","index":N,"embedding":...} around each vector"""
 CHUNK_ITEM_BYTES = 128
@@ -144,7 +142,7 @@ class Parsed:
     """A body's fields, read and checked but for what depends on the model it names."""
 
     model: str | None
-    encoding: str
+    vectors: VectorFormat
     dimensions: int | None
     truncate: bool
     chunking: Chunking | None
@@ -159,10 +157,7 @@ def parse(body) -> Parsed:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgument("model", f"{quote(model)}; expected a string")
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ENCODINGS:
-        raise InvalidArgument("encoding_format", f"{quote(encoding)}; expected 'float' or "
-                              "'base64'")
+    vectors = VectorFormat.parse(body)
     dimensions = body.get("dimensions")
     if dimensions is not None and type(dimensions) is not int:
         raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected an integer")
@@ -176,7 +171,7 @@ def parse(body) -> Parsed:
         raise InvalidArgument("input", f"required: {INPUT_FORMS}")
     chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
     fields, names = _inputs(body["input"])
-    return Parsed(model, encoding, dimensions, truncate, chunking, fields, names)
+    return Parsed(model, vectors, dimensions, truncate, chunking, fields, names)
 
 
 class OpenAIEmbeddings:
@@ -202,8 +197,7 @@ class OpenAIEmbeddings:
         if parsed.dimensions is not None and parsed.dimensions != hidden:
             raise InvalidArgument("dimensions", f"{quote(parsed.dimensions)}; {model.name!r} has "
                                   f"one size, {hidden}: omit dimensions or set it to that")
-        per_float = FLOAT_BYTES if parsed.encoding == "float" else BASE64_FLOAT_BYTES
-        item = ITEM_BYTES + hidden * per_float
+        item = ITEM_BYTES + parsed.vectors.vector_bytes(hidden)
         head = 256 + len(model.name.encode()) * 6
         if parsed.chunking is None:
             size = ResponseSize(lambda lengths: head + len(lengths) * item,
@@ -215,19 +209,16 @@ class OpenAIEmbeddings:
                             outputs=frozenset({self.pooled}), chunking=parsed.chunking,
                             normalize=True, **parsed.inputs)
 
-    def _vector(self, vector, encoding: str):
-        return (base64.b64encode(vector.astype("<f4").tobytes()).decode()
-                if encoding == "base64" else vector)
-
-    def body(self, model: str, embedded: Embedded, encoding: str) -> bytes:
-        data = [{"object": "embedding", "index": index,
-                 "embedding": self._vector(result.pooled[self.pooled], encoding)}
-                for index, result in enumerate(embedded.results)]
+    def body(self, model: str, embedded: Embedded, vectors: VectorFormat, ranges: dict) -> bytes:
+        pooled = [result.pooled[self.pooled] for result in embedded.results]
+        pooled += [vector for text in embedded.chunked for vector in text.vectors]
+        fields = iter(vectors.fields(np.stack(pooled), ranges) if pooled else ())
+        data = [{"object": "embedding", "index": index, **next(fields)}
+                for index in range(len(embedded.results))]
         for text_index, text in enumerate(embedded.chunked):
-            for (start, end), count, vector in zip(text.spans.tolist(), text.token_counts.tolist(),
-                                                   text.vectors, strict=True):
-                data.append({"object": "embedding", "index": len(data),
-                             "embedding": self._vector(vector, encoding),
+            for (start, end), count in zip(text.spans.tolist(), text.token_counts.tolist(),
+                                           strict=True):
+                data.append({"object": "embedding", "index": len(data), **next(fields),
                              "input_index": text_index, "start": start, "end": end,
                              "num_tokens": count})
         tokens = embedded.total_tokens
@@ -241,11 +232,12 @@ class OpenAIEmbeddings:
         body = await self.calls.body(request, holds)
         parsed = await self.calls.json(body, parse)
         model = self.plane.model(parsed.model)
+        ranges = parsed.vectors.ranges(model.manifest, model.name, self.pooled)
         embedded = await model.embed(self.request(parsed, model), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
         hidden = model.manifest.hidden_size
         payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self.body,
-                                   model.name, embedded, parsed.encoding)
+                                   model.name, embedded, parsed.vectors, ranges)
         return web.Response(body=payload, content_type="application/json")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
