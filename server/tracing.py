@@ -70,9 +70,10 @@ class Tracing:
         return context if span.is_valid else None
 
     def export(self, name: str, parent, started: float, spans: list[Span], error: str | None,
-               attributes: dict) -> None:
-        """One call's span, `name`, from `started` (monotonic) to now, its steps' `spans`
-        beneath it; `error`: its status when it failed. `attributes` go on every span."""
+               attributes: dict, common: dict) -> None:
+        """One call's span, `name`, from `started` (monotonic) to now, with `attributes`,
+        and its steps' `spans` beneath it; `common` goes on every span; `error`: its
+        status when it failed."""
         # The monotonic clock's reading, on the wall clock the collector keeps.
         offset = time.time_ns() - time.monotonic_ns()
 
@@ -80,13 +81,12 @@ class Tracing:
             return int(monotonic * 1e9) + offset
 
         root = self.tracer.start_span(name, context=parent, kind=self.kind.SERVER,
-                                      start_time=ns(started), attributes=attributes)
+                                      start_time=ns(started), attributes=common | attributes)
         context = self.trace.set_span_in_context(root)
-        model = {k: v for k, v in attributes.items() if k == "attnserve.model"}
         for step in spans:
             child = self.tracer.start_span(
                 step.stage, context=context, start_time=ns(step.start),
-                attributes=model | {f"attnserve.{k}": v for k, v in step.attributes.items()})
+                attributes=common | {f"attnserve.{k}": v for k, v in step.attributes.items()})
             child.end(end_time=ns(step.end))
         if error is not None:
             root.set_status(self.status(self.codes.ERROR, error))

@@ -88,9 +88,10 @@ def end(call: Call, tracing: Tracing | None, attributes: dict) -> None:
     own, to the collector."""
     if tracing is None:
         return
-    common = {"attnserve.model": call.model} if call.model else {}
     tracing.export(call.name, call.parent, call.started, call.times.spans,
                    None if call.code == "OK" else call.code,
-                   common | attributes | {"attnserve.request_id": call.request_id,
-                                          "attnserve.code": call.code,
-                                          "attnserve.compute_tokens": call.times.compute_tokens})
+                   attributes | {"attnserve.request_id": call.request_id,
+                                 "attnserve.code": call.code,
+                                 "attnserve.compute_tokens": call.times.compute_tokens,
+                                 "attnserve.steps_dropped": call.times.dropped},
+                   {"attnserve.model": call.model} if call.model else {})

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 STAGES = ("tokenize", "queue", "inference", "respond")
 # A call's spans past this many are counted, not kept: a request of many batches (or a
-# stream of many messages) keeps a bounded record, and a trace a readable one.
+# stream of many messages) keeps a bounded record, and a trace a readable one. Its
+# batches' spans stop at half of it, leaving room for its other steps.
 MAX_SPANS = 64
+MAX_BATCH_SPANS = MAX_SPANS // 2
 
 Attributes = dict[str, int | str | list[int]]
 
@@ -46,7 +48,10 @@ class CallTimes:
     spans: list[Span] = field(default_factory=list)
     """each step as it happened (inference: one a batch), at most MAX_SPANS"""
     dropped: int = 0
-    """steps past MAX_SPANS, counted in `seconds` but not kept as spans"""
+    """steps past MAX_SPANS (batches past MAX_BATCH_SPANS), counted in `seconds` but not
+    kept as spans"""
+    batches: int = 0
+    """inference spans kept"""
 
     def add(self, stage: str, start: float, end: float, counted: bool = True,
             **attributes) -> None:
@@ -55,8 +60,10 @@ class CallTimes:
         does, once)."""
         if counted:
             self.seconds[stage] += end - start
-        if len(self.spans) < MAX_SPANS:
+        batch = stage == "inference"
+        if len(self.spans) < MAX_SPANS and not (batch and self.batches >= MAX_BATCH_SPANS):
             self.spans.append(Span(stage, start, end, attributes))
+            self.batches += batch
         else:
             self.dropped += 1
 

@@ -194,6 +194,22 @@ def test_workers_front_end_makes_the_spans(tiny_artifact, receiver):
     assert attributes(steps["inference"])["attnserve.padded_shape"] == [2, 5]
 
 
+def test_a_call_of_many_batches_keeps_a_bounded_trace(tiny_artifact, receiver):
+    """40 texts run one a batch: the first 32 batches are spans, the rest counted; the
+    call's other steps are all there."""
+    trace_id = "abcdefabcdefabcdefabcdefabcdef12"
+    with ServerProcess(tiny_artifact, "--max-batch-size", "1", "--otlp-endpoint",
+                       f"http://127.0.0.1:{receiver.port}", env=FAST_EXPORT) as server:
+        assert embed_http(server, {"input": [f"text {i}" for i in range(40)]},
+                          {"traceparent": f"00-{trace_id}-{PARENT_ID}-01"}) == 200
+        spans = receiver.trace(bytes.fromhex(trace_id), 1 + 32 + 3)
+    names = [s.name for s in spans]
+    assert names.count("inference") == 32
+    assert {"tokenize", "queue", "respond"} <= set(names)
+    (root,) = [s for s in spans if s.name == "POST /v1/embeddings"]
+    assert attributes(root)["attnserve.steps_dropped"] == 8
+
+
 def test_without_the_flag_opentelemetry_is_never_imported(tmp_path, tiny_artifact):
     """A server whose OpenTelemetry cannot be imported serves every door: nothing on its
     path imports it."""
