@@ -181,8 +181,8 @@ def test_smoothing_and_outlier_split_leave_fp32_results_unchanged(int8_artifact)
     from attnserve.export.verify import session
 
     source = onnx.load(int8_artifact.path("encoder_opt.onnx"))
-    rows = quantize._encode(int8_artifact.path(TOKENIZER), quantize.CALIBRATION_TEXTS[:6],
-                            int8_artifact.manifest.max_positions)
+    rows = quantize.encode_texts(int8_artifact.path(TOKENIZER), quantize.CALIBRATION_TEXTS[:6],
+                                 int8_artifact.manifest.max_positions)
     feeds = list(quantize._feeds(rows, 3, int8_artifact.manifest.pad_token_id))
     inputs = sorted({n.input[0] for n in quantize._sites(source)})
     smoothed = quantize._smooth(source, quantize._activation_stats(source, inputs, feeds))
