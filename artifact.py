@@ -17,9 +17,10 @@ TOKENIZER = "tokenizer.json"
 MEMORY_MODEL = "memory_model.json"
 # 2: a graph may be int8 and carry its parity against fp32 (`Graph.parity`). A manifest of
 # an older version is read as it was written; a newer one is refused by name. 3: the
-# manifest names the graphs' runtime and the checkpoint's family (model_type).
-FORMAT_VERSION = 3
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+# manifest names the graphs' runtime and the checkpoint's family (model_type). 4: it
+# carries the pooled vectors' ranges over the calibration texts (`EmbeddingRanges`).
+FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 INPUT_NAMES = ("input_ids", "attention_mask")
 HIDDEN_OUTPUT = "last_hidden_state"
 POOLINGS = ("mean", "cls")
@@ -103,6 +104,20 @@ class Parity:
 
 
 @dataclass(frozen=True)
+class EmbeddingRanges:
+    """Each dimension's least and greatest value of every pooled output over the
+    calibration texts (export/int8_texts.CALIBRATION_TEXTS, each run alone through the fp32
+    embeddings graph served): the ranges int8 and uint8 embeddings are quantized over
+    (sentence-transformers' `quantize_embeddings(ranges=...)`; format_version 4)."""
+
+    texts: int
+    """how many calibration texts were run"""
+    ranges: dict[str, list[list[float]]]
+    """pooled output name (POOLED_OUTPUTS) -> [[min of each dimension], [max of each]],
+    float32 values"""
+
+
+@dataclass(frozen=True)
 class Graph:
     file: str
     precision: str
@@ -141,6 +156,9 @@ class Manifest:
     modernbert); a manifest without one is BERT's"""
     runtime: str = "onnx"
     """the graphs' format, which picks the server's backend (server/runtime/backends.py)"""
+    embedding_ranges: EmbeddingRanges | None = None
+    """None in a manifest of format_version 3 or older: such an artifact serves no int8 or
+    uint8 embeddings"""
 
     def graph(self, *, attention: bool, precision: str) -> Graph | None:
         """The graph to serve with: an optimised one when export kept it."""
@@ -228,7 +246,13 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
             )
         graphs = [Graph(**g | {"parity": Parity(**g["parity"]) if g.get("parity") else None})
                   for g in data.pop("graphs")]
-        manifest = Manifest(graphs=graphs, **data)
+        ranges = data.pop("embedding_ranges", None)
+        manifest = Manifest(graphs=graphs, embedding_ranges=None if ranges is None
+                            else EmbeddingRanges(**ranges), **data)
+        for name, bounds in (manifest.embedding_ranges.ranges if ranges else {}).items():
+            if name not in POOLED_OUTPUTS or [len(b) for b in bounds] != [manifest.hidden_size] * 2:
+                raise ArtifactError(f"{manifest_path}: embedding_ranges {name!r} is not a pooled "
+                                    f"output's [[min], [max]] of {manifest.hidden_size} values each")
     except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as err:
         raise ArtifactError(f"{manifest_path}: not a valid manifest ({err})") from err
     if list(manifest.inputs) != list(INPUT_NAMES):

@@ -8,9 +8,13 @@ import numpy as np
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 
-_NUMPY = {pb.DTYPE_UNSPECIFIED: "<f4", pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT16: "<f2"}
+_NUMPY = {pb.DTYPE_UNSPECIFIED: "<f4", pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT16: "<f2",
+          pb.DTYPE_INT8: "i1", pb.DTYPE_UINT8: "u1", pb.DTYPE_BINARY: "i1", pb.DTYPE_UBINARY: "u1"}
 POOLING = {"default": pb.POOLING_UNSPECIFIED, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS,
            "none": pb.POOLING_NONE}
+EMBEDDING_TYPES = {"float": pb.EMBEDDING_TYPE_FLOAT, "int8": pb.EMBEDDING_TYPE_INT8,
+                   "uint8": pb.EMBEDDING_TYPE_UINT8, "binary": pb.EMBEDDING_TYPE_BINARY,
+                   "ubinary": pb.EMBEDDING_TYPE_UBINARY}
 
 
 def to_numpy(tensor: pb.Tensor) -> np.ndarray | None:
@@ -67,17 +71,20 @@ class EncoderClient:
               attention_layers: list[int] | None = None, attention_heads: list[int] | None = None,
               average_heads: bool = False, float16: bool = False, truncate: bool = False,
               chunk_tokens: int | None = None, isolated: bool = False, window_overlap: int = 0,
-              model: str = "", timeout: float | None = None) -> list[EmbeddingResult]:
+              model: str = "", embedding_type: str = "float",
+              timeout: float | None = None) -> list[EmbeddingResult]:
         """`model`: one of `list_models()`, "" for the server's default.
         `attention_layers=[]` asks for every layer; None asks for no attention maps.
         `chunk_tokens`: one vector per chunk of at most that many tokens (`chunks`), late
         chunking unless `isolated`, windows overlapping by `window_overlap` tokens (0: the
-        server's default)."""
+        server's default). `embedding_type`: float, int8, uint8, binary or ubinary, what
+        `pooled` (and each chunk's) comes as."""
         request = pb.EmbedRequest(
             texts=texts or [], token_ids=[pb.TokenIds(ids=ids) for ids in token_ids or []],
             truncate=truncate, pooling=POOLING[pooling], normalize=normalize,
             return_token_embeddings=token_embeddings,
             dtype=pb.DTYPE_FLOAT16 if float16 else pb.DTYPE_FLOAT32, model=model,
+            embedding_type=EMBEDDING_TYPES[embedding_type],
         )
         if attention_layers is not None:
             request.attention.CopyFrom(pb.AttentionOptions(

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from attnserve.artifact import MANIFEST, MEMORY_MODEL, TOKENIZER, Graph, Manifest, write_manifest
+from attnserve.export.embedding_ranges import fit_ranges
 from attnserve.export.onnx_graphs import OPSET, export_graph
 from attnserve.export.optimize import optimize
 from attnserve.export.quantize import INT8_MIN_COSINE, quantize_graph
@@ -56,7 +57,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     # graphs this export replaces must not outlive them.
     (out / MANIFEST).unlink(missing_ok=True)
     (out / MEMORY_MODEL).unlink(missing_ok=True)
-    step = _Steps(total=6 + 2 * fp16 + 2 * int8)
+    step = _Steps(total=7 + 2 * fp16 + 2 * int8)
 
     encoder = load_checkpoint(checkpoint)
     config = encoder.config
@@ -117,6 +118,11 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
                  split_matmuls=quantized.split, fp32_matmuls=quantized.kept_fp32)
         attn_opt.unlink()
 
+    served = next(g for g in sorted(graphs, key=lambda g: not g.optimized)
+                  if g.precision == "fp32" and not g.attention)
+    ranges = fit_ranges(out / served.file, checkpoint / TOKENIZER, config.max_positions)
+    step("event=ranges_fitted", graph=served.file, texts=ranges.texts)
+
     shutil.copyfile(checkpoint / "tokenizer.json", out / TOKENIZER)
     manifest = Manifest(
         model_name=name,
@@ -130,6 +136,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         opset=OPSET,
         graphs=graphs,
         model_type=config.model_type,
+        embedding_ranges=ranges,
     )
     write_manifest(out, manifest)
     step("event=written", artifact=out, graphs=",".join(g.file for g in graphs))

@@ -93,7 +93,7 @@ class _Stats:
         return self.token_max / max(self.token_median, 1e-12)
 
 
-def _encode(tokenizer: Path, texts: tuple[str, ...], max_positions: int) -> list[np.ndarray]:
+def encode_texts(tokenizer: Path, texts: tuple[str, ...], max_positions: int) -> list[np.ndarray]:
     # The bundled tokenizer.json pads and truncates to 128 tokens; cut at the model's
     # positions instead (keeping [SEP]) so long texts reach the lengths served.
     tok = Tokenizer.from_file(str(tokenizer))
@@ -267,7 +267,7 @@ def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
     """Per text of PARITY_TEXTS, the worse of two cosines between the graphs' pooled (mean,
     L2-normalised) embeddings: the text alone, and in a padded batch (texts in their fixed
     order, so short and long share one), as the server runs them."""
-    rows = _encode(tokenizer, PARITY_TEXTS, max_positions)
+    rows = encode_texts(tokenizer, PARITY_TEXTS, max_positions)
     reference, quantized = session(fp32), session(int8, "int8")
     cosines = np.concatenate([(_pooled(reference, feed) * _pooled(quantized, feed)).sum(axis=1)
                               for feed in _feeds(rows, PARITY_BATCH, pad_id)])
@@ -281,7 +281,7 @@ def quantize_graph(source: Path, reference: Path, target: Path, tokenizer: Path,
     (leaving no `target`) when its pooled cosine against the artifact's fp32 graph
     `reference` (the same outputs) falls below `min_cosine`."""
     model = onnx.load(str(source))
-    calibration = list(_feeds(_encode(tokenizer, CALIBRATION_TEXTS, max_positions),
+    calibration = list(_feeds(encode_texts(tokenizer, CALIBRATION_TEXTS, max_positions),
                               CALIBRATION_BATCH, pad_id))
     smoothed = _smooth(model, _activation_stats(model, sorted({n.input[0] for n in _sites(model)}),
                                                 calibration))

@@ -10,7 +10,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlparse, urlsplit
+
+from attnserve.server import tracing
 
 
 class ConfigError(ValueError):
@@ -109,6 +111,7 @@ class ServeConfig:
     api_key_file: Path | None = None
     cors_allow_origin: tuple[str, ...] = ()
     log_level: str = "info"
+    otlp_endpoint: str | None = None
     ready_file: Path | None = None
 
     def __post_init__(self) -> None:
@@ -139,9 +142,23 @@ class ServeConfig:
                                            and 1 <= int(self.workers) <= MAX_WORKERS):
             raise ConfigError("workers", f"{self.workers!r} is not auto or a number of "
                                          f"processes from 1 to {MAX_WORKERS}")
+        if self.otlp_endpoint is not None:
+            _check_otlp_endpoint(self.otlp_endpoint)
         if self.cuda_graphs == "on" and self.shape_buckets == "off":
             raise ConfigError("cuda_graphs", "needs shape buckets (one graph per bucket): "
                                              "drop --shape-buckets off")
+
+
+def _check_otlp_endpoint(endpoint: str) -> None:
+    url = urlparse(endpoint)
+    if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/"):
+        raise ConfigError("otlp_endpoint", f"{endpoint!r} is not http://HOST:PORT or "
+                                           "https://HOST:PORT (an OTLP/gRPC collector)")
+    missing = tracing.missing_modules()
+    if missing:
+        raise ConfigError("otlp_endpoint", f"needs the {tracing.EXTRA!r} extra, which is not "
+                                           f"installed (no {missing[0]}): pip install "
+                                           f"'attnserve[{tracing.EXTRA}]'")
 
 
 MAX_WORKERS = 64
@@ -230,6 +247,11 @@ _HELP = {
                          "marked for it; repeat it or separate origins by commas. None by "
                          "default",
     "log_level": "the least severe log lines written",
+    "otlp_endpoint": "send one trace span per call (its tokenize, queue, inference and respond "
+                     "steps beneath it) to the OpenTelemetry collector at this OTLP/gRPC "
+                     "endpoint, http://HOST:PORT (https:// for TLS); a caller's W3C traceparent "
+                     "is continued. Needs the otlp extra (pip install 'attnserve[otlp]'); off "
+                     "by default, costing nothing then",
     "ready_file": "once health is SERVING, write {\"port\", \"metrics_port\", \"http_port\", "
                   "\"pid\"} as JSON to this file (whole: written beside it, then renamed), "
                   "for whoever started the server and waits for it",

@@ -1,11 +1,31 @@
-"""The log format every process of the server writes: one line per event, key=value."""
+"""The log format every process of the server writes: one line per event, key=value; an
+event of a call ends with the call's request_id, so every line of one call can be found."""
 
 import logging
 import sys
+from contextvars import ContextVar
+
+_REQUEST_ID: ContextVar[str | None] = ContextVar("attnserve_request_id", default=None)
+
+
+def set_request_id(request_id: str | None) -> None:
+    """The request id of the call the running task serves (None: no call)."""
+    _REQUEST_ID.set(request_id)
+
+
+class CallIds(logging.Filter):
+    """Gives every record its call's ` request_id=...` (empty outside a call)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = _REQUEST_ID.get()
+        record.call = "" if request_id is None else f" request_id={request_id}"
+        return True
 
 
 def setup_logging(level: str = "info") -> None:
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s%(call)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(CallIds())

@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+from attnserve.server.doors import call_context
 from attnserve.server.errors import RequestError, Unauthenticated
 from attnserve.server.metrics import Metrics, call_model
 
@@ -36,6 +37,7 @@ class CallRecord:
         self.started = time.perf_counter()
         self.model = call_model()
         """the model the call was routed to (metrics.routed_to), "" for none"""
+        self.call = call_context.current()
         metrics.inflight.inc()
 
     def refusal(self, err: Exception) -> RequestError:
@@ -49,6 +51,8 @@ class CallRecord:
         return err
 
     def end(self) -> None:
+        if self.call is not None:
+            self.call.code, self.call.model = self.code, self.model[0] or self.call.model
         self.metrics.inflight.dec()
         self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started,
                               self.model[0])

@@ -1,6 +1,7 @@
 """What every gRPC call shares: its record and status (server/doors/front.py), the API
-key, and its request decoded off the event loop with its memory held until the answer
-is sent."""
+key, its request decoded off the event loop with its memory held until the answer is
+sent, and its request id, timings and trace (server/doors/call_context.py): the id and
+TEI's timings go back in the trailing metadata (`x-request-id`, `x-total-time`, ...)."""
 
 import asyncio
 import inspect
@@ -17,6 +18,7 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from attnserve.server.doors import call_context
 from attnserve.server.doors.front import CANCELLED, ApiKeys, CallRecord
 from attnserve.server.doors.grpc_wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
 from attnserve.server.engine.data_plane import DataPlane
@@ -29,12 +31,15 @@ from attnserve.server.errors import (
 )
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
+from attnserve.server.tracing import Tracing
 
 log = logging.getLogger("attnserve.calls")
 
-# Methods answered without an API key: health and reflection (for probes and tools), and
-# the Open Inference Protocol's own health calls.
-OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.",
+# Methods of probes and tools, never traced.
+UNTRACED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Methods answered without an API key: health and reflection, and the Open Inference
+# Protocol's own health calls.
+OPEN_METHODS = (*UNTRACED_METHODS,
                 "/inference.GRPCInferenceService/ServerLive",
                 "/inference.GRPCInferenceService/ServerReady",
                 "/inference.GRPCInferenceService/ModelReady")
@@ -52,6 +57,12 @@ def status_of(err: RequestError) -> grpc.Status:
             error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.reason)]))
         details.append(detail)
     return rpc_status.to_status(status_pb2.Status(code=code, message=err.message, details=details))
+
+
+def trailers(status: grpc.Status) -> tuple:
+    """A refusal's trailing metadata: its details, and the call's id and timings."""
+    call = call_context.current()
+    return tuple(status.trailing_metadata) + (() if call is None else tuple(call.metadata()))
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
@@ -79,7 +90,7 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
         record.end()
     # Sent once counted, so a caller that sees the refusal finds it in /metrics.
     status = status_of(refusal)
-    await context.abort(status.code, status.details, status.trailing_metadata)
+    await context.abort(status.code, status.details, trailers(status))
 
 
 class Undecodable:
@@ -141,8 +152,9 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
     unary call, once the response has been written to the caller."""
 
     def __init__(self, metrics: Metrics, plane: DataPlane, pool: Executor, max_entries: int,
-                 keys: ApiKeys):
+                 keys: ApiKeys, tracing: Tracing | None = None):
         self.metrics = metrics
+        self.tracing = tracing
         self.plane = plane
         self.pool = pool
         self.max_entries = max_entries
@@ -179,8 +191,11 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         async def refuse(err: RequestError, context) -> None:
             self.metrics.answered(rpc, err.code.name, 0.0)
+            call = call_context.current()
+            if call is not None:
+                call.code = err.code.name
             status = status_of(err)
-            await context.abort(status.code, status.details, status.trailing_metadata)
+            await context.abort(status.code, status.details, trailers(status))
 
         async def decoded(received: Received, context, holds: Holds):
             """The request parsed, or the call refused; returns (request, bytes held)."""
@@ -217,10 +232,30 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         kind = ("stream" if handler.request_streaming else "unary") + "_" + (
             "stream" if handler.response_streaming else "unary")
         inner = getattr(handler, kind)
+        method = details.method
+        tracing = None if method.startswith(UNTRACED_METHODS) else self.tracing
+
+        def begin(context) -> call_context.Call:
+            metadata = dict(pair for pair in context.invocation_metadata() or ()
+                            if isinstance(pair[1], str))
+            return call_context.begin(method.lstrip("/"), metadata.get(call_context.REQUEST_ID),
+                                      metadata.get(call_context.TRACEPARENT), tracing)
+
+        def end(call: call_context.Call, context, answered: bool) -> None:
+            """`answered`: the call returned (a refusal has sent its trailers already)."""
+            if answered:
+                context.set_trailing_metadata(tuple(call.metadata()))
+            service, _, name = method.lstrip("/").rpartition("/")
+            call_context.end(call, tracing, {"rpc.system": "grpc", "rpc.service": service,
+                                             "rpc.method": name})
 
         if refused is not None:
             async def unauthenticated(request, context):
-                await refuse(refused, context)
+                call = begin(context)
+                try:
+                    await refuse(refused, context)
+                finally:
+                    end(call, context, False)
             return handler._replace(request_deserializer=lambda data: None,
                                     **{kind: unauthenticated})
         async def received(request, context):
@@ -231,11 +266,22 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         if inspect.isasyncgenfunction(inner):
             async def behaviour(request, context):
-                async for response in inner(await received(request, context), context):
-                    yield response
+                call, answered = begin(context), False
+                try:
+                    async for response in inner(await received(request, context), context):
+                        yield response
+                    answered = True
+                finally:
+                    end(call, context, answered)
         else:
             async def behaviour(request, context):
-                return await inner(await received(request, context), context)
+                call, answered = begin(context), False
+                try:
+                    response = await inner(await received(request, context), context)
+                    answered = True
+                    return response
+                finally:
+                    end(call, context, answered)
         return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
 
 

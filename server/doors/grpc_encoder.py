@@ -1,7 +1,9 @@
 """attnserve.v1.EncoderService, the gRPC door of our own API: texts or token ids in,
 embeddings and attention maps out, through the data plane."""
 
-from attnserve.artifact import Manifest
+import dataclasses
+
+from attnserve.artifact import Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
@@ -9,6 +11,7 @@ from attnserve.server.doors.grpc_encoder_pack import (
     CHUNKED_ADVICE,
     DTYPES,
     EMBED_ADVICE,
+    EMBEDDING_TYPES,
     POOLING_NAMES,
     AttentionPlan,
     EmbedPlan,
@@ -16,8 +19,10 @@ from attnserve.server.doors.grpc_encoder_pack import (
     embed_response,
     embed_response_bytes,
     outputs_for,
+    pooled_name,
 )
 from attnserve.server.doors.grpc_wire import field_bytes
+from attnserve.server.doors.quantized import EmbeddingType, ranges_of
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.requests import (
@@ -100,7 +105,7 @@ def _tokenization(e: Encoded) -> pb.Tokenization:
                            offsets=[x for pair in e.offsets for x in pair])
 
 
-def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
+def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> EmbedPlan:
     """Validate everything but the sequences themselves (the data plane reads those)."""
     if bool(request.texts) == bool(request.token_ids):
         which = "both are set" if request.texts else "both are empty"
@@ -108,7 +113,12 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
     if request.pooling not in pb.Pooling.values():
         raise InvalidArgument("pooling", f"unknown value {request.pooling}")
     if request.dtype not in DTYPES:
-        raise InvalidArgument("dtype", f"unknown value {request.dtype}")
+        raise InvalidArgument("dtype", f"{pb.DType.Name(request.dtype)} is what a pooled vector's "
+                              "embedding_type is sent as, not a dtype: set embedding_type"
+                              if request.dtype in pb.DType.values()
+                              else f"unknown value {request.dtype}")
+    if request.embedding_type not in EMBEDDING_TYPES:
+        raise InvalidArgument("embedding_type", f"unknown value {request.embedding_type}")
     pooling = request.pooling or POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
     attention = None
     if request.HasField("attention"):
@@ -117,8 +127,18 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest) -> EmbedPlan:
         heads = _indexes(options.heads, manifest.num_heads, "attention.heads", "head")
         attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
                                   options.average_heads)
-    return EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
+    plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
                      DTYPES[request.dtype], attention, _chunking(request))
+    kind = EMBEDDING_TYPES[request.embedding_type]
+    if kind is EmbeddingType.FLOAT:
+        return plan
+    # A chunk's vector is mean-pooled whatever the model's default pooling.
+    source = pooled_output("mean", plan.normalize) if plan.chunking else pooled_name(plan)
+    if source is None:
+        raise InvalidArgument("embedding_type", "sets what the pooled vector is sent as, and "
+                              "pooling is POOLING_NONE: ask for a pooling")
+    return dataclasses.replace(plan, embedding_type=kind,
+                               ranges=ranges_of(manifest, model, source, kind, "embedding_type"))
 
 
 def _chunking(request: pb.EmbedRequest) -> Chunking | None:
@@ -154,7 +174,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                     deadline: float | None) -> pb.EmbedResponse:
         model = self.plane.model(request.model)
         manifest = model.manifest
-        plan = plan_embed(request, manifest)
+        plan = plan_embed(request, manifest, model.name)
         measure, advice = ((chunked_response_bytes, CHUNKED_ADVICE) if plan.chunking
                            else (embed_response_bytes, EMBED_ADVICE))
         size = ResponseSize(lambda counts: measure(plan, counts, manifest, model.name),

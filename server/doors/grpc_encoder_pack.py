@@ -10,6 +10,7 @@ import numpy as np
 from attnserve.artifact import HIDDEN_OUTPUT, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server.doors.grpc_wire import field_bytes, varint_bytes
+from attnserve.server.doors.quantized import EmbeddingType, quantize
 from attnserve.server.engine.requests import ChunkedText, Chunking, Embedded
 from attnserve.server.runtime.backend import Outputs, SequenceResult
 
@@ -18,6 +19,14 @@ POOLINGS = {code: name for name, code in POOLING_NAMES.items()}
 DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32,
           pb.DTYPE_FLOAT16: np.float16}
 _WIRE = {np.float32: (pb.DTYPE_FLOAT32, "<f4"), np.float16: (pb.DTYPE_FLOAT16, "<f2")}
+EMBEDDING_TYPES = {pb.EMBEDDING_TYPE_UNSPECIFIED: EmbeddingType.FLOAT,
+                   pb.EMBEDDING_TYPE_FLOAT: EmbeddingType.FLOAT,
+                   pb.EMBEDDING_TYPE_INT8: EmbeddingType.INT8,
+                   pb.EMBEDDING_TYPE_UINT8: EmbeddingType.UINT8,
+                   pb.EMBEDDING_TYPE_BINARY: EmbeddingType.BINARY,
+                   pb.EMBEDDING_TYPE_UBINARY: EmbeddingType.UBINARY}
+QUANTIZED_DTYPES = {EmbeddingType.INT8: pb.DTYPE_INT8, EmbeddingType.UINT8: pb.DTYPE_UINT8,
+                    EmbeddingType.BINARY: pb.DTYPE_BINARY, EmbeddingType.UBINARY: pb.DTYPE_UBINARY}
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,25 @@ class EmbedPlan:
     dtype: type
     attention: AttentionPlan | None
     chunking: Chunking | None = None
+    embedding_type: EmbeddingType = EmbeddingType.FLOAT
+    """what the pooled vectors are sent as"""
+    ranges: np.ndarray | None = None
+    """int8 and uint8: the ranges they are quantized over (quantized.ranges_of)"""
+
+    def pooled_tensor(self, vector: np.ndarray) -> pb.Tensor:
+        """A pooled (or chunk) vector, as its embedding type."""
+        if self.embedding_type is EmbeddingType.FLOAT:
+            return tensor(vector, self.dtype)
+        values = quantize(vector, self.embedding_type, self.ranges)
+        return pb.Tensor(shape=values.shape, dtype=QUANTIZED_DTYPES[self.embedding_type],
+                         data=values.tobytes())
+
+    def pooled_bytes(self, hidden: int) -> int:
+        """The wire size of one pooled vector's Tensor."""
+        kind = self.embedding_type
+        if kind is EmbeddingType.FLOAT:
+            return tensor_bytes((hidden,), np.dtype(self.dtype).itemsize)
+        return tensor_bytes((kind.dimensions(hidden),), 1)
 
 
 def tensor(array: np.ndarray, dtype: type) -> pb.Tensor:
@@ -89,7 +117,7 @@ def embedding(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.Em
     out = pb.Embedding(token_ids=ids.tolist(), num_tokens=len(ids))
     name = pooled_name(plan)
     if name is not None:
-        out.pooled.CopyFrom(tensor(result.pooled[name], plan.dtype))
+        out.pooled.CopyFrom(plan.pooled_tensor(result.pooled[name]))
     if plan.return_token_embeddings:
         out.token_embeddings.CopyFrom(tensor(result.hidden, plan.dtype))
     if plan.attention is not None:
@@ -97,12 +125,12 @@ def embedding(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.Em
     return out
 
 
-def chunked_embedding(text: ChunkedText, dtype: type) -> pb.Embedding:
+def chunked_embedding(text: ChunkedText, plan: EmbedPlan) -> pb.Embedding:
     out = pb.Embedding(num_tokens=text.num_tokens)
     for (start, end), count, vector in zip(text.spans.tolist(), text.token_counts.tolist(),
                                            text.vectors, strict=True):
         out.chunks.append(pb.Chunk(start=start, end=end, num_tokens=count,
-                                   pooled=tensor(vector, dtype)))
+                                   pooled=plan.pooled_tensor(vector)))
     return out
 
 
@@ -113,7 +141,7 @@ def embed_response(embedded: Embedded, plan: EmbedPlan, model: str) -> pb.EmbedR
     for result, ids in zip(embedded.results, embedded.ids, strict=True):
         response.embeddings.append(embedding(result, ids, plan))
     for text in embedded.chunked:
-        response.embeddings.append(chunked_embedding(text, plan.dtype))
+        response.embeddings.append(chunked_embedding(text, plan))
     return response
 
 
@@ -136,7 +164,7 @@ def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, heads: int, vocab
     """One pb.Embedding of a `length`-token sequence, ids counted at the largest."""
     total = field_bytes(length * varint_bytes(vocab - 1)) + 1 + varint_bytes(length)
     if pooled_name(plan) is not None:
-        total += field_bytes(tensor_bytes((hidden,), value_bytes))
+        total += field_bytes(plan.pooled_bytes(hidden))
     if plan.return_token_embeddings:
         total += field_bytes(tensor_bytes((length, hidden), value_bytes))
     if plan.attention is not None:
@@ -173,7 +201,7 @@ INT64_MAX = (1 << 63) - 1
 def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manifest,
                            model: str) -> int:
     """The EmbedResponse of `model` for chunked texts of `counts` chunks each, in bytes."""
-    vector = field_bytes(tensor_bytes((manifest.hidden_size,), np.dtype(plan.dtype).itemsize))
+    vector = field_bytes(plan.pooled_bytes(manifest.hidden_size))
     chunk = field_bytes(CHUNK_FIELDS_BYTES + vector)
     values, repeats = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
     embeddings = sum(times * field_bytes(UINT32_FIELD_BYTES + n * chunk)

@@ -6,7 +6,11 @@ statuses in the route's own error shape.
 
 The cheap limits come first: the content type and encoding and the declared length are
 checked before any byte of the body is read, and a JSON body's entries are counted
-before it is parsed."""
+before it is parsed.
+
+Every request is a call (server/doors/call_context.py) from the moment it reaches the app:
+every answer, refusals and unmatched routes included, carries its X-Request-Id and TEI's
+timing headers, and with --otlp-endpoint the call is traced."""
 
 import asyncio
 import re
@@ -16,6 +20,7 @@ from typing import TypeVar
 import orjson
 from aiohttp import web
 
+from attnserve.server.doors import call_context
 from attnserve.server.doors.front import CANCELLED, CallRecord
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import JSON_BYTE_S
@@ -29,6 +34,7 @@ from attnserve.server.errors import (
 from attnserve.server.http_framing import MalformedBody
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
+from attnserve.server.tracing import Tracing
 
 T = TypeVar("T")
 
@@ -52,6 +58,10 @@ CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipar
 # The most a float32 takes in a JSON body: orjson's shortest repr (-1.1754944e-38) and a comma.
 JSON_FLOAT_BYTES = 16
 SEQUENCE_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+# Routes of probes and tools, never traced.
+UNTRACED_PATHS = ("/health", "/v2/health/", "/openapi.json")
+_CALL = "attnserve.call"
+"""the request's key for its call_context.Call"""
 
 
 class UnsupportedMediaType(RequestError):
@@ -169,12 +179,43 @@ class HttpCalls:
     """Shared by the routes of one server: its plane, metrics and limits."""
 
     def __init__(self, plane: DataPlane, metrics: Metrics, max_body_bytes: int,
-                 body_timeout_s: float, max_entries: int):
+                 body_timeout_s: float, max_entries: int, tracing: Tracing | None = None):
         self.plane = plane
+        self.tracing = tracing
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.max_json_entries = 2 * max_entries + JSON_ENTRY_SLACK
+
+    @web.middleware
+    async def calls(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """The first middleware: the request becomes a call (its id from X-Request-Id, its
+        trace from traceparent), traced once answered."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        tracing = None if request.path.startswith(UNTRACED_PATHS) else self.tracing
+        call = call_context.begin(f"{request.method} {route}",
+                                  request.headers.get(call_context.REQUEST_ID),
+                                  request.headers.get(call_context.TRACEPARENT), tracing)
+        request[_CALL] = call
+        status = None
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            call_context.end(call, tracing, {"http.request.method": request.method,
+                                             "http.route": route}
+                             | ({} if status is None else {"http.response.status_code": status}))
+
+    @staticmethod
+    async def call_headers(request: web.Request, response: web.StreamResponse) -> None:
+        """As every answer's headers are sent (aiohttp's on_response_prepare): the call's
+        X-Request-Id and timings."""
+        call = request.get(_CALL)
+        if call is not None:
+            response.headers.update(call.metadata())
 
     def check_type(self, request: web.Request, accepted: tuple[str, ...],
                    optional: bool = False) -> None:

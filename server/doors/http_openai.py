@@ -16,26 +16,28 @@ Chunking) embeds each text as chunks: `data` then holds one item per chunk, in o
 each with OpenAI's fields and `input_index` (the text it is a chunk of), `start` and `end`
 (code points into that text, end exclusive) and `num_tokens`. The `openai` client keeps
 fields it does not know (`model_extra`) and sends this one as `extra_body`. `usage`
-counts the tokens run through the model, every window's or chunk's."""
+counts the tokens run through the model, every window's or chunk's. `embedding_types`
+(Cohere's) and `embedding_dtype` choose how the vectors are written
+(server/doors/http_vectors.py)."""
 
-import base64
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 from aiohttp import web
 
 from attnserve.artifact import pooled_output
 from attnserve.server.doors.http_calls import (
-    JSON_FLOAT_BYTES,
     SEQUENCE_FORMS,
     HttpCalls,
     SequenceNames,
     known_fields,
     sequences,
 )
+from attnserve.server.doors.http_vectors import VectorFormat
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
@@ -51,16 +53,14 @@ from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"
 INFINITY_RPC = "http:/embeddings"
-FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate", "chunking")
+FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate", "chunking",
+          "embedding_types", "embedding_dtype")
 # Infinity's body: OpenAI's, and the inputs' modality.
 INFINITY_FIELDS = (*FIELDS, "modality")
 # The model Infinity's clients name when they name none.
 INFINITY_DEFAULT_MODEL = "default/not-specified"
 # Infinity's model objects say who owns them as a constant its own client insists on.
 INFINITY_OWNER = "infinity"
-ENCODINGS = ("float", "base64")
-# A float32 as base64: 4 bytes are 5⅓ characters.
-BASE64_FLOAT_BYTES = 6
 ITEM_BYTES = 64
 """{"object":"embedding","index":N,"embedding":...} around each vector"""
 CHUNK_ITEM_BYTES = 128
@@ -110,7 +110,7 @@ class Parsed:
     """A body's fields, read and checked but for what depends on the model it names."""
 
     model: str | None
-    encoding: str
+    vectors: VectorFormat
     dimensions: int | None
     truncate: bool
     chunking: Chunking | None
@@ -124,10 +124,7 @@ def parse(body) -> Parsed:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgument("model", f"{quote(model)}; expected a string")
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ENCODINGS:
-        raise InvalidArgument("encoding_format", f"{quote(encoding)}; expected 'float' or "
-                              "'base64'")
+    vectors = VectorFormat.parse(body)
     dimensions = body.get("dimensions")
     if dimensions is not None and type(dimensions) is not int:
         raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected an integer")
@@ -141,7 +138,7 @@ def parse(body) -> Parsed:
         raise InvalidArgument("input", f"required: {SEQUENCE_FORMS}")
     chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
     inputs, names = sequences(body["input"], "input")
-    return Parsed(model, encoding, dimensions, truncate, chunking, inputs, names)
+    return Parsed(model, vectors, dimensions, truncate, chunking, inputs, names)
 
 
 def parse_infinity(body) -> Parsed:
@@ -184,8 +181,7 @@ class OpenAIEmbeddings:
         if parsed.dimensions is not None and parsed.dimensions != hidden:
             raise InvalidArgument("dimensions", f"{quote(parsed.dimensions)}; {model.name!r} has "
                                   f"one size, {hidden}: omit dimensions or set it to that")
-        per_float = JSON_FLOAT_BYTES if parsed.encoding == "float" else BASE64_FLOAT_BYTES
-        item = ITEM_BYTES + hidden * per_float
+        item = ITEM_BYTES + parsed.vectors.vector_bytes(hidden)
         head = 256 + len(model.name.encode()) * 6
         if parsed.chunking is None:
             size = ResponseSize(lambda lengths: head + len(lengths) * item,
@@ -197,20 +193,18 @@ class OpenAIEmbeddings:
                             outputs=frozenset({self.pooled}), chunking=parsed.chunking,
                             normalize=True, **parsed.inputs)
 
-    def _vector(self, vector, encoding: str):
-        return (base64.b64encode(vector.astype("<f4").tobytes()).decode()
-                if encoding == "base64" else vector)
-
-    def body(self, model: str, embedded: Embedded, encoding: str, more: dict) -> bytes:
+    def body(self, model: str, embedded: Embedded, vectors: VectorFormat, ranges: dict,
+             more: dict) -> bytes:
         """`more`: fields beside OpenAI's."""
-        data = [{"object": "embedding", "index": index,
-                 "embedding": self._vector(result.pooled[self.pooled], encoding)}
-                for index, result in enumerate(embedded.results)]
+        pooled = [result.pooled[self.pooled] for result in embedded.results]
+        pooled += [vector for text in embedded.chunked for vector in text.vectors]
+        fields = iter(vectors.fields(np.stack(pooled), ranges) if pooled else ())
+        data = [{"object": "embedding", "index": index, **next(fields)}
+                for index in range(len(embedded.results))]
         for text_index, text in enumerate(embedded.chunked):
-            for (start, end), count, vector in zip(text.spans.tolist(), text.token_counts.tolist(),
-                                                   text.vectors, strict=True):
-                data.append({"object": "embedding", "index": len(data),
-                             "embedding": self._vector(vector, encoding),
+            for (start, end), count in zip(text.spans.tolist(), text.token_counts.tolist(),
+                                           strict=True):
+                data.append({"object": "embedding", "index": len(data), **next(fields),
                              "input_index": text_index, "start": start, "end": end,
                              "num_tokens": count})
         tokens = embedded.total_tokens
@@ -229,8 +223,9 @@ class OpenAIEmbeddings:
         embedded = await model.embed(self.request(parsed, model), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
         hidden = model.manifest.hidden_size
+        ranges = parsed.vectors.ranges(model.manifest, model.name, self.pooled)
         payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self.body,
-                                   model.name, embedded, parsed.encoding, more())
+                                   model.name, embedded, parsed.vectors, ranges, more())
         return web.Response(body=payload, content_type="application/json")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

@@ -37,6 +37,7 @@ from attnserve.server.errors import NotFound, RequestError, Unauthenticated
 from attnserve.server.listener import Listener
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
+from attnserve.server.tracing import Tracing
 
 # Paths answered without an API key: health, for probes, and the API's description.
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready", "/openapi.json", "/docs")
@@ -123,7 +124,8 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
     async def openapi(request: web.Request) -> web.Response:
         return web.Response(body=document, content_type="application/json")
 
-    app = web.Application(middlewares=[cors.preflight, front])
+    app = web.Application(middlewares=[calls.calls, cors.preflight, front])
+    app.on_response_prepare.append(calls.call_headers)
     app.on_response_prepare.append(cors.mark)
     app.add_routes([web.get("/health", health), web.get("/", health),
                     web.get("/openapi.json", openapi), *openai.routes(), *kserve.routes(),
@@ -135,10 +137,10 @@ class HttpServers:
     """The HTTP port and the metrics port of one server, each off when its port is 0."""
 
     def __init__(self, config: ServeConfig, plane: DataPlane, metrics: Metrics, keys: ApiKeys,
-                 max_entries: int, metrics_port: bool = True):
+                 max_entries: int, metrics_port: bool = True, tracing: Tracing | None = None):
         self.config = config
         self.calls = HttpCalls(plane, metrics, config.http_max_body_bytes,
-                               config.http_body_timeout_seconds, max_entries)
+                               config.http_body_timeout_seconds, max_entries, tracing)
         openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
         kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
         tei = TeiHttp(self.calls, plane, config.max_message_bytes, config.max_queue_requests,

@@ -229,7 +229,20 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
             "model": {"type": "string", "enum": [info.model for info in infos],
                       "description": "one of GET /v1/models; omitted: the server's default, "
                                      f"{infos[0].model}"},
-            "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
+            "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float",
+                                "description": "base64: every vector as the base64 of its "
+                                               "little-endian bytes"},
+            "embedding_dtype": {"type": "string", "enum": ["float32", "float16"],
+                                "default": "float32",
+                                "description": "an extension: float16 halves a base64 float "
+                                               "vector (with encoding_format base64 only)"},
+            "embedding_types": {
+                "type": "array", "minItems": 1, "uniqueItems": True,
+                "items": {"type": "string", "enum": ["float", "int8", "uint8", "binary", "ubinary"]},
+                "description": "an extension, Cohere's: each item carries `embeddings`, one "
+                               "vector per type asked for (int8 and uint8 over the ranges the "
+                               "export fitted; binary and ubinary the sign bits, 8 to a byte), "
+                               "and an empty `embedding`"},
             "dimensions": {"type": "integer",
                            "enum": sorted({info.hidden_size for info in infos}),
                            "description": "the model's one size"},
@@ -270,6 +283,11 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
                     "embedding": {"oneOf": [
                         {"type": "array", "items": {"type": "number"}},
                         {"type": "string", "description": "base64 of little-endian float32"}]},
+                    "embeddings": {
+                        "type": "object", "description": "with embedding_types: each type's "
+                                                         "vector (numbers, or base64)",
+                        "additionalProperties": {"oneOf": [
+                            {"type": "array", "items": {"type": "number"}}, {"type": "string"}]}},
                     "input_index": {"type": "integer",
                                     "description": "with chunking: the input this is a chunk of"},
                     "start": {"type": "integer", "description": "with chunking: the chunk's "

@@ -20,6 +20,7 @@ from attnserve.server.doors.http_server import HttpServers
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.metrics import Metrics, answered_by_code
 from attnserve.server.startup import PortInUse
+from attnserve.server.tracing import tracing_for
 
 SERVICES = (
     encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
@@ -51,6 +52,7 @@ class Ports:
         self.credentials = credentials(config)
         self.keys = ApiKeys(config.api_key, config.api_key_file)
         self.health = health.aio.HealthServicer()
+        self.tracing = tracing_for(config.otlp_endpoint)
         self.port = self.http_port = self.metrics_port = 0
 
     async def start(self, plane: DataPlane, requests_pool, shared_ports: bool = False,
@@ -76,8 +78,8 @@ class Ports:
                         ("grpc.max_connection_age_grace_ms", int(config.drain_seconds * 1000))]
         # No request carries more entries in one field than the queue holds tokens.
         max_entries = config.max_queue_tokens
-        decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries,
-                                self.keys)
+        decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries, self.keys,
+                                self.tracing)
         self.grpc = grpc.aio.server(interceptors=[decode], options=options)
         logging.getLogger("grpc._cython.cygrpc").addFilter(QuietHungUpCalls())
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
@@ -87,7 +89,8 @@ class Ports:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        self.http = HttpServers(config, plane, self.metrics, self.keys, max_entries, metrics_port)
+        self.http = HttpServers(config, plane, self.metrics, self.keys, max_entries, metrics_port,
+                                self.tracing)
         await self.set_health(False)
         address = f"{config.host}:{config.port}"
         try:
@@ -113,6 +116,8 @@ class Ports:
         # waiting inside gRPC for a handler at this instant were never accepted; gRPC
         # cancels them (CANCELLED); the HTTP ports close likewise.
         await asyncio.gather(self.grpc.stop(grace=1.0), self.http.stop())
+        if self.tracing is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     def answered(self) -> str:
         """Calls this process answered, by status (metrics.answered_by_code)."""

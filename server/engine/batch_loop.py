@@ -106,6 +106,8 @@ class Ran:
     shape: Shape
     """as run, padding included"""
     seconds: float
+    started: float
+    """when it started, on the monotonic clock"""
     peak: int | None
     """bytes it added at its peak; None when not measured (see MEASURE_ALL_FROM_BYTES)"""
     predicted: float
@@ -215,7 +217,7 @@ class BatchLoop:
                    % SMALL_MEASURE_EVERY == 0)
         if measure:
             baseline = self.probe.start_batch()
-        started = time.perf_counter()
+        started_at, started = time.monotonic(), time.perf_counter()
         out = self.backend.run(ids, mask, batch.layers, batch.outputs)
         seconds = time.perf_counter() - started
         peak = self.probe.batch_peak(baseline) if measure else None
@@ -227,7 +229,7 @@ class BatchLoop:
             self.backend.release_memory()
         else:
             self.trim_pending |= took >= TRIM_AFTER_BYTES
-        return Ran(items, out, ids.shape, seconds, peak, predicted, means)
+        return Ran(items, out, ids.shape, seconds, started_at, peak, predicted, means)
 
     def _trim_when_idle(self) -> None:
         if self.trim_pending:
@@ -263,6 +265,7 @@ class BatchLoop:
         """Each sequence its row, trimmed to its length (rows past them were padding);
         a request gets the outputs it asked for, whatever else its batch brought back."""
         out = ran.output
+        jobs = {w.job: None for w in ran.items}
         for row, w in enumerate(ran.items):
             job = w.job
             if job.future.done():
@@ -276,6 +279,11 @@ class BatchLoop:
                 ran.span_means.get(row),
             )
             job.unanswered -= 1
+        rows, seq = ran.shape
+        for job in jobs:
+            if job.future.done():
+                continue
+            job.batch_ran(ran.started, ran.started + ran.seconds, len(ran.items), rows, seq)
             if job.unanswered == 0:
                 job.future.set_result(job.results)
 

@@ -23,6 +23,7 @@ from itertools import islice
 import numpy as np
 
 from attnserve.server.config import ServeConfig
+from attnserve.server.engine import timings
 from attnserve.server.errors import (
     DeadlineExceeded,
     RequestError,
@@ -105,6 +106,26 @@ class Job:
     spans: list[np.ndarray] | None = None
     """per sequence, the token spans whose mean embeddings its result carries instead of
     its token embeddings (`submit`)"""
+    times: timings.CallTimes | None = None
+    """its call's record (server/engine/timings.py), told when its batches ran"""
+    ran: tuple[float, float] | None = None
+    """(the first of its batches' starts, the last of their ends), on the monotonic clock"""
+
+    def batch_ran(self, start: float, end: float, size: int, rows: int, seq: int) -> None:
+        """One of its batches ran, from `start` to `end`: `size` sequences padded to
+        [rows, seq]. Its call's record gets the batch, and once the job is answered its
+        queue time (until its first batch started) and inference time (from then until
+        its last batch ended)."""
+        first, last = self.ran or (start, end)
+        self.ran = min(first, start), max(last, end)
+        if self.times is None:
+            return
+        self.times.add("inference", start, end, counted=False, batch_size=size,
+                       padded_shape=[rows, seq])
+        if self.unanswered == 0:
+            first, last = self.ran
+            self.times.add("queue", self.enqueued, first)
+            self.times.seconds["inference"] += last - first
 
 
 class State(enum.Enum):
@@ -190,7 +211,7 @@ class RequestQueue:
         tokens = int(lengths.sum())
         self.admit(tokens)
         job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
-                  alone=alone, outputs=outputs, spans=spans)
+                  alone=alone, outputs=outputs, spans=spans, times=timings.current())
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None

@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output, pooled_output
+from attnserve.server.engine import timings
 from attnserve.server.engine.chunked import TextPlan, window_overlap
 from attnserve.server.engine.chunking import cut
 from attnserve.server.engine.offload import (
@@ -117,7 +118,8 @@ class ServedModel:
     async def pack(self, seconds: float, build: Callable[..., T], *args) -> T:
         """`build(*args)`: a door's response built from a result, inline when it costs
         less than offload.INLINE_S, else on the responses pool."""
-        with self.metrics.stage_duration.labels(self.name, "respond").time():
+        with self.metrics.stage_duration.labels(self.name, "respond").time(), \
+                timings.stage("respond"):
             return await self.offload.response(seconds, build, *args)
 
     async def _run(self, sequences: list[np.ndarray], lengths: np.ndarray,
@@ -130,6 +132,8 @@ class ServedModel:
         alone = self.memory.check(int(lengths[longest]), field_of(longest), len(layers),
                                   response_bytes)
         self.hold_response(holds, response_bytes, on_top=alone if self.memory.shared else 0.0)
+        if (times := timings.current()) is not None:
+            times.compute_tokens += int(lengths.sum())
         return await self.scheduler.submit(sequences, layers, deadline, outputs, alone, lengths,
                                            spans)
 
@@ -154,9 +158,10 @@ class ServedModel:
             ids = [e.ids for e in encoded]
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         else:
-            ids, lengths = await self.offload.request(
-                cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S), self._read_ids,
-                request.token_ids, request.truncate, names)
+            with timings.stage("tokenize"):
+                ids, lengths = await self.offload.request(
+                    cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S), self._read_ids,
+                    request.token_ids, request.truncate, names)
         size = request.size.check(lengths)
         results = await self._run(ids, lengths, names.sequence, request.layers, request.outputs,
                                   size, holds, deadline)
@@ -181,7 +186,8 @@ class ServedModel:
         # A text may have no tokens, and so no chunks.
         self.scheduler.admit(0, at_least=True)
         request.size.check(np.zeros(len(texts), dtype=np.int64), at_least=True)
-        with self.metrics.stage_duration.labels(self.name, "tokenize").time():
+        with self.metrics.stage_duration.labels(self.name, "tokenize").time(), \
+                timings.stage("tokenize"):
             plans = await self.offload.request(
                 cost(texts, TEXT_S, TEXT_CHAR_S + CUT_CHAR_S), self._plan_chunks, texts,
                 chunking, width, overlap, names, request.size, holds)
@@ -294,7 +300,8 @@ class ServedModel:
     async def _tokenize(self, texts: Sequence[str], truncate: bool, names: FieldNames,
                         holds: Holds, details: bool, special_tokens: bool = True) -> list[Encoded]:
         try:
-            with self.metrics.stage_duration.labels(self.name, "tokenize").time():
+            with self.metrics.stage_duration.labels(self.name, "tokenize").time(), \
+                    timings.stage("tokenize"):
                 return await self.offload.request(
                     cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
                     holds, details, special_tokens)
@@ -343,12 +350,15 @@ class ServedModel:
         self.scheduler.admit(batch, at_least=True)
         shapes = [(name, self._output_shape(name, layers, batch, seq)) for name in names]
         response_bytes = request.size(shapes).check(np.zeros(0, np.int64))
-        sequences, lengths = await self.offload.request(
-            batch * (ID_SEQUENCE_S + seq * 2 * TOKEN_ID_S), self._rows, request.inputs, batch, seq)
+        with timings.stage("tokenize"):
+            sequences, lengths = await self.offload.request(
+                batch * (ID_SEQUENCE_S + seq * 2 * TOKEN_ID_S), self._rows, request.inputs, batch,
+                seq)
         results = await self._run(sequences, lengths, _INFER_NAMES.sequence, layers,
                                   frozenset({HIDDEN_OUTPUT}), response_bytes, holds, deadline)
-        dense = await self.offload.response(
-            response_bytes * COPY_BYTE_S, self._dense, shapes, layers, results)
+        with timings.stage("respond"):
+            dense = await self.offload.response(
+                response_bytes * COPY_BYTE_S, self._dense, shapes, layers, results)
         return Inferred(dense)
 
     def _input_shape(self, inputs: Sequence[InputTensor]) -> tuple[int, int]:

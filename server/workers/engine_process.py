@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from attnserve.server.config import config_from_json
+from attnserve.server.engine import timings
 from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
 from attnserve.server.engine.queue import RequestQueue
 from attnserve.server.engine.registry import load_models
@@ -70,10 +71,11 @@ class FrontEndLink:
 
     async def run(self, queue: RequestQueue, job: int, sequences, lengths, layers, deadline,
                   outputs, alone, spans) -> None:
+        times = timings.begin()  # this task's own: the queue fills it in for the front end
         try:
             results = await queue.submit(sequences, layers, deadline, outputs, alone, lengths,
                                          spans)
-            header, entries = messages.results(job, results, layers)
+            header, entries = messages.results(job, results, layers, times)
             del results
             nbytes = sum(part.nbytes for parts in entries for part in parts)
             # Copying a large result into its message is done off the event loop.

@@ -21,6 +21,7 @@ import numpy as np
 from attnserve.artifact import TOKENIZER
 from attnserve.server.config import ServeConfig, config_from_json
 from attnserve.server.doors.ports import Ports
+from attnserve.server.engine import timings
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.queue import Limits, check_room
@@ -57,7 +58,8 @@ class RemoteEngine:
     def __init__(self, sock: socket.socket, shared: SharedState, on_lost: Callable[[], None]):
         """`on_lost()`: called once if the engine process goes."""
         self.shared, self.on_lost = shared, on_lost
-        self.waiting: dict[int, tuple[asyncio.Future, np.ndarray, RemoteScheduler]] = {}
+        self.waiting: dict[int, tuple[asyncio.Future, np.ndarray, RemoteScheduler,
+                                      timings.CallTimes | None]] = {}
         self.releasing: dict[int, tuple[int, int]] = {}
         """cancelled jobs the engine has not yet taken out: job -> (model, tokens)"""
         self.idle = asyncio.Event()
@@ -78,7 +80,7 @@ class RemoteEngine:
                      spans: list[np.ndarray] | None) -> list[SequenceResult]:
         job = next(self.jobs)
         future = asyncio.get_running_loop().create_future()
-        self.waiting[job] = (future, lengths, scheduler)
+        self.waiting[job] = (future, lengths, scheduler, timings.current())
         self.idle.clear()
         self.channel.send(*messages.submit(job, scheduler.index, sequences, lengths, layers,
                                            deadline, outputs, alone, spans))
@@ -102,10 +104,12 @@ class RemoteEngine:
             self.welcome.set_result(messages.welcomed(header))
             return
         self.releasing.pop(header[1], None)
-        future, lengths, scheduler = self.waiting.get(header[1], (None, None, None))
+        future, lengths, scheduler, times = self.waiting.get(header[1], (None,) * 4)
         if future is None or future.done():
             return  # cancelled meanwhile
         if kind == "results":
+            if times is not None:
+                times.add_wire(header[6])
             future.set_result(messages.received(header, arrays, lengths, scheduler.heads,
                                                 scheduler.width))
         elif kind == "error":
@@ -114,7 +118,7 @@ class RemoteEngine:
     def _closed(self) -> None:
         self.alive = False
         log.error("event=engine_lost waiting=%d", len(self.waiting))
-        for future, _, _ in self.waiting.values():
+        for future, *_ in self.waiting.values():
             if not future.done():
                 future.set_exception(Unavailable(ENGINE_GONE))
         if not self.welcome.done():

@@ -5,8 +5,8 @@ front end -> engine: ["submit", job, model, layers, deadline, outputs, alone, ha
 the sequences' ids laid end to end, their lengths and (late chunking) their token spans;
 ["cancel", job]; ["bye"] (a drained front end leaving).
 engine -> front end: ["welcome", EngineFacts's fields] (the models in the order the front
-ends hold them: --artifact's); ["results", job, hidden, layers,
-pooled names, has span means] with the arrays; ["error", job, kind, message];
+ends hold them: --artifact's); ["results", job, hidden, layers, pooled names, has span
+means, the job's timings (CallTimes.to_wire)] with the arrays; ["error", job, kind, message];
 ["cancelled", job] (a cancel was done: the job's place in the queue is free).
 
 Requests cross as token ids (int32: a vocabulary fits), results as float32 arrays laid
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnserve.server.engine.timings import CallTimes
 from attnserve.server.errors import (
     DeadlineExceeded,
     RequestError,
@@ -68,7 +69,7 @@ def submitted(header, arrays: list[np.ndarray]):
     return sequences, lengths, spans
 
 
-def results(job: int, results: list[SequenceResult], layers: tuple[int, ...]):
+def results(job: int, results: list[SequenceResult], layers: tuple[int, ...], times: CallTimes):
     hidden = results[0].hidden is not None
     means = results[0].span_means is not None
     names = sorted(results[0].pooled)
@@ -78,14 +79,14 @@ def results(job: int, results: list[SequenceResult], layers: tuple[int, ...]):
     if means:
         entries += [[r.span_means for r in results],
                     [np.fromiter((len(r.span_means) for r in results), np.int64, len(results))]]
-    return ["results", job, hidden, list(layers), names, means], entries
+    return ["results", job, hidden, list(layers), names, means, times.to_wire()], entries
 
 
 def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
              heads: int, width: int) -> list[SequenceResult]:
     """Each sequence's result, as views of the message: `lengths` are the sequences'
     (the front end sent them), `heads` and `width` the model's."""
-    _, _, hidden, layers, names, means = header
+    hidden, layers, names, means = header[2:6]
     arrays = list(arrays)
     ends = np.cumsum(lengths).tolist()
     out_hidden = arrays.pop(0).reshape(-1, width) if hidden else None

@@ -33,7 +33,7 @@ def _ops(artifact, file: str) -> set[str]:
 
 def test_int8_graphs_are_listed_with_their_parity(int8_artifact):
     manifest = int8_artifact.manifest
-    assert manifest.format_version == 3
+    assert manifest.format_version == 4
     embed = manifest.graph(attention=False, precision="int8")
     attend = manifest.graph(attention=True, precision="int8")
     assert (embed.file, attend.file) == ("encoder_int8.onnx", "encoder_attn_int8.onnx")
@@ -154,6 +154,7 @@ def _copy_with_manifest(int8_artifact, target, edit) -> None:
 def test_a_format_1_manifest_still_loads(tmp_path, int8_artifact):
     def as_format_1(data):
         data["format_version"] = 1
+        del data["embedding_ranges"]
         data["graphs"] = [g for g in data["graphs"] if g["precision"] != "int8"]
         for graph in data["graphs"]:
             del graph["parity"]
@@ -163,12 +164,13 @@ def test_a_format_1_manifest_still_loads(tmp_path, int8_artifact):
     assert manifest.format_version == 1
     assert manifest.graph(attention=False, precision="int8") is None
     assert manifest.graph(attention=False, precision="fp32").parity is None
+    assert manifest.embedding_ranges is None
 
 
 def test_a_newer_format_is_refused_by_name(tmp_path, int8_artifact):
-    _copy_with_manifest(int8_artifact, tmp_path / "v4", lambda data: data.update(format_version=4))
-    with pytest.raises(ArtifactError, match=r"format_version 4, this server reads 1 and 2 and 3"):
-        load_artifact(tmp_path / "v4")
+    _copy_with_manifest(int8_artifact, tmp_path / "v5", lambda data: data.update(format_version=5))
+    with pytest.raises(ArtifactError, match=r"format_version 5, this server reads 1 and 2 and 3 and 4"):
+        load_artifact(tmp_path / "v5")
 
 
 def test_smoothing_and_outlier_split_leave_fp32_results_unchanged(int8_artifact):
@@ -179,8 +181,8 @@ def test_smoothing_and_outlier_split_leave_fp32_results_unchanged(int8_artifact)
     from attnserve.export.verify import session
 
     source = onnx.load(int8_artifact.path("encoder_opt.onnx"))
-    rows = quantize._encode(int8_artifact.path(TOKENIZER), quantize.CALIBRATION_TEXTS[:6],
-                            int8_artifact.manifest.max_positions)
+    rows = quantize.encode_texts(int8_artifact.path(TOKENIZER), quantize.CALIBRATION_TEXTS[:6],
+                                 int8_artifact.manifest.max_positions)
     feeds = list(quantize._feeds(rows, 3, int8_artifact.manifest.pad_token_id))
     inputs = sorted({n.input[0] for n in quantize._sites(source)})
     smoothed = quantize._smooth(source, quantize._activation_stats(source, inputs, feeds))

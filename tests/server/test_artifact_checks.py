@@ -107,6 +107,11 @@ def corrupt(directory: Path, case: str) -> tuple[str, str]:
         (directory / TOKENIZER).write_text('{"version": "1.0", "model": 7}')
         rehash(directory, TOKENIZER)
         return TOKENIZER, "not a valid tokenizer"
+    if case == "embedding ranges of another size":
+        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest["embedding_ranges"]["ranges"]["pooled_mean"][1].pop()
+        (directory / MANIFEST).write_text(json.dumps(manifest))
+        return MANIFEST, "embedding_ranges 'pooled_mean' is not a pooled output's [[min], [max]]"
     if case == "memory model not json":
         (directory / MEMORY_MODEL).write_text("{")
         return MEMORY_MODEL, "not a valid memory model"
@@ -126,7 +131,8 @@ def corrupt(directory: Path, case: str) -> tuple[str, str]:
 CASES = [
     "flipped byte in the served graph", "flipped byte in the tokenizer",
     "wrong hash in the manifest", "missing graph", "missing manifest", "manifest not json",
-    "manifest without a file's hash", "not an onnx graph (rehashed)",
+    "manifest without a file's hash", "embedding ranges of another size",
+    "not an onnx graph (rehashed)",
     "not a tokenizer (rehashed)", "memory model not json", "graph input renamed (rehashed)",
     "graph with an extra input (rehashed)", "graph input of the wrong type (rehashed)",
     "attention graph lacks an output (rehashed)",

@@ -10,6 +10,7 @@ import socket
 import numpy as np
 import pytest
 
+from attnserve.server.engine.timings import CallTimes
 from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted
 from attnserve.server.runtime.backend import Placement, SequenceResult
 from attnserve.server.workers import messages
@@ -100,8 +101,16 @@ def test_every_message_reads_back_as_it_was_written(layers, pooled, spans):
         assert [s.tolist() for s in back_spans] == [s.tolist() for s in token_spans]
 
     results = [result(int(n), hidden, heads, layers, pooled, spans, rng) for n in lengths]
-    header, entries = messages.results(7, results, layers)
+    times = CallTimes(compute_tokens=9)
+    times.add("queue", 1.0, 1.25)
+    times.add("inference", 1.25, 2.0, counted=False, batch_size=3, padded_shape=[4, 5])
+    header, entries = messages.results(7, results, layers, times)
     (got_header, arrays), = asyncio.run(exchange([(header, entries)]))[0]
+    # The job's timings cross with it, for the front end's headers and spans.
+    crossed = CallTimes()
+    crossed.add_wire(got_header[6])
+    assert crossed.seconds == times.seconds and crossed.compute_tokens == 9
+    assert crossed.spans == times.spans
     for want, back in zip(results, messages.received(got_header, arrays, lengths, heads, hidden),
                           strict=True):
         np.testing.assert_array_equal(back.hidden, want.hidden)

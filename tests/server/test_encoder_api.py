@@ -166,7 +166,8 @@ BAD_REQUESTS = [
     (pb.EmbedRequest(texts=["a"], attention=Attention(layers=[-7])), "attention.layers[0]", "does not exist"),
     (pb.EmbedRequest(texts=["a"], attention=Attention(heads=[0, 12])), "attention.heads[1]", "head 12"),
     (pb.EmbedRequest(texts=["a"], pooling=9), "pooling", "unknown value 9"),
-    (pb.EmbedRequest(texts=["a"], dtype=5), "dtype", "unknown value 5"),
+    (pb.EmbedRequest(texts=["a"], dtype=99), "dtype", "unknown value 99"),
+    (pb.EmbedRequest(texts=["a"], dtype=pb.DTYPE_BINARY), "dtype", "set embedding_type"),
 ]
 
 

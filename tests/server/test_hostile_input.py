@@ -191,7 +191,7 @@ def test_the_response_size_check_counts_what_the_wire_carries(small_messages, mi
     The largest count the check passes is sent (and fills the limit to within a few per
     cent), one more is refused before any batch runs, with the server's own message."""
     manifest = load_artifact(minilm_artifact).manifest
-    plan = plan_embed(pb.EmbedRequest(texts=["word"]), manifest)
+    plan = plan_embed(pb.EmbedRequest(texts=["word"]), manifest, manifest.model_name)
     fits = largest_that_fits(manifest, plan, 3, MIB)
     before = small_messages.scrape()
     with grpc.insecure_channel(small_messages.address, options=BIG) as channel:

@@ -1,0 +1,40 @@
+"""The ranges int8 and uint8 embeddings are quantized over, fitted once at export.
+
+Scalar quantization maps each dimension's [min, max] onto 256 levels
+(sentence-transformers' `quantize_embeddings`). Fitted per request, from the request's own
+vectors, a dimension's levels would change with whatever else the request carried, and a
+request of one text would have no range at all; fitted here, every caller of an artifact
+gets the same levels for the same vector, and vectors from different requests compare.
+The ranges come from the calibration texts the int8 gate already uses
+(int8_texts.CALIBRATION_TEXTS), each run alone through the fp32 embeddings graph the server
+serves, for every pooled output (mean and [CLS], raw and normalised)."""
+
+from pathlib import Path
+
+import numpy as np
+
+from attnserve.artifact import POOLED_OUTPUTS, EmbeddingRanges
+from attnserve.export.int8_texts import CALIBRATION_TEXTS
+from attnserve.export.quantize import encode_texts
+from attnserve.export.verify import session
+
+
+def calibration_embeddings(graph: Path, tokenizer: Path, max_positions: int) -> dict[str, np.ndarray]:
+    """Pooled output name -> float32 [texts, hidden]: each calibration text's vectors, the
+    text run alone (no padding), as the server returns them for it."""
+    runner = session(graph)
+    vectors: dict[str, list[np.ndarray]] = {name: [] for name in POOLED_OUTPUTS}
+    for ids in encode_texts(tokenizer, CALIBRATION_TEXTS, max_positions):
+        feed = {"input_ids": ids[None], "attention_mask": np.ones_like(ids)[None]}
+        for name, value in zip(POOLED_OUTPUTS, runner.run(list(POOLED_OUTPUTS), feed), strict=True):
+            vectors[name].append(value[0])
+    return {name: np.stack(rows).astype(np.float32) for name, rows in vectors.items()}
+
+
+def fit_ranges(graph: Path, tokenizer: Path, max_positions: int) -> EmbeddingRanges:
+    """Each pooled output's per-dimension least and greatest value over the calibration
+    texts: sentence-transformers' ranges for those calibration embeddings."""
+    embeddings = calibration_embeddings(graph, tokenizer, max_positions)
+    return EmbeddingRanges(len(CALIBRATION_TEXTS), {
+        name: [rows.min(axis=0).tolist(), rows.max(axis=0).tolist()]
+        for name, rows in embeddings.items()})

@@ -1,0 +1,101 @@
+"""Traces, with --otlp-endpoint: one span per call, sent to an OpenTelemetry collector over
+OTLP/gRPC.
+
+Each call's span has a child for every step it took (tokenize, queue, inference (one a
+batch, with the batch's size and padded shape), respond), each carrying the model. The
+spans are made once the call has been answered, from its timings (server/engine/
+timings.py): nothing on the call's own path waits for them, and with --workers the front
+end that took the call makes them from the timings the engine process sent back. A W3C
+`traceparent` from the caller (an HTTP header, gRPC metadata) makes the call's span a
+child of the caller's; a malformed one is ignored, and the call starts a trace of its own.
+Spans leave in batches, from a thread of the SDK's (OTEL_BSP_* tune it).
+
+Without --otlp-endpoint nothing here runs and OpenTelemetry is never imported: the doors
+hold None in place of a Tracing."""
+
+import logging
+import time
+from importlib.util import find_spec
+
+from attnserve.server.engine.timings import Span
+
+log = logging.getLogger("attnserve.server")
+
+SERVICE_NAME = "attnserve"
+EXTRA = "otlp"
+# What --otlp-endpoint needs installed: pip install 'attnserve[otlp]'.
+MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+
+
+def missing_modules() -> list[str]:
+    """The modules of the `otlp` extra that cannot be imported here."""
+    missing = []
+    for name in MODULES:
+        try:
+            found = find_spec(name) is not None
+        except ImportError:  # a parent package missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+class Tracing:
+    """The server's tracer and its exporter to the collector at `endpoint`
+    (http://host:port, or https:// for TLS)."""
+
+    def __init__(self, endpoint: str):
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.trace, self.kind, self.status, self.codes = trace, SpanKind, Status, StatusCode
+        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.provider.get_tracer("attnserve")
+        self.propagator = TraceContextTextMapPropagator()
+        log.info("event=tracing endpoint=%s", endpoint)
+
+    def parent(self, traceparent: str | None):
+        """The caller's trace context, or None (no `traceparent`, or one that does not
+        parse) for a trace of the call's own."""
+        if not traceparent:
+            return None
+        context = self.propagator.extract({"traceparent": traceparent})
+        span = self.trace.get_current_span(context).get_span_context()
+        return context if span.is_valid else None
+
+    def export(self, name: str, parent, started: float, spans: list[Span], error: str | None,
+               attributes: dict, common: dict) -> None:
+        """One call's span, `name`, from `started` (monotonic) to now, with `attributes`,
+        and its steps' `spans` beneath it; `common` goes on every span; `error`: its
+        status when it failed."""
+        # The monotonic clock's reading, on the wall clock the collector keeps.
+        offset = time.time_ns() - time.monotonic_ns()
+
+        def ns(monotonic: float) -> int:
+            return int(monotonic * 1e9) + offset
+
+        root = self.tracer.start_span(name, context=parent, kind=self.kind.SERVER,
+                                      start_time=ns(started), attributes=common | attributes)
+        context = self.trace.set_span_in_context(root)
+        for step in spans:
+            child = self.tracer.start_span(
+                step.stage, context=context, start_time=ns(step.start),
+                attributes=common | {f"attnserve.{k}": v for k, v in step.attributes.items()})
+            child.end(end_time=ns(step.end))
+        if error is not None:
+            root.set_status(self.status(self.codes.ERROR, error))
+        root.end(end_time=ns(time.monotonic()))
+
+    def shutdown(self) -> None:
+        """Send what is left (blocks until the collector has it, or gives up)."""
+        self.provider.shutdown()
+
+
+def tracing_for(endpoint: str | None) -> Tracing | None:
+    return None if endpoint is None else Tracing(endpoint)
