@@ -12,7 +12,6 @@ kept: a cross-encoder (model/classifier.py), served as a reranker.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
 from typing import Literal
 
 from attnserve.model.config import EncoderConfig, EncoderShape, HeadConfig, ModernBertConfig
