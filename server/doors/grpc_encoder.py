@@ -1,5 +1,6 @@
 """attnserve.v1.EncoderService, the gRPC door of our own API: texts or token ids in,
-embeddings and attention maps out, through the data plane."""
+embeddings and attention maps out; texts ranked against a query (Rerank, Score); through
+the data plane."""
 
 from attnserve.artifact import Manifest
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
@@ -16,6 +17,12 @@ from attnserve.server.doors.grpc_encoder_pack import (
     embed_response,
     embed_response_bytes,
     outputs_for,
+)
+from attnserve.server.doors.grpc_scores import (
+    rerank_request,
+    rerank_response,
+    score_request,
+    score_response,
 )
 from attnserve.server.doors.grpc_wire import field_bytes
 from attnserve.server.engine.data_plane import DataPlane
@@ -223,6 +230,25 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                 default_model=self.plane.default.name)
         return await answer(self.metrics, "ListModels", context, handle)
 
+    async def Rerank(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model)
+            reranked = await model.rerank(rerank_request(request, model.name, self.max_message_bytes),
+                                          call_holds(), deadline_of(context))
+            return await model.pack(len(reranked.order) * RESULT_S
+                                    + reranked.response_bytes * COPY_BYTE_S,
+                                    rerank_response, reranked, request, model.name)
+        return await answer(self.metrics, "Rerank", context, handle)
+
+    async def Score(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model)
+            scored = await model.score(score_request(request, model.name, self.max_message_bytes),
+                                       call_holds(), deadline_of(context))
+            return await model.pack(len(scored.scores) * RESULT_S, score_response, scored,
+                                    model.name)
+        return await answer(self.metrics, "Score", context, handle)
+
     async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
         info = model.model_info()
         return pb.GetModelInfoResponse(
@@ -230,4 +256,5 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             num_heads=info.num_heads, max_positions=info.max_positions, vocab_size=info.vocab_size,
             default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
             execution_provider=info.provider, precision=info.precision,
-            artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family)
+            artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family,
+            kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)})
