@@ -2,7 +2,7 @@
 embeddings and attention maps out; texts ranked against a query (Rerank, Score); through
 the data plane."""
 
-from attnserve.artifact import Manifest
+from attnserve.artifact import EMBEDDER, RERANKER, Manifest
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
@@ -232,7 +232,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
 
     async def Rerank(self, request, context):
         async def handle():
-            model = self.plane.model(request.model)
+            model = self.plane.model(request.model, kind=RERANKER)
             reranked = await model.rerank(rerank_request(request, model.name, self.max_message_bytes),
                                           call_holds(), deadline_of(context))
             return await model.pack(len(reranked.order) * RESULT_S
@@ -242,7 +242,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
 
     async def Score(self, request, context):
         async def handle():
-            model = self.plane.model(request.model)
+            model = self.plane.model(request.model, kind=EMBEDDER)
             scored = await model.score(score_request(request, model.name, self.max_message_bytes),
                                        call_holds(), deadline_of(context))
             return await model.pack(len(scored.scores) * RESULT_S, score_response, scored,

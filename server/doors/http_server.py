@@ -1,5 +1,6 @@
 """The HTTP side of the server, on aiohttp: the HTTP port (OpenAI /v1/embeddings, KServe v2
-REST, GET /health for load balancers, /openapi.json) on the gRPC server's own event loop,
+REST, TEI's /rerank and /similarity, Cohere's and Jina's /v1/rerank, GET /health for load
+balancers, /openapi.json) on the gRPC server's own event loop,
 and the metrics port (GET /metrics) on a thread and event loop of its own, so a burst of
 scrapes never delays a health probe or a call.
 
@@ -25,6 +26,8 @@ from attnserve.server.doors.http_calls import HttpCalls
 from attnserve.server.doors.http_kserve import KServeHttp
 from attnserve.server.doors.http_openai import OpenAIEmbeddings
 from attnserve.server.doors.http_openai import refusal as openai_refusal
+from attnserve.server.doors.http_rerank import RerankHttp
+from attnserve.server.doors.http_tei_scores import TeiScores
 from attnserve.server.doors.openapi import openapi_document
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.errors import NotFound, RequestError, Unauthenticated
@@ -69,14 +72,18 @@ def _json_error(err: RequestError, status: int) -> web.Response:
 
 
 def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmbeddings,
-            kserve: KServeHttp, document: bytes) -> web.Application:
+            kserve: KServeHttp, document: bytes, *doors) -> web.Application:
+    """The port's routes: OpenAI's, KServe's and each of `doors`' (`.routes()`, whose
+    refusals outside a route, as 401 and 405, come in the door's `.refusal` shape)."""
     metrics = calls.metrics
+    shapes = {route.path: door.refusal for door in doors for route in door.routes()}
 
     @web.middleware
     async def front(request: web.Request, handler: Callable[[web.Request], Awaitable]):
         """API keys before any route; unmatched routes and methods in the protocol's error
         shape ({"error": ...}, or OpenAI's under /v1)."""
-        render = openai_refusal if request.path.startswith("/v1/") else _json_error
+        render = shapes.get(request.path) or (
+            openai_refusal if request.path.startswith("/v1/") else _json_error)
         try:
             if not request.path.startswith(OPEN_PATHS):
                 keys.check(request.headers.get("Authorization"))
@@ -107,7 +114,7 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
 
     app = web.Application(middlewares=[front])
     app.add_routes([web.get("/health", health), web.get("/openapi.json", openapi),
-                    *openai.routes(), *kserve.routes()])
+                    *openai.routes(), *kserve.routes(), *(r for door in doors for r in door.routes())])
     return app
 
 
@@ -121,8 +128,10 @@ class HttpServers:
                                config.http_body_timeout_seconds, max_entries)
         openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
         kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
+        doors = [door(self.calls, plane, config.max_message_bytes) for door in (TeiScores, RerankHttp)]
         self.api = Listener(api_app(self.calls, plane, keys, openai, kserve,
-                                    openapi_document([m.model_info() for m in plane.models.values()])),
+                                    openapi_document([m.model_info() for m in plane.models.values()]),
+                                    *doors),
                             config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)
                         if metrics_port and config.metrics_port else None)

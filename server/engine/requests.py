@@ -167,6 +167,8 @@ class RerankRequest:
     truncate: bool = False
     """cut a pair's text (never its query) where the pair is longer than the model's
     positions, instead of refusing it"""
+    max_text_tokens: int | None = None
+    """every text cut to at most this many tokens (Cohere's max_tokens_per_doc)"""
 
 
 @dataclass

@@ -371,7 +371,7 @@ class ServedModel:
         size = request.size.check(np.argsort(-chars, kind="stable")[:shown])
         try:
             ids, segments = self.tokenizer.encode_pairs(request.query, texts, request.truncate,
-                                                        holds)
+                                                        holds, request.max_text_tokens)
         except TooLong as err:
             field = request.names.query if err.index < 0 else request.names.sequence(err.index)
             raise InvalidArgument(field, err.reason) from err

@@ -224,12 +224,12 @@ class TextTokenizer:
                 encodings[i] = self._tokenize([prefix], holds, whole)[0]
         return encodings
 
-    def encode_pairs(self, query: str, texts: Sequence[str], truncate: bool,
-                     holds: Holds) -> tuple[list[np.ndarray], np.ndarray | None]:
+    def encode_pairs(self, query: str, texts: Sequence[str], truncate: bool, holds: Holds,
+                     max_text_tokens: int | None = None) -> tuple[list[np.ndarray], np.ndarray | None]:
         """Each (query, text) pair's ids, and where each pair's second segment starts
         (None when the template has none). Refuses (TooLong) a query that leaves no room
         for a text (index -1), and a pair over the model's positions unless `truncate`,
-        which cuts its text to fit."""
+        which cuts its text to fit; `max_text_tokens`: every text cut to at most that."""
         pair = self.pair
         room = self.max_positions - pair.specials
         (asked,) = self._encode_slice([query], holds, room)
@@ -241,6 +241,7 @@ class TextTokenizer:
         query_ids = np.asarray(asked.ids, dtype=np.int64)
         head = np.concatenate([pair.head, query_ids, pair.middle])
         budget = room - len(query_ids)
+        cap = budget if max_text_tokens is None else min(budget, max_text_tokens)
         pairs: list[np.ndarray] = []
         for start, end in _slices([min(len(text), self._first_prefix()) for text in texts]):
             encodings = self._encode_slice(list(texts[start:end]), holds, budget)
@@ -251,7 +252,7 @@ class TextTokenizer:
                         f"with the query, more than {self.max_positions} tokens, longer than the "
                         f"model's {self.max_positions} positions; set truncate=true to cut the "
                         "text"))
-                pairs.append(np.concatenate([head, np.asarray(ids[:budget], dtype=np.int64),
+                pairs.append(np.concatenate([head, np.asarray(ids[:cap], dtype=np.int64),
                                              pair.tail]))
             del encodings
             holds.take(sum(KEPT_BYTES_PER_TEXT + KEPT_BYTES_PER_ID * len(p)
