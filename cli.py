@@ -104,6 +104,12 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return run_embed(args)
 
 
+def cmd_rerank(args: argparse.Namespace) -> int:
+    from attnserve.rerank import run_rerank
+
+    return run_rerank(args)
+
+
 def cmd_memory_profile(args: argparse.Namespace) -> int:
     # Imported here: a measuring tool, with matplotlib, that serving never loads.
     from attnserve.memory_profile import run_memory_profile
@@ -185,6 +191,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--batch-size", type=int, default=32, help="texts per request with --file")
     p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("rerank", help="rank texts against a query with a running server's "
+                                      "reranker")
+    p.add_argument("query")
+    p.add_argument("texts", nargs="*", help="texts to rank")
+    p.add_argument("--file", type=Path, help="one text a line, after the others")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--model", default="", help="the reranker to call, as the server lists it "
+                   "(attnserve.v1 ListModels); default: the server's first reranker")
+    p.add_argument("--top-n", type=int, default=None, metavar="N", help="the best N texts only")
+    p.add_argument("--raw-scores", action="store_true",
+                   help="the classifier's logit instead of its sigmoid")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a text (never the query) whose pair is longer than the model's "
+                        "positions, instead of an error")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
+    p.set_defaults(func=cmd_rerank)
 
     p = sub.add_parser("memory-profile",
                        help="peak memory of one batch against its shape (allocations counted "
