@@ -40,6 +40,7 @@ from attnserve.server.engine.offload import (
     COPY_BYTE_S,
     CUT_CHAR_S,
     ID_SEQUENCE_S,
+    MAXSIM_S,
     TEXT_CHAR_S,
     TEXT_S,
     TOKEN_ID_S,
@@ -57,6 +58,7 @@ from attnserve.server.engine.requests import (
     InferRequest,
     InputTensor,
     ModelInfo,
+    PairNames,
     Reranked,
     RerankRequest,
     ResponseSize,
@@ -84,9 +86,6 @@ NOT_SERVING = ("server is not serving (starting, or draining): send the request 
 KIND_CALLS = {EMBEDDER: "an embedding model: it embeds texts and scores them against a query "
                         "from their vectors (Embed, Score)",
               RERANKER: "a reranker (a cross-encoder): it scores (query, text) pairs (Rerank)"}
-# MaxSim keeps every token's vector (float32) until the texts are scored.
-MAXSIM_S = 2e-9
-"""scoring one query token against one text token, per hidden dimension (a matmul)"""
 
 
 class Scheduler(Protocol):
@@ -356,7 +355,7 @@ class ServedModel:
         order = ranking(scores, request.top_n)
         return Reranked(order, scores[order], int(lengths.sum()), size)
 
-    def _check_pair_request(self, query: str, texts: Sequence[str], names) -> None:
+    def _check_pair_request(self, query: str, texts: Sequence[str], names: PairNames) -> None:
         if not query:
             raise InvalidArgument(names.query, "empty: send the query to score the texts against")
         if not texts:
@@ -398,6 +397,7 @@ class ServedModel:
         size = request.size.check(lengths[1:])
         hidden = self.manifest.hidden_size
         if request.mode is ScoreMode.MAXSIM:
+            # Every token's vector (float32) is kept until the texts are scored.
             results = await self._run(ids, lengths, sequences.sequence, (), HIDDEN_ONLY, size,
                                       holds, deadline, kept_bytes=4 * hidden * int(lengths.sum()))
             work = MAXSIM_S * hidden * int(lengths[0]) * int(lengths[1:].sum())

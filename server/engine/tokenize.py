@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from attnserve.artifact import TOKENIZER, Artifact, ArtifactError
+from attnserve.artifact import RERANKER, TOKENIZER, Artifact, ArtifactError
 from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
 from attnserve.server.memory.ledger import Holds
 
@@ -151,8 +151,12 @@ class PairTemplate:
         return len(self.head) + len(self.middle) + len(self.tail)
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> "PairTemplate":
-        probe = tokenizer.encode("a", "b")
+    def of(cls, tokenizer: Tokenizer) -> "PairTemplate | None":
+        """None for a tokenizer whose post-processor has no template for pairs."""
+        try:
+            probe = tokenizer.encode("a", "b")
+        except Exception:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+            return None
         ids, sides = np.asarray(probe.ids, dtype=np.int64), probe.sequence_ids
         query = [i for i, side in enumerate(sides) if side == 0]
         text = [i for i, side in enumerate(sides) if side == 1]
@@ -190,6 +194,7 @@ class TextTokenizer:
         """the special tokens after it ([SEP], </s>)"""
         self.cut_points = cut_points(described.get("pre_tokenizer"))
         self.pair = PairTemplate.of(self.tokenizer)
+        """how a reranker's pairs are laid out; None without a template for pairs"""
 
     def encode(self, texts: list[str], truncate: bool, holds: Holds,
                details: bool = False) -> list[Encoded]:
@@ -376,6 +381,10 @@ def _joined(parts: list[TextTokens]) -> TextTokens:
 
 def load_tokenizer(artifact: Artifact) -> TextTokenizer:
     try:
-        return TextTokenizer(artifact.path(TOKENIZER), artifact.manifest.max_positions)
+        tokenizer = TextTokenizer(artifact.path(TOKENIZER), artifact.manifest.max_positions)
     except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception
         raise ArtifactError(f"{artifact.path(TOKENIZER)}: not a valid tokenizer ({err})") from err
+    if artifact.manifest.kind == RERANKER and tokenizer.pair is None:
+        raise ArtifactError(f"{artifact.path(TOKENIZER)}: no template for pairs, which a "
+                            "reranker's (query, text) pairs need")
+    return tokenizer
