@@ -234,7 +234,8 @@ class TextTokenizer:
         """Each (query, text) pair's ids, and where each pair's second segment starts
         (None when the template has none). Refuses (TooLong) a query that leaves no room
         for a text (index -1), and a pair over the model's positions unless `truncate`,
-        which cuts its text to fit; `max_text_tokens`: every text cut to at most that."""
+        which cuts its text to fit; `max_text_tokens`: every text cut to at most that (a
+        text it makes fit is not refused)."""
         pair = self.pair
         room = self.max_positions - pair.specials
         (asked,) = self._encode_slice([query], holds, room)
@@ -252,7 +253,7 @@ class TextTokenizer:
             encodings = self._encode_slice(list(texts[start:end]), holds, budget)
             for i, encoding in enumerate(encodings, start):
                 ids = encoding.ids
-                if len(ids) > budget and not truncate:
+                if len(ids) > budget and cap == budget and not truncate:
                     raise TooLong(i, self.max_positions, (
                         f"with the query, more than {self.max_positions} tokens, longer than the "
                         f"model's {self.max_positions} positions; set truncate=true to cut the "
