@@ -313,14 +313,31 @@ def test_bad_http_input_is_400_in_the_routes_shape(server, path, body, reason, k
     assert post(server, path, {"query": QUERY, "texts": TEXTS, "documents": TEXTS})[0] == 200
 
 
-def test_the_cheap_limits_are_embeds(bert_reranker_artifact):
-    """Texts past what the queue holds are refused before any is tokenized, as Embed's."""
-    with serve(bert_reranker_artifact, "--max-queue-tokens", "64") as capped:
+def test_the_cheap_limits_are_embeds_and_several_labels_are_infers(bert_reranker_artifact,
+                                                                    tmp_path):
+    """Texts past what the queue holds are refused before any is tokenized, as Embed's; a
+    classifier of several labels has no one score to rank by: Rerank refuses it, naming its
+    labels, and KServe infer returns its logits."""
+    from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
+    from tests.conftest import export
+    from tests.families import make_reranker
+    from tests.server.reliability import infer_request
+
+    three = export(tmp_path / "three", make_reranker("xlm-roberta", tmp_path / "ck", num_labels=3))
+    with serve(bert_reranker_artifact, "--max-queue-tokens", "64",
+               "--artifact", f"three={three}") as capped:
         with grpc.insecure_channel(capped.address) as channel:
+            encoder = stub(channel)
             with pytest.raises(grpc.RpcError) as err:
-                stub(channel).Rerank(pb.RerankRequest(query=QUERY, texts=["a"] * 20), timeout=60)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "this request adds at least" in err.value.details()
+                encoder.Rerank(pb.RerankRequest(query=QUERY, texts=["a"] * 20), timeout=60)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this request adds at least" in err.value.details()
+            field, message = invalid(lambda: encoder.Rerank(pb.RerankRequest(
+                model="three", query=QUERY, texts=TEXTS), timeout=60))
+            assert field == "model" and "'three' has 3 labels ('label_0', 'label_1', 'label_2')" in message
+            inferred = kpb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+                infer_request("three", [[0, 17, 23, 2], [0, 9, 2]]), timeout=60)
+            assert [(o.name, list(o.shape)) for o in inferred.outputs] == [("logits", [2, 3])]
         status, body = post(capped, "/v1/rerank", {"query": QUERY, "documents": ["a"] * 20})
         assert status == 429 and "queue full" in body["message"]
 
