@@ -356,3 +356,12 @@ def test_the_python_client_and_the_cli(server, references):
     assert len(lines) == 2, out.stdout
     for line, index in zip(lines, ranked(want)[:2], strict=True):
         assert f"[{index}] {TEXTS[index][:60]!r}" in line and f"{want[index]:+.4f}"[:6] in line
+
+
+@pytest.mark.parametrize("path, key", [("/rerank", "error_type"), ("/similarity", "error_type"),
+                                       ("/v1/rerank", "message"), ("/v2/rerank", "message")])
+def test_a_wrong_method_is_answered_in_the_routes_shape(server, path, key):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(server.http_url + path, timeout=60)
+    assert err.value.code == 405 and err.value.headers["Allow"] == "POST"
+    assert key in json.loads(err.value.read())
