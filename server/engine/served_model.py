@@ -83,9 +83,10 @@ T = TypeVar("T")
 VALUES_SLICE = 1 << 16
 NOT_SERVING = ("server is not serving (starting, or draining): send the request to another "
                "replica")
-KIND_CALLS = {EMBEDDER: "an embedding model: it embeds texts and scores them against a query "
-                        "from their vectors (Embed, Score)",
-              RERANKER: "a reranker (a cross-encoder): it scores (query, text) pairs (Rerank)"}
+KINDS_SAID = {EMBEDDER: ("an embedding model", "it embeds texts and scores them against a query "
+                                               "from their vectors (Embed, Score)"),
+              RERANKER: ("a reranker (a cross-encoder)", "it scores (query, text) pairs (Rerank)")}
+"""kind -> (what it is, what it does), as a refusal says them"""
 
 
 class Scheduler(Protocol):
@@ -141,9 +142,10 @@ class ServedModel:
         """Refuse a call (`call`, as the door names it) that a model of another kind does
         not serve, naming the model's kind."""
         if self.kind != kind:
-            raise InvalidArgument("model", f"{self.name!r} is {KIND_CALLS[self.kind]}; {call} "
-                                  f"takes {KIND_CALLS[kind].split(':')[0]} (ListModels and "
-                                  "GetModelInfo say each model's kind)")
+            what, does = KINDS_SAID[self.kind]
+            raise InvalidArgument("model", f"{self.name!r} is {what}: {does}; {call} takes "
+                                  f"{KINDS_SAID[kind][0]} (ListModels and GetModelInfo say "
+                                  "each model's kind)")
 
     def hold_response(self, holds: Holds, size: int, on_top: float = 0.0) -> None:
         """Hold a response of `size` bytes (several times over: see RESPONSE_COPIES) until
