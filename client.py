@@ -34,6 +34,15 @@ class Chunk:
 
 
 @dataclass
+class RerankResult:
+    index: int
+    """the text's place in the request"""
+    score: float
+    text: str | None
+    """with return_texts"""
+
+
+@dataclass
 class EmbeddingResult:
     pooled: np.ndarray | None
     token_embeddings: np.ndarray | None
@@ -99,6 +108,28 @@ class EncoderClient:
                                 [Chunk(c.start, c.end, c.num_tokens, to_numpy(c.pooled))
                                  for c in e.chunks])
                 for e in response.embeddings]
+
+    def rerank(self, query: str, texts: list[str], *, top_n: int | None = None,
+               raw_scores: bool = False, return_texts: bool = False, truncate: bool = False,
+               model: str = "", timeout: float | None = None) -> list[RerankResult]:
+        """The texts ranked by a reranker's score of each (query, text) pair, highest first;
+        `model`: "" for the server's first reranker."""
+        response = self.stub.Rerank(pb.RerankRequest(
+            model=model, query=query, texts=texts, top_n=top_n, raw_scores=raw_scores,
+            return_texts=return_texts, truncate=truncate), timeout=timeout)
+        return [RerankResult(r.index, r.score, r.text if return_texts else None)
+                for r in response.results]
+
+    def score(self, query: str, texts: list[str], *, mode: str = "cosine", truncate: bool = False,
+              model: str = "", timeout: float | None = None) -> np.ndarray:
+        """float32, one score a text: the cosine of pooled vectors (`mode="cosine"`) or the
+        MaxSim of token vectors (`mode="maxsim"`), from an embedding model (`model`: "" for
+        the server's first)."""
+        modes = {"cosine": pb.SCORE_MODE_COSINE, "maxsim": pb.SCORE_MODE_MAXSIM}
+        response = self.stub.Score(pb.ScoreRequest(model=model, query=query, texts=texts,
+                                                   mode=modes[mode], truncate=truncate),
+                                   timeout=timeout)
+        return np.asarray(response.scores, dtype=np.float32)
 
     def tokenize(self, texts: list[str], truncate: bool = False,
                  model: str = "") -> list[pb.Tokenization]:

@@ -2,7 +2,8 @@
 memory model fitted to it.
 
 Shapes: every batch size × sequence length up to --max-tokens (batch × seq) through the
-embeddings graph and, with --attention, through the attention graph, returning every
+embeddings graph (a reranker's: its scores graph, on pairs of its two segments) and,
+with --attention, through the attention graph, returning every
 layer's maps or only the first layer's, alternately along the diagonals of the grid (so
 the fit can tell maps held for the request, d, from the scores every layer makes, c).
 The peak is linear in the batch, so the grid leaves out its large-batch, long-length
@@ -53,13 +54,14 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.artifact import MEMORY_MODEL, load_artifact
+from attnserve.artifact import LOGITS_OUTPUT, MEMORY_MODEL, RERANKER, load_artifact
 from attnserve.server.memory.fit import NOISE_FLOOR_BYTES, features, fit_with_holdout, formula, predict
 from attnserve.server.memory.model import (
     ATTENTION,
     EMBEDDINGS,
-    GRAPH_KINDS,
+    SCORES,
     MemoryModel,
+    graph_kinds,
     model_key,
     save_entries,
 )
@@ -76,7 +78,7 @@ CUDA_METHOD = ("fresh backend per shape (arena kSameAsRequested), warmed at 1x8:
 @dataclass(frozen=True)
 class Shape:
     graph: str
-    """embeddings or attention"""
+    """embeddings, attention or scores"""
     batch: int
     seq: int
     returned_layers: int
@@ -121,9 +123,10 @@ class PeakMeter:
         self.provider, self.precision = placement.provider, placement.precision
         self.cuda = placement.device == "cuda"
         self.probe = MemoryProbe(cuda=True) if self.cuda else None
+        self.kinds = graph_kinds(self.manifest)
         self.graphs = {kind: self.manifest.graph(attention=kind == ATTENTION,
                                                  precision=self.precision).file
-                       for kind in GRAPH_KINDS}
+                       for kind in self.kinds}
         # On the CPU one backend serves every shape: memray's count does not depend on
         # what ran before. On CUDA each shape gets a backend (its sessions, its arena) of
         # its own.
@@ -136,19 +139,25 @@ class PeakMeter:
         # One lane, no shape buckets: one session per graph, each shape run as it is.
         backend = create_backend(self.artifact, self.device, self.precision, self.threads,
                                  Strategy(shape_buckets="off", sessions=1))
-        for kind in GRAPH_KINDS:  # kernels, thread pool, workspaces
+        for kind in self.kinds:  # kernels, thread pool, workspaces
             self._run(backend, kind, *self._inputs(1, 8), 1)
         return backend
 
     def _inputs(self, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seq * 1000 + batch)
-        ids = rng.integers(1000, self.manifest.vocab_size, size=(batch, seq), dtype=np.int64)
+        # Ids past the first thousand: no special tokens (a pad id would count as padding).
+        ids = rng.integers(min(1000, self.manifest.vocab_size // 2), self.manifest.vocab_size,
+                           size=(batch, seq), dtype=np.int64)
         return ids, np.ones_like(ids)
 
     @staticmethod
     def _run(backend, kind: str, ids: np.ndarray, mask: np.ndarray, returned_layers: int):
         # As the server runs it: the hidden state, and from the attention graph only the
-        # maps returned.
+        # maps returned; a reranker's logits, on pairs whose second half is the text's side.
+        if kind == SCORES:
+            return backend.run(ids, mask, outputs=frozenset({LOGITS_OUTPUT}),
+                               token_type_ids=(np.arange(ids.shape[1]) >= ids.shape[1] // 2)
+                               .astype(np.int64)[None, :].repeat(len(ids), axis=0))
         layers = tuple(range(returned_layers)) if kind == ATTENTION else ()
         return backend.run(ids, mask, layers)
 
@@ -352,11 +361,11 @@ def _ints(text: str) -> list[int]:
 
 
 def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers: int,
-               max_tokens: int | None = None) -> list[Shape]:
+               max_tokens: int | None = None, first: str = EMBEDDINGS) -> list[Shape]:
     """The embeddings graph at every shape of the grid up to `max_tokens` (batch × seq);
     with `attention`, the attention graph too, returning every layer's maps or only the
     first layer's, alternately along the diagonals of the grid (so the fit sees both
-    counts at every size).
+    counts at every size). `first`: the graph without maps (a reranker's scores graph).
 
     Every term of the model grows linearly with the batch, so a shape over `max_tokens`
     (a large batch at a long length) costs most of the profile's time and teaches the
@@ -365,7 +374,7 @@ def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers:
     def kept(batch: int, seq: int) -> bool:
         return max_tokens is None or batch * seq <= max_tokens
 
-    shapes = [Shape(EMBEDDINGS, b, s, 0) for b in batches for s in seq_lens if kept(b, s)]
+    shapes = [Shape(first, b, s, 0) for b in batches for s in seq_lens if kept(b, s)]
     if attention:
         shapes += [Shape(ATTENTION, b, s, layers if (i + j) % 2 == 0 else 1)
                    for j, b in enumerate(batches) for i, s in enumerate(seq_lens) if kept(b, s)]
@@ -381,7 +390,8 @@ def fitted_already(artifact, provider: str, precision: str, attention: bool) -> 
         entries = read_entries(artifact.directory / MEMORY_MODEL)
     except (ValueError, TypeError):
         return False
-    kinds = GRAPH_KINDS if attention else (EMBEDDINGS,)
+    kinds = graph_kinds(artifact.manifest)
+    kinds = kinds if attention else kinds[:1]
     return all(model_key(provider, precision, kind) in entries for kind in kinds)
 
 
@@ -418,7 +428,13 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         return 2
     heads, layers = manifest.num_heads, manifest.num_layers
     max_tokens = args.max_tokens or None
-    shapes = shapes_for(args.attention, seq_lens, batches, layers, max_tokens)
+    reranker = manifest.kind == RERANKER
+    if reranker and args.attention:
+        print("memory-profile: a reranker has no attention graph; --attention is for "
+              "embedders", file=sys.stderr)
+        return 2
+    shapes = shapes_for(args.attention, seq_lens, batches, layers, max_tokens,
+                        SCORES if reranker else EMBEDDINGS)
     started = time.monotonic()
     rows, left_out = measure_shapes(artifact.directory, shapes, args.device, args.precision,
                                     args.threads, max(1, args.repeats),

@@ -180,7 +180,7 @@ def bound(artifact: Artifact, device: str, precision: str, plan: Plan, batches: 
     def io_binding():
         # No strategy binds buffers without capturing a graph on CUDA: the server's runner
         # over the backend's own session.
-        runner = BoundRunner(plain.lanes[0].embed.session, device, artifact.manifest.hidden_size, False)
+        runner = BoundRunner(plain.lanes[0].embed.session, device, artifact.manifest, False)
         return runner.warm, lambda ids, mask: runner.run(ids, mask, [MEAN])[MEAN]
 
     def fixed_buffers():

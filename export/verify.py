@@ -10,9 +10,9 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from attnserve.artifact import HIDDEN_OUTPUT, cpu_session_config
-from attnserve.export.onnx_graphs import GraphOutputs, output_names
-from attnserve.model import AnyEncoder
+from attnserve.artifact import HIDDEN_OUTPUT, LOGITS_OUTPUT, TOKEN_TYPES, cpu_session_config
+from attnserve.export.onnx_graphs import GraphOutputs, ScoreOutputs, output_names
+from attnserve.model import AnyEncoder, CrossEncoder
 
 # Lengths other than the tracing length (7), including 1 and the model's maximum, so a
 # graph that baked a shape in fails here.
@@ -28,9 +28,10 @@ def check_onnx(path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def parity_inputs(vocab_size: int, max_positions: int, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def parity_inputs(vocab_size: int, max_positions: int, seed: int = 0,
+                  token_types: bool = False) -> Iterator[dict[str, np.ndarray]]:
     """Random token ids; in batches of 4 the rows have different real lengths, so
-    padding is exercised."""
+    padding is exercised; with `token_types`, each row's second half is segment 1."""
     rng = np.random.default_rng(seed)
     for seq in (s for s in PARITY_SEQ_LENS if s <= max_positions):
         for batch in PARITY_BATCHES:
@@ -38,7 +39,11 @@ def parity_inputs(vocab_size: int, max_positions: int, seed: int = 0) -> Iterato
             mask = np.ones((batch, seq), dtype=np.int64)
             for row in range(1, batch):
                 mask[row, max(1, seq - row * seq // batch):] = 0
-            yield {"input_ids": ids, "attention_mask": mask}
+            feed = {"input_ids": ids, "attention_mask": mask}
+            if token_types:
+                lengths = mask.sum(axis=1, keepdims=True)
+                feed[TOKEN_TYPES] = ((np.arange(seq) >= lengths // 2) & mask.astype(bool)).astype(np.int64)
+            yield feed
 
 
 def session(model: onnx.ModelProto | Path, precision: str = "fp32") -> ort.InferenceSession:
@@ -65,20 +70,25 @@ def served(name: str, value: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return value
 
 
-def max_abs_error(path: Path, encoder: AnyEncoder, outputs: list[str],
+def max_abs_error(path: Path, model: AnyEncoder | CrossEncoder, outputs: list[str],
                   precision: str = "fp32") -> float:
     """Worst absolute difference between onnxruntime and PyTorch over the parity shapes,
     in what is served (`served`)."""
     sess = session(path, precision)
-    attention = any(name.startswith("attentions.") for name in outputs)
+    inputs = [i.name for i in sess.get_inputs()]
     # The module that was traced: every output, pooled vectors included, in its place.
-    reference = GraphOutputs(encoder, attention).eval()
+    if isinstance(model, CrossEncoder):
+        reference, names = ScoreOutputs(model).eval(), [LOGITS_OUTPUT]
+    else:
+        attention = any(name.startswith("attentions.") for name in outputs)
+        reference, names = GraphOutputs(model, attention).eval(), output_names(model, attention)
     worst = 0.0
-    for feed in parity_inputs(encoder.config.vocab_size, encoder.config.max_positions):
+    for feed in parity_inputs(model.config.vocab_size, model.config.max_positions,
+                              token_types=TOKEN_TYPES in inputs):
         got = sess.run(outputs, feed)
         with torch.no_grad():
-            ref = reference(torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]))
-        expected = dict(zip(output_names(encoder, attention), ref, strict=True))
+            ref = reference(*(torch.from_numpy(feed[name]) for name in inputs))
+        expected = dict(zip(names, ref, strict=True))
         for name, g in zip(outputs, got, strict=True):
             e = expected[name]
             if g.shape != tuple(e.shape):

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory onto the encoder of its family.
+"""Load a Hugging Face checkpoint directory onto the encoder of its family, or onto a
+cross-encoder (model/classifier.py) for a sequence classifier.
 
 config.json says which family it is (model/families.py); one this package does not
 implement is refused before any weight is read. Every tensor in the file must land
@@ -15,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from attnserve.model.families import AnyEncoder, Family, drops_head, family_of
+from attnserve.model.classifier import CrossEncoder
+from attnserve.model.families import AnyEncoder, Family, architecture_of, family_of
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # A buffer Hugging Face saves; it carries no weights, but must be the plain 0..n-1 count.
@@ -45,21 +47,34 @@ def read_family(directory: Path) -> tuple[dict, Family]:
         raise CheckpointError(f"{path}: {err}") from err
 
 
-def our_names(hf_name: str, family: Family) -> tuple[str, ...] | None:
-    return family.tensor_names(hf_name.removeprefix(family.prefix))
+def our_names(hf_name: str, family: Family, classifier: bool = False) -> tuple[str, ...] | None:
+    """A checkpoint tensor's name -> ours: the encoder's, or in a classifier the head's
+    (head.…) and the encoder's under it (encoder.…)."""
+    if not classifier:
+        return family.tensor_names(hf_name.removeprefix(family.prefix))
+    head = family.head_names(hf_name)
+    if head is not None:
+        return tuple(f"head.{name}" for name in head)
+    names = family.tensor_names(hf_name.removeprefix(family.prefix))
+    return None if names is None else tuple(f"encoder.{name}" for name in names)
 
 
-def build(directory: Path, hf: dict, family: Family, names: list[str]) -> AnyEncoder:
-    """The family's encoder as config.json describes it, its parameters unfilled."""
+def build(directory: Path, hf: dict, family: Family, names: list[str],
+          classifier: bool) -> AnyEncoder | CrossEncoder:
+    """The family's encoder (under its classification head, for a classifier) as
+    config.json describes it, its parameters unfilled."""
     try:
+        if classifier:  # BERT's pooler is the head's dense layer
+            return CrossEncoder(family.encoder(family.config(hf, False)), family.head_config(hf))
         has_pooler = any(our_names(name, family) == ("pooler.dense.weight",) for name in names)
         return family.encoder(family.config(hf, has_pooler))
     except (KeyError, ValueError, TypeError) as err:
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
 
 
-def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder:
-    """Build the encoder that `directory` describes and fill it with its weights."""
+def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEncoder:
+    """Build the model that `directory` describes, an encoder or a cross-encoder, and fill
+    it with its weights."""
     directory = Path(directory) if directory is not None else default_checkpoint_dir()
     for required in REQUIRED_FILES:
         if not (directory / required).is_file():
@@ -67,12 +82,14 @@ def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder:
                 f"{directory / required}: missing (a checkpoint needs {', '.join(REQUIRED_FILES)})"
             )
     hf, family = read_family(directory)
-    head = family.masked_lm_head if drops_head(hf, family) else ()
+    architecture = architecture_of(hf, family)
+    classifier = architecture == "classifier"
+    head = family.masked_lm_head if architecture == "masked_lm" else ()
     weights = directory / "model.safetensors"
     filled: dict[str, torch.Tensor] = {}
     dropped = 0
     with safe_open(str(weights), framework="pt") as tensors:
-        model = build(directory, hf, family, list(tensors.keys()))
+        model = build(directory, hf, family, list(tensors.keys()), classifier)
         expected = model.state_dict()
         for hf_name in tensors.keys():
             if hf_name.startswith(head):
@@ -83,7 +100,7 @@ def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder:
                 if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
                     raise CheckpointError(f"{weights}: tensor {hf_name} is not 0..n-1")
                 continue
-            names = our_names(hf_name, family)
+            names = our_names(hf_name, family, classifier)
             if names is None or any(name not in expected for name in names):
                 raise CheckpointError(f"{weights}: tensor {hf_name} does not belong to this model")
             parts = [expected[name] for name in names]

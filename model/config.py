@@ -4,6 +4,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 PositionKind = Literal["learned", "sinusoidal", "rope"]
+HeadPooling = Literal["cls", "mean"]
+HeadActivation = Literal["tanh", "gelu"]
 # RoBERTa's families: their learned positions are numbered from the padding id on.
 _POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta")
 
@@ -165,3 +167,51 @@ class ModernBertConfig(EncoderShape):
             attention_bias=hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
         )
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """A sequence classifier's head over the encoder: the first token's vector (or the
+    mean over the real tokens), a dense layer and its activation (then a LayerNorm, in
+    ModernBERT's), and one score per label."""
+
+    labels: tuple[str, ...]
+    """each label's name, by its id (config.json's id2label)"""
+    pooling: HeadPooling = "cls"
+    activation: HeadActivation = "tanh"
+    dense_bias: bool = True
+    norm: bool = False
+    norm_bias: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if not self.labels:
+            raise ValueError("a classifier has at least one label")
+        if self.pooling not in ("cls", "mean"):
+            raise ValueError(f"classifier pooling {self.pooling!r} is not supported (cls, mean)")
+        if self.activation not in ("tanh", "gelu"):
+            raise ValueError(f"classifier activation {self.activation!r} is not supported "
+                             "(tanh, gelu)")
+
+    @staticmethod
+    def labels_of(hf: dict) -> tuple[str, ...]:
+        """config.json's id2label, in id order; without one, transformers' default of two
+        labels."""
+        id2label = {int(i): str(label) for i, label in
+                    (hf.get("id2label") or {0: "LABEL_0", 1: "LABEL_1"}).items()}
+        if sorted(id2label) != list(range(len(id2label))):
+            raise ValueError(f"id2label ids {sorted(id2label)} are not 0..{len(id2label) - 1}")
+        return tuple(id2label[i] for i in range(len(id2label)))
+
+    @classmethod
+    def bert_from_hf(cls, hf: dict) -> "HeadConfig":
+        """BERT's (its pooler, then `classifier`) and RoBERTa's (`classifier.dense`, then
+        `classifier.out_proj`): the first token, dense, tanh, the labels."""
+        return cls(cls.labels_of(hf))
+
+    @classmethod
+    def modernbert_from_hf(cls, hf: dict) -> "HeadConfig":
+        return cls(cls.labels_of(hf), pooling=hf.get("classifier_pooling", "cls"),
+                   activation=hf.get("classifier_activation", "gelu"),
+                   dense_bias=hf.get("classifier_bias", False), norm=True,
+                   norm_bias=hf.get("norm_bias", False), norm_eps=hf.get("norm_eps", 1e-5))

@@ -10,6 +10,7 @@ import pytest
 
 from bench import harness
 from bench.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
+from tests.families import make_reranker
 
 
 def pytest_addoption(parser):
@@ -76,3 +77,25 @@ def minilm_server(minilm_artifact):
 def tiny_server(tiny_artifact):
     with ServerProcess(tiny_artifact) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def bert_reranker_checkpoint(tmp_path_factory) -> Path:
+    """A random BertForSequenceClassification of one label, MiniLM's tokenizer and vocabulary."""
+    return make_reranker("bert", tmp_path_factory.mktemp("bert-reranker-checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def bert_reranker_artifact(tmp_path_factory, bert_reranker_checkpoint) -> Path:
+    return export(tmp_path_factory.mktemp("bert-reranker-artifact"), bert_reranker_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def xlmr_reranker_checkpoint(tmp_path_factory) -> Path:
+    """A random XLMRobertaForSequenceClassification of one label (the bge-reranker family)."""
+    return make_reranker("xlm-roberta", tmp_path_factory.mktemp("xlmr-reranker-checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def xlmr_reranker_artifact(tmp_path_factory, xlmr_reranker_checkpoint) -> Path:
+    return export(tmp_path_factory.mktemp("xlmr-reranker-artifact"), xlmr_reranker_checkpoint)

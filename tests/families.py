@@ -11,6 +11,10 @@ and tokenizer_config.json):
   tokenizer's, as ModernBERT's is; a local window of 16 tokens, so texts of a few dozen
   tokens cross it, and three layers: global, local, global.
 
+`make_reranker` makes each family's sequence classifier (BERT's with MiniLM's tokenizer)
+the same way: a cross-encoder served as a reranker, its weights drawn wide enough that
+its scores spread over pairs.
+
 The model, export and server tests share them."""
 
 from pathlib import Path
@@ -140,3 +144,41 @@ def make_checkpoint(family: str, directory: Path, **overrides) -> Path:
     if family == "modernbert":
         return _modernbert(directory, overrides)
     raise ValueError(f"no maker for {family!r}")
+
+
+RERANKER_FAMILIES = ("bert", *FAMILIES)
+# Wide enough that a random cross-encoder's scores differ from pair to pair by tenths.
+RERANKER_INIT = 0.2
+_MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                           "special_tokens_map.json")
+
+
+def make_reranker(family: str, directory: Path, num_labels: int = 1, **overrides) -> Path:
+    """A random `…ForSequenceClassification` of `family` (bert or one of FAMILIES) with
+    `num_labels` labels, as transformers saves it, with its tokenizer."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from bench.harness import minilm_dir
+
+    labels = {i: f"label_{i}" for i in range(num_labels)}
+    if family == "bert":
+        config = transformers.BertConfig(vocab_size=30522, max_position_embeddings=128, **SHAPE)
+        for name in _MINILM_TOKENIZER_FILES:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(minilm_dir() / name, directory / name)
+    else:
+        make_checkpoint(family, directory)
+        config = transformers.AutoConfig.from_pretrained(directory)
+    for key, value in (dict(initializer_range=RERANKER_INIT, id2label=labels,
+                            label2id={v: k for k, v in labels.items()}) | overrides).items():
+        setattr(config, key, value)
+    model_class = getattr(transformers, {"bert": "Bert", "roberta": "Roberta",
+                                         "xlm-roberta": "XLMRoberta",
+                                         "modernbert": "ModernBert"}[family]
+                          + "ForSequenceClassification")
+    torch.manual_seed(0)
+    model_class(config).eval().save_pretrained(directory, safe_serialization=True)
+    return directory

@@ -1,9 +1,10 @@
 """attnserve.v1.EncoderService, the gRPC door of our own API: texts or token ids in,
-embeddings and attention maps out, through the data plane."""
+embeddings and attention maps out; texts ranked against a query (Rerank, Score); through
+the data plane."""
 
 import dataclasses
 
-from attnserve.artifact import Manifest, pooled_output
+from attnserve.artifact import EMBEDDER, RERANKER, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
@@ -20,6 +21,12 @@ from attnserve.server.doors.grpc_encoder_pack import (
     embed_response_bytes,
     outputs_for,
     pooled_name,
+)
+from attnserve.server.doors.grpc_scores import (
+    rerank_request,
+    rerank_response,
+    score_request,
+    score_response,
 )
 from attnserve.server.doors.grpc_wire import field_bytes
 from attnserve.server.doors.quantized import EmbeddingType, ranges_of
@@ -243,6 +250,25 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                 default_model=self.plane.default.name)
         return await answer(self.metrics, "ListModels", context, handle)
 
+    async def Rerank(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model, kind=RERANKER)
+            reranked = await model.rerank(rerank_request(request, model.name, self.max_message_bytes),
+                                          call_holds(), deadline_of(context))
+            return await model.pack(len(reranked.order) * RESULT_S
+                                    + reranked.response_bytes * COPY_BYTE_S,
+                                    rerank_response, reranked, request, model.name)
+        return await answer(self.metrics, "Rerank", context, handle)
+
+    async def Score(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model, kind=EMBEDDER)
+            scored = await model.score(score_request(request, model.name, self.max_message_bytes),
+                                       call_holds(), deadline_of(context))
+            return await model.pack(len(scored.scores) * RESULT_S, score_response, scored,
+                                    model.name)
+        return await answer(self.metrics, "Score", context, handle)
+
     async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
         info = model.model_info()
         return pb.GetModelInfoResponse(
@@ -250,4 +276,5 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             num_heads=info.num_heads, max_positions=info.max_positions, vocab_size=info.vocab_size,
             default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
             execution_provider=info.provider, precision=info.precision,
-            artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family)
+            artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family,
+            kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)})

@@ -2,10 +2,11 @@
 tritonclient and KServe tooling work unchanged; the tensors go to the data plane's `infer`.
 
 Inputs: input_ids and attention_mask, INT64 [batch, seq]; each row's mask must be ones
-then zeros. Outputs: last_hidden_state (FP32 [batch, seq, hidden]), and on request
-`attentions` (every layer stacked, [layers, batch, heads, seq, seq]) or `attentions.K`
-([batch, heads, seq, seq]). Positions past a row's length are zeros: no computed padding
-reaches the caller.
+then zeros (a BERT reranker's graph takes token_type_ids too, each row zeros then ones).
+Outputs: last_hidden_state (FP32 [batch, seq, hidden]), and on request `attentions`
+(every layer stacked, [layers, batch, heads, seq, seq]) or `attentions.K` ([batch, heads,
+seq, seq]); a reranker's: logits ([batch, labels]). Positions past a row's length are
+zeros: no computed padding reaches the caller.
 """
 
 import numpy as np

@@ -1,6 +1,7 @@
 """The HTTP side of the server, on aiohttp: the HTTP port (OpenAI /v1/embeddings and
-Infinity's routes, KServe v2 REST, TEI's routes, GET /health for load balancers,
-/openapi.json and its page /docs, CORS) on the gRPC server's own event loop,
+Infinity's routes, KServe v2 REST, TEI's routes, Cohere's and Jina's /v1/rerank, GET
+/health for load balancers, /openapi.json and its page /docs, CORS) on the gRPC server's
+own event loop,
 and the metrics port (GET /metrics) on a thread and event loop of its own, so a burst of
 scrapes never delays a health probe or a call.
 
@@ -28,8 +29,9 @@ from attnserve.server.doors.http_calls import HttpCalls
 from attnserve.server.doors.http_kserve import KServeHttp
 from attnserve.server.doors.http_openai import OpenAIEmbeddings
 from attnserve.server.doors.http_openai import refusal as openai_refusal
+from attnserve.server.doors.http_rerank import RerankHttp
 from attnserve.server.doors.http_tei import TeiHttp
-from attnserve.server.doors.http_tei import refusal as tei_refusal
+from attnserve.server.doors.http_tei_scores import TeiScores
 from attnserve.server.doors.openapi import openapi_document
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.served_model import NOT_SERVING
@@ -82,17 +84,20 @@ def _json_error(err: RequestError, status: int) -> web.Response:
 
 
 def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmbeddings,
-            kserve: KServeHttp, tei: TeiHttp, cors: Cors, document: bytes) -> web.Application:
+            kserve: KServeHttp, cors: Cors, document: bytes, *doors) -> web.Application:
+    """The port's routes: OpenAI's, KServe's, the /docs page's and each of `doors`'
+    (`.routes()`, whose refusals outside a route, as 401 and 405, come in the door's
+    `.refusal` shape)."""
     metrics = calls.metrics
-    refusals = ({route.path: openai_refusal for route in openai.routes()}
-                | {route.path: tei_refusal for route in tei.routes()})
+    shapes = ({route.path: openai_refusal for route in openai.routes()}
+              | {route.path: door.refusal for door in doors for route in door.routes()})
 
     @web.middleware
     async def front(request: web.Request, handler: Callable[[web.Request], Awaitable]):
         """API keys before any route; unmatched routes and methods in the protocol's error
-        shape (OpenAI's under /v1 and on its routes, TEI's on its routes, else
+        shape (OpenAI's under /v1 and on its routes, each door's on its routes, else
         {"error": ...})."""
-        render = refusals.get(request.path) or (
+        render = shapes.get(request.path) or (
             openai_refusal if request.path.startswith("/v1/") else _json_error)
         try:
             if not _open(request):
@@ -129,7 +134,7 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
     app.on_response_prepare.append(cors.mark)
     app.add_routes([web.get("/health", health), web.get("/", health),
                     web.get("/openapi.json", openapi), *openai.routes(), *kserve.routes(),
-                    *tei.routes(), *DocsPage().routes()])
+                    *(route for door in doors for route in door.routes()), *DocsPage().routes()])
     return app
 
 
@@ -143,11 +148,14 @@ class HttpServers:
                                config.http_body_timeout_seconds, max_entries, tracing)
         openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
         kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
-        tei = TeiHttp(self.calls, plane, config.max_message_bytes, config.max_queue_requests,
-                      config.max_batch_tokens, config.max_batch_size, max_entries)
-        self.api = Listener(api_app(self.calls, plane, keys, openai, kserve, tei,
+        doors = [TeiHttp(self.calls, plane, config.max_message_bytes, config.max_queue_requests,
+                         config.max_batch_tokens, config.max_batch_size, max_entries),
+                 *(door(self.calls, plane, config.max_message_bytes)
+                   for door in (TeiScores, RerankHttp))]
+        self.api = Listener(api_app(self.calls, plane, keys, openai, kserve,
                                     Cors(config.cors_allow_origin),
-                                    openapi_document([m.model_info() for m in plane.models.values()])),
+                                    openapi_document([m.model_info() for m in plane.models.values()]),
+                                    *doors),
                             config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)
                         if metrics_port and config.metrics_port else None)

@@ -39,6 +39,7 @@ from attnserve.server.doors.http_calls import (
     sequences,
     token_ids,
 )
+from attnserve.server.doors.tei import Empty, refusal
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.requests import (
@@ -49,7 +50,7 @@ from attnserve.server.engine.requests import (
 )
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import Encoded
-from attnserve.server.errors import InvalidArgument, RequestError, quote
+from attnserve.server.errors import InvalidArgument, quote
 from attnserve.server.memory.ledger import Holds
 
 JSON = ("application/json",)
@@ -65,19 +66,6 @@ DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
 LIST_BYTES = 4
 TOKEN_BYTES = 64
 ADVICE = "send fewer inputs per request"
-# What the data plane reports -> TEI's status and error_type; Empty is TEI's 400.
-STATUSES = {400: (422, "Validation"), 429: (429, "Overloaded"), 500: (424, "Backend"),
-            503: (503, "Unhealthy")}
-
-
-class Empty(InvalidArgument):
-    """TEI's Empty: an empty input, list or text."""
-
-
-def refusal(err: RequestError, status: int) -> web.Response:
-    status, kind = (400, "Empty") if isinstance(err, Empty) else STATUSES.get(
-        status, (status, "Validation"))
-    return web.json_response({"error": err.message, "error_type": kind}, status=status)
 
 
 def _flag(body: dict, name: str, default: bool, nullable: bool = False) -> bool:
@@ -203,6 +191,7 @@ class TeiHttp:
         self.calls = calls
         self.plane = plane
         self.max_response_bytes = max_response_bytes
+        self.refusal = refusal
         self.limits = {"max_concurrent_requests": max_queue_requests,
                        "max_batch_tokens": max_batch_tokens, "max_batch_requests": max_batch_size,
                        "max_client_batch_size": max_entries}

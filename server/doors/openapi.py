@@ -2,9 +2,9 @@
 /docs): the OpenAI-compatible /v1/embeddings (after OpenAI's own definition of the
 embeddings API) and Infinity's /embeddings and /models, the Open Inference Protocol's
 REST routes (after its specification, with Triton's binary tensor extension), TEI's
-routes (after TEI 1.9's own document), /health and the /docs page. Every status a route
-answers and every body shape is in it; the test suite checks the running server against
-it (schemathesis)."""
+routes (after TEI 1.9's own document), Cohere's and Jina's /v1/rerank (after theirs),
+/health and the /docs page. Every status a route answers and every body shape is in it;
+the test suite checks the running server against it (schemathesis)."""
 
 import orjson
 
@@ -15,6 +15,11 @@ from attnserve.server.engine.requests import ModelInfo
 
 _ERROR = {"type": "object", "required": ["error"],
           "properties": {"error": {"type": "string"}}}
+_TEI_ERROR = {"type": "object", "required": ["error", "error_type"],
+              "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}}
+_COHERE_ERROR = {"type": "object", "required": ["message"],
+                 "properties": {"message": {"type": "string"}}}
+_SCORING_STATUSES = (400, 401, 404, 408, 413, 415, 429, 503)
 _OPENAI_ERROR = {
     "type": "object", "required": ["error"],
     "properties": {"error": {
@@ -424,6 +429,7 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                 **_refusals(_ERROR, (400, 401, 404, 408, 413, 415, 429, 503, 504))}}}
     paths |= _tei_paths(infos, ids)
+    paths |= _scoring_paths(infos)
     for path, operations in paths.items():
         for operation in operations.values():
             operation["tags"] = [_peer(path)]
@@ -437,3 +443,62 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
         "paths": paths,
     }
     return orjson.dumps(document)
+
+
+def _scoring_paths(infos: list[ModelInfo]) -> dict:
+    """TEI's /rerank and /similarity, Cohere's and Jina's /v1/rerank and Cohere's /v2/rerank."""
+    def models(kind: str) -> dict:
+        names = ", ".join(info.model for info in infos if info.kind == kind) or "none served"
+        return {"type": "string",
+                "description": f"a model of kind {kind} ({names}); omitted: the first"}
+
+    texts = {"type": "array", "items": {"type": "string"}}
+    flag = {"type": "boolean", "default": False}
+    rerank = {"type": "object", "required": ["query", "texts"], "properties": {
+        "query": {"type": "string"}, "texts": texts, "truncate": flag, "raw_scores": flag,
+        "return_text": flag, "model": models("reranker")}}
+    ranks = {"type": "array", "items": {
+        "type": "object", "required": ["index", "score"],
+        "properties": {"index": {"type": "integer"}, "score": {"type": "number"},
+                       "text": {"type": "string"}}}}
+    similarity = {"type": "object", "required": ["inputs"], "properties": {
+        "inputs": {"type": "object", "required": ["source_sentence", "sentences"], "properties": {
+            "source_sentence": {"type": "string"}, "sentences": texts}},
+        "truncate": flag, "model": models("embedder")}}
+    documents = {"type": "array", "items": {"oneOf": [
+        {"type": "string"},
+        {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}}
+    cohere = {"type": "object", "required": ["query", "documents"], "properties": {
+        "query": {"type": "string"}, "documents": documents, "model": models("reranker"),
+        "top_n": {"type": "integer", "minimum": 1}, "return_documents": flag,
+        "max_tokens_per_doc": {"type": "integer", "minimum": 1},
+        "truncate": {**flag, "description": "an extension: cut a long pair's document, never "
+                                            "its query, instead of refusing it"}}}
+    cohere_response = {"type": "object", "required": ["id", "model", "results", "usage"],
+                       "properties": {
+                           "id": {"type": "string"}, "model": {"type": "string"},
+                           "results": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "relevance_score"],
+                               "properties": {"index": {"type": "integer"},
+                                              "relevance_score": {"type": "number"},
+                                              "document": {"type": "object", "properties": {
+                                                  "text": {"type": "string"}}}}}},
+                           "usage": {"type": "object", "required": ["total_tokens"],
+                                     "properties": {"total_tokens": {"type": "integer"}}}}}
+
+    def post(summary: str, body: dict, answer: dict, described: str, error: dict) -> dict:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+            "application/json": {"schema": body}}},
+            "responses": {"200": _json(answer, described), **_refusals(error, _SCORING_STATUSES)}}}
+
+    cohere_route = post("Cohere's and Jina's rerank: a reranker's relevance_score (sigmoid) of "
+                        "each (query, document) pair", cohere, cohere_response,
+                        "highest score first", _COHERE_ERROR)
+    return {
+        "/rerank": post("TEI's rerank: a reranker's score of each (query, text) pair", rerank,
+                        ranks, "highest score first", _TEI_ERROR),
+        "/similarity": post("TEI's similarity: the cosine of the source sentence's pooled vector "
+                            "and each sentence's", similarity,
+                            {"type": "array", "items": {"type": "number"}},
+                            "one score a sentence, in order", _TEI_ERROR),
+        "/v1/rerank": cohere_route, "/v2/rerank": cohere_route}

@@ -69,6 +69,19 @@ def pad(sequences: list[np.ndarray], shape: Shape, pad_id: int) -> tuple[np.ndar
     return ids, mask
 
 
+def token_types(items: list[Waiting], shape: Shape) -> np.ndarray | None:
+    """int64 `shape`: 1 from each sequence's second segment to its end, 0 elsewhere (padding
+    included); None when no sequence has a second segment."""
+    if all(w.job.segments is None for w in items):
+        return None
+    types = np.zeros(shape, dtype=np.int64)
+    for row, w in enumerate(items):
+        start = w.segment
+        if start is not None:
+            types[row, start:w.length] = 1
+    return types
+
+
 def span_means(hidden: np.ndarray, spans: np.ndarray) -> np.ndarray:
     """float32 [spans, hidden]: the mean of `hidden`'s rows over each [start, end) of
     `spans` (ascending, not overlapping, none empty), summed in float64."""
@@ -87,6 +100,7 @@ class Batch:
     """every output its requests need"""
     input_ids: np.ndarray
     attention_mask: np.ndarray
+    token_type_ids: np.ndarray | None
     holds: float
     """predicted peak bytes, responses included, held against the budget while in flight"""
 
@@ -195,7 +209,7 @@ class BatchLoop:
         shape = self.backend.padded_shape(len(items), items[-1].length)
         ids, mask = pad([w.sequence for w in items], shape, self.pad_id)
         outputs = frozenset().union(*(job.outputs for job in {w.job for w in items}))
-        return Batch(items, layers, outputs, ids, mask, need)
+        return Batch(items, layers, outputs, ids, mask, token_types(items, shape), need)
 
     # --- on the inference thread -------------------------------------------------------
 
@@ -205,10 +219,11 @@ class BatchLoop:
         if not items:
             return None
         self.loop.call_soon_threadsafe(self.queue.started, items)
-        ids, mask = batch.input_ids, batch.attention_mask
+        ids, mask, types = batch.input_ids, batch.attention_mask, batch.token_type_ids
         if len(items) < len(batch.items):  # some callers left while it waited: run the rest
             shape = self.backend.padded_shape(len(items), items[-1].length)
             ids, mask = pad([w.sequence for w in items], shape, self.pad_id)
+            types = token_types(items, shape)
         rows, seq = ids.shape
         predicted = self.memory.batch_bytes(rows, seq, len(batch.layers))
         measure = (self.probe.exact or predicted >= MEASURE_ALL_FROM_BYTES
@@ -218,7 +233,7 @@ class BatchLoop:
         if measure:
             baseline = self.probe.start_batch()
         started_at, started = time.monotonic(), time.perf_counter()
-        out = self.backend.run(ids, mask, batch.layers, batch.outputs)
+        out = self.backend.run(ids, mask, batch.layers, batch.outputs, types)
         seconds = time.perf_counter() - started
         peak = self.probe.batch_peak(baseline) if measure else None
         # Here rather than on the event loop: a batch of long sequences takes milliseconds.

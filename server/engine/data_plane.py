@@ -2,7 +2,8 @@
 behind every door (as KServe's DataPlane over its ModelRepository).
 
 A door asks it for a model by the name a request gives (`model`), the first model served
-when the request names none, and gets NOT_FOUND naming the models served for any other
+when the request names none (the first of the kind a call takes, for a call that only one
+kind serves: rerank, score), and gets NOT_FOUND naming the models served for any other
 name: no door checks names itself. Each model (served_model.py) has its own tokenizer,
 scheduler and memory model; the memory ledger, the pools and the readiness are the
 server's."""
@@ -39,10 +40,14 @@ class DataPlane:
         self.metrics = metrics
         self.ready = ready
 
-    def model(self, name: str | None, field: str = "model") -> ServedModel:
-        """The model a request names (`field`, as the door calls it; empty: the default).
-        The call's metrics carry its name from here on."""
-        model = self.models.get(name) if name else self.default
+    def model(self, name: str | None, field: str = "model", kind: str | None = None) -> ServedModel:
+        """The model a request names (`field`, as the door calls it; empty: the default, or
+        the first model of `kind` where one is served). The call's metrics carry its name
+        from here on."""
+        if name:
+            model = self.models.get(name)
+        else:
+            model = next((m for m in self.models.values() if m.kind == kind), self.default)
         if model is None:
             raise NotFound(f"{field}: unknown model {quote(name)}; this server serves "
                            f"{self.served()}", field)

@@ -48,6 +48,9 @@ its worst, CJK text cut into 8-token chunks (0.28 µs; English into 128-token ch
 CHUNK_S = 5e-6
 """planning one chunk: its window, its sequence or span, its vector (3.2 µs, on the same
 Xeon)"""
+MAXSIM_S = 2e-9
+"""MaxSim: one query token against one text token, per hidden dimension (a float32 matmul
+at 0.5 GFLOP/s: an estimate, not measured)"""
 # A pool's threads all start a task within this long of each other, or `on_every_thread`
 # gives up (BrokenBarrierError) rather than hang start-up.
 EVERY_THREAD_TIMEOUT_S = 600.0

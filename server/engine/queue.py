@@ -126,6 +126,8 @@ class Job:
             first, last = self.ran
             self.times.add("queue", self.enqueued, first)
             self.times.seconds["inference"] += last - first
+    segments: np.ndarray | None = None
+    """per sequence, where its second segment starts (`submit`)"""
 
 
 class State(enum.Enum):
@@ -148,6 +150,12 @@ class Waiting:
     @property
     def sequence(self) -> np.ndarray:
         return self.job.sequences[self.index]
+
+    @property
+    def segment(self) -> int | None:
+        """where its second segment starts (a reranker's pair: the text's side), if any"""
+        segments = self.job.segments
+        return None if segments is None else int(segments[self.index])
 
 
 class RequestQueue:
@@ -196,7 +204,8 @@ class RequestQueue:
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
                      alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
+                     spans: list[np.ndarray] | None = None,
+                     segments: np.ndarray | None = None) -> list[SequenceResult]:
         """Queue a request's sequences and wait for their results, in order. `outputs`:
         the graph outputs the results must carry; `alone`: the peak of its largest batch
         run alone (ModelMemory.check), kept free while it waits; `lengths`: the
@@ -204,14 +213,17 @@ class RequestQueue:
         token ranges [start, end), ascending, not overlapping, none empty, whose mean
         embeddings each result carries (SequenceResult.span_means) instead of the token
         embeddings (`outputs` then HIDDEN_ONLY): a request of many long sequences keeps
-        a few vectors of each, not every batch output it ran in. A big request is queued
-        a slice at a time, so the event loop serves other calls in between."""
+        a few vectors of each, not every batch output it ran in; `segments`: per
+        sequence, the position where its second segment (token type 1) starts, its length
+        for none (a reranker's pairs: the text's side). A big request is queued a slice at
+        a time, so the event loop serves other calls in between."""
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         tokens = int(lengths.sum())
         self.admit(tokens)
         job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
-                  alone=alone, outputs=outputs, spans=spans, times=timings.current())
+                  alone=alone, outputs=outputs, spans=spans, segments=segments,
+                  times=timings.current())
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None

@@ -136,6 +136,85 @@ class Embedded:
         return np.fromiter((len(c.spans) for c in self.chunked), np.int64, len(self.chunked))
 
 
+class PairNames(Protocol):
+    """The door's names for the parts of a request that scores texts against a query."""
+
+    query: str
+    """the field holding the query (`query`, `inputs.source_sentence`)"""
+    sequences: str
+    """the field holding the texts (`texts`, `documents`)"""
+    top_n: str
+    """the field holding how many results to return"""
+
+    def sequence(self, index: int) -> str:
+        """the field of text `index` (`texts[3]`, `documents[3]`)"""
+        ...
+
+
+@dataclass(frozen=True)
+class RerankRequest:
+    """A query and texts, each pair scored by a reranker (a cross-encoder)."""
+
+    names: PairNames
+    size: ResponseSize
+    """measures the response for the results of these text indexes"""
+    query: str
+    texts: Sequence[str]
+    top_n: int | None = None
+    """the best top_n only (1 or more); None: every text"""
+    raw_scores: bool = False
+    """the logit instead of its sigmoid"""
+    truncate: bool = False
+    """cut a pair's text (never its query) where the pair is longer than the model's
+    positions, instead of refusing it"""
+    max_text_tokens: int | None = None
+    """every text cut to at most this many tokens (Cohere's max_tokens_per_doc)"""
+
+
+@dataclass
+class Reranked:
+    order: np.ndarray
+    """int64: the indexes of the texts returned, highest score first (equal scores in
+    request order), top_n of them"""
+    scores: np.ndarray
+    """float32, in `order`'s order"""
+    total_tokens: int
+    """every pair's tokens, special tokens included"""
+    response_bytes: int
+
+
+class ScoreMode(enum.Enum):
+    COSINE = "cosine"
+    """the cosine of the query's pooled vector (the model's default pooling) and each
+    text's"""
+    MAXSIM = "maxsim"
+    """for each of the query's token vectors its best cosine with the text's, summed over
+    the query's tokens (ColBERT's late interaction); every token counts, special tokens
+    included"""
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A query and texts, each text scored against the query by an embedding model."""
+
+    names: PairNames
+    size: ResponseSize
+    """measures the response for texts of these lengths"""
+    query: str
+    texts: Sequence[str]
+    mode: ScoreMode
+    truncate: bool = False
+
+
+@dataclass
+class Scored:
+    scores: np.ndarray
+    """float32, one per text, in request order"""
+    total_tokens: int
+    """the query's tokens and every text's"""
+    response_bytes: int
+
+
 @dataclass(frozen=True)
 class TokenizeRequest:
     names: FieldNames
@@ -206,6 +285,10 @@ class ModelInfo:
     """the backend's framework and format (onnxruntime_onnx)"""
     family: str
     """the checkpoint's model_type (bert, roberta, xlm-roberta, modernbert)"""
+    kind: str
+    """embedder or reranker (artifact.KINDS)"""
+    labels: list[str]
+    """a reranker's labels, by id"""
     artifact_sha256: str
     inputs: list[TensorInfo] = field(default_factory=list)
     outputs: list[TensorInfo] = field(default_factory=list)

@@ -1,4 +1,5 @@
-"""One served model, protocol-neutral: embed, tokenize, decode, infer on tensors, model info.
+"""One served model, protocol-neutral: embed, tokenize, decode, rerank, score, infer on
+tensors, model info.
 
 Typed requests in (server/engine/requests.py), typed results or typed errors out.
 Everything a request goes through between its door and the model's batch loop happens
@@ -6,7 +7,10 @@ here, once, for every door: readiness, the cheap bounds before any work (entry c
 queue room, the response's size), tokenizing or reading ids, the memory budget and the
 call's holds, the deadline, and the choice of what runs inline and what on a pool
 (server/engine/offload.py). A chunked request (server/engine/chunked.py) goes through the
-same steps, its texts cut into chunks and run as windows or chunks.
+same steps, its texts cut into chunks and run as windows or chunks. An embedder embeds and
+scores texts against a query from their vectors (cosine, MaxSim); a reranker scores
+(query, text) pairs, each pair one sequence batched with every other of its model; each
+refuses the other's calls, naming what it is.
 
 It hands sequences to its model's scheduler (the request queue and batch loop in this
 process, or the engine process's with `--workers`) and gets back each sequence's share of
@@ -18,7 +22,16 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from attnserve.artifact import HIDDEN_OUTPUT, INPUT_NAMES, Artifact, attention_output, pooled_output
+from attnserve.artifact import (
+    EMBEDDER,
+    HIDDEN_OUTPUT,
+    LOGITS_OUTPUT,
+    RERANKER,
+    TOKEN_TYPES,
+    Artifact,
+    attention_output,
+    pooled_output,
+)
 from attnserve.server.engine import timings
 from attnserve.server.engine.chunked import TextPlan, window_overlap
 from attnserve.server.engine.chunking import cut
@@ -28,6 +41,7 @@ from attnserve.server.engine.offload import (
     CUT_CHAR_S,
     DECODE_ID_S,
     ID_SEQUENCE_S,
+    MAXSIM_S,
     TEXT_CHAR_S,
     TEXT_S,
     TOKEN_ID_S,
@@ -46,10 +60,17 @@ from attnserve.server.engine.requests import (
     InferRequest,
     InputTensor,
     ModelInfo,
+    PairNames,
+    Reranked,
+    RerankRequest,
     ResponseSize,
+    Scored,
+    ScoreMode,
+    ScoreRequest,
     TensorInfo,
     TokenizeRequest,
 )
+from attnserve.server.engine.scores import QueryThenTexts, cosines, maxsim, ranking, sigmoid
 from attnserve.server.engine.tokenize import KEPT_BYTES_PER_ID, Encoded, TextTokenizer, TooLong
 from attnserve.server.errors import InvalidArgument, Unavailable, quote
 from attnserve.server.memory.budget import ModelMemory
@@ -64,6 +85,10 @@ T = TypeVar("T")
 VALUES_SLICE = 1 << 16
 NOT_SERVING = ("server is not serving (starting, or draining): send the request to another "
                "replica")
+KINDS_SAID = {EMBEDDER: ("an embedding model", "it embeds texts and scores them against a query "
+                                               "from their vectors (Embed, Score)"),
+              RERANKER: ("a reranker (a cross-encoder)", "it scores (query, text) pairs (Rerank)")}
+"""kind -> (what it is, what it does), as a refusal says them"""
 
 
 class Scheduler(Protocol):
@@ -76,7 +101,8 @@ class Scheduler(Protocol):
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
                      alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
+                     spans: list[np.ndarray] | None = None,
+                     segments: np.ndarray | None = None) -> list[SequenceResult]:
         ...
 
 
@@ -100,8 +126,12 @@ class ServedModel:
         self.max_chunking_chars = max_chunking_chars
         """the longest text a chunked request may carry"""
         m = self.manifest
-        self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
-        self.output_layers |= {attention_output(i): (i,) for i in range(m.num_layers)}
+        self.kind = m.kind
+        if m.kind == RERANKER:
+            self.output_layers = {LOGITS_OUTPUT: ()}
+        else:
+            self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
+            self.output_layers |= {attention_output(i): (i,) for i in range(m.num_layers)}
 
     # --- shared by every call -------------------------------------------------------
 
@@ -109,6 +139,15 @@ class ServedModel:
         """New work only while serving: UNAVAILABLE before warm-up ends and while draining."""
         if not self.ready():
             raise Unavailable(NOT_SERVING)
+
+    def require(self, kind: str, call: str) -> None:
+        """Refuse a call (`call`, as the door names it) that a model of another kind does
+        not serve, naming the model's kind."""
+        if self.kind != kind:
+            what, does = KINDS_SAID[self.kind]
+            raise InvalidArgument("model", f"{self.name!r} is {what}: {does}; {call} takes "
+                                  f"{KINDS_SAID[kind][0]} (ListModels and GetModelInfo say "
+                                  "each model's kind)")
 
     def hold_response(self, holds: Holds, size: int, on_top: float = 0.0) -> None:
         """Hold a response of `size` bytes (several times over: see RESPONSE_COPIES) until
@@ -125,22 +164,28 @@ class ServedModel:
     async def _run(self, sequences: list[np.ndarray], lengths: np.ndarray,
                    field_of: Callable[[int], str], layers: tuple[int, ...], outputs: Outputs,
                    response_bytes: int, holds: Holds, deadline: float | None,
-                   spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
-        """Check the request against the memory budget, hold its response, and wait for
-        its sequences' results; `field_of(i)`: the request's field sequence i comes from."""
+                   spans: list[np.ndarray] | None = None, segments: np.ndarray | None = None,
+                   kept_bytes: int = 0) -> list[SequenceResult]:
+        """Check the request against the memory budget, hold its response (and
+        `kept_bytes` of results kept until it is built), and wait for its sequences'
+        results; `field_of(i)`: the request's field sequence i comes from."""
         longest = int(lengths.argmax())
         alone = self.memory.check(int(lengths[longest]), field_of(longest), len(layers),
                                   response_bytes)
-        self.hold_response(holds, response_bytes, on_top=alone if self.memory.shared else 0.0)
+        on_top = alone if self.memory.shared else 0.0
+        self.hold_response(holds, response_bytes, on_top=on_top)
+        if kept_bytes:
+            holds.take(kept_bytes, "the token vectors kept until scored", on_top=on_top)
         if (times := timings.current()) is not None:
             times.compute_tokens += int(lengths.sum())
         return await self.scheduler.submit(sequences, layers, deadline, outputs, alone, lengths,
-                                           spans)
+                                           spans, segments)
 
     # --- embed ------------------------------------------------------------------------
 
     async def embed(self, request: EmbedRequest, holds: Holds, deadline: float | None) -> Embedded:
         self.check_ready()
+        self.require(EMBEDDER, "embedding")
         names = request.names
         count = len(request.texts) or len(request.token_ids)
         if not count:
@@ -295,6 +340,94 @@ class ServedModel:
                                   f"vocabulary [0, {vocab})")
         return ids
 
+    # --- rerank: (query, text) pairs through a cross-encoder ---------------------------
+
+    async def rerank(self, request: RerankRequest, holds: Holds, deadline: float | None) -> Reranked:
+        """Each (query, text) pair one sequence, scored by the classifier's one label
+        (its sigmoid, or its logit with raw_scores); the texts ranked by score."""
+        self.check_ready()
+        self.require(RERANKER, "rerank")
+        names, labels = request.names, self.manifest.labels
+        if len(labels) != 1:
+            raise InvalidArgument("model", f"{self.name!r} has {len(labels)} labels "
+                                  f"({', '.join(map(repr, labels[:8]))}): rerank ranks by one "
+                                  "score; its logits come from KServe infer")
+        self._check_pair_request(request.query, request.texts, names)
+        if request.top_n is not None and request.top_n < 1:
+            raise InvalidArgument(names.top_n, f"{request.top_n}; expected 1 or more (unset: "
+                                  "every text)")
+        count = len(request.texts)
+        shown = count if request.top_n is None else min(count, request.top_n)
+        least = self.tokenizer.pair.specials + 1  # an empty text's pair with a one-token query
+        self.scheduler.admit(count * least, at_least=True)
+        with self.metrics.stage_duration.labels(self.name, "tokenize").time():
+            ids, segments, size = await self.offload.request(
+                cost(request.texts, TEXT_S, TEXT_CHAR_S), self._pairs, request, shown, holds)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        results = await self._run(ids, lengths, names.sequence, (), frozenset({LOGITS_OUTPUT}),
+                                  size, holds, deadline, segments=segments)
+        logits = np.fromiter((r.pooled[LOGITS_OUTPUT][0] for r in results), np.float32, count)
+        scores = logits if request.raw_scores else sigmoid(logits)
+        order = ranking(scores, request.top_n)
+        return Reranked(order, scores[order], int(lengths.sum()), size)
+
+    def _check_pair_request(self, query: str, texts: Sequence[str], names: PairNames) -> None:
+        if not query:
+            raise InvalidArgument(names.query, "empty: send the query to score the texts against")
+        if not texts:
+            raise InvalidArgument(names.sequences, "empty: send at least one text")
+
+    def _pairs(self, request: RerankRequest, shown: int,
+               holds: Holds) -> tuple[list[np.ndarray], np.ndarray | None, int]:
+        """The pairs' ids and segments, and the response's size: measured for the `shown`
+        longest texts, which no top_n of them can outgrow."""
+        texts = request.texts
+        chars = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        size = request.size.check(np.argsort(-chars, kind="stable")[:shown])
+        try:
+            ids, segments = self.tokenizer.encode_pairs(request.query, texts, request.truncate,
+                                                        holds, request.max_text_tokens)
+        except TooLong as err:
+            field = request.names.query if err.index < 0 else request.names.sequence(err.index)
+            raise InvalidArgument(field, err.reason) from err
+        return ids, segments, size
+
+    # --- score: texts against a query from an embedding model's vectors ---------------
+
+    async def score(self, request: ScoreRequest, holds: Holds, deadline: float | None) -> Scored:
+        """The query and each text embedded (pooled vectors for COSINE, every token's for
+        MAXSIM, which never leave the server), each text scored against the query."""
+        self.check_ready()
+        self.require(EMBEDDER, "scoring")
+        names = request.names
+        self._check_pair_request(request.query, request.texts, names)
+        count = len(request.texts)
+        least = len(self.tokenizer.empty.ids)
+        self.scheduler.admit((count + 1) * least, at_least=True)
+        request.size.check(np.full(count, least), at_least=True)
+        sequences = QueryThenTexts(names)
+        encoded = await self._tokenize([request.query, *request.texts], request.truncate,
+                                       sequences, holds, False)
+        ids = [e.ids for e in encoded]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        size = request.size.check(lengths[1:])
+        hidden = self.manifest.hidden_size
+        if request.mode is ScoreMode.MAXSIM:
+            # Every token's vector (float32) is kept until the texts are scored.
+            results = await self._run(ids, lengths, sequences.sequence, (), HIDDEN_ONLY, size,
+                                      holds, deadline, kept_bytes=4 * hidden * int(lengths.sum()))
+            work = MAXSIM_S * hidden * int(lengths[0]) * int(lengths[1:].sum())
+            scores = await self.offload.response(work, maxsim, results[0].hidden,
+                                                 [r.hidden for r in results[1:]])
+        else:
+            name = pooled_output(self.manifest.default_pooling, True)
+            results = await self._run(ids, lengths, sequences.sequence, (), frozenset({name}),
+                                      size, holds, deadline)
+            scores = await self.offload.response(count * hidden * COPY_BYTE_S, cosines,
+                                                 results[0].pooled[name],
+                                                 [r.pooled[name] for r in results[1:]])
+        return Scored(scores, int(lengths.sum()), size)
+
     # --- tokenize ---------------------------------------------------------------------
 
     async def _tokenize(self, texts: Sequence[str], truncate: bool, names: FieldNames,
@@ -339,9 +472,10 @@ class ServedModel:
     # --- infer on tensors -------------------------------------------------------------
 
     async def infer(self, request: InferRequest, holds: Holds, deadline: float | None) -> Inferred:
-        """input_ids and attention_mask, INT64 [batch, seq], each row's mask ones then
-        zeros; the outputs asked for, each row zero past its length, so no computed
-        padding reaches the caller."""
+        """input_ids and attention_mask (and a reranker's token_type_ids, where its graph
+        takes them), INT64 [batch, seq], each row's mask ones then zeros (and its token
+        types zeros then ones); the outputs asked for, each row zero past its length, so
+        no computed padding reaches the caller."""
         self.check_ready()
         # The cheap checks first, from the declared shapes: no id is read for a request
         # that cannot be served.
@@ -351,11 +485,12 @@ class ServedModel:
         shapes = [(name, self._output_shape(name, layers, batch, seq)) for name in names]
         response_bytes = request.size(shapes).check(np.zeros(0, np.int64))
         with timings.stage("tokenize"):
-            sequences, lengths = await self.offload.request(
-                batch * (ID_SEQUENCE_S + seq * 2 * TOKEN_ID_S), self._rows, request.inputs, batch,
-                seq)
-        results = await self._run(sequences, lengths, _INFER_NAMES.sequence, layers,
-                                  frozenset({HIDDEN_OUTPUT}), response_bytes, holds, deadline)
+            sequences, lengths, segments = await self.offload.request(
+                batch * (ID_SEQUENCE_S + seq * len(self.manifest.inputs) * TOKEN_ID_S), self._rows,
+                request.inputs, batch, seq)
+        outputs = frozenset({LOGITS_OUTPUT if self.kind == RERANKER else HIDDEN_OUTPUT})
+        results = await self._run(sequences, lengths, _INFER_NAMES.sequence, layers, outputs,
+                                  response_bytes, holds, deadline, segments=segments)
         with timings.stage("respond"):
             dense = await self.offload.response(
                 response_bytes * COPY_BYTE_S, self._dense, shapes, layers, results)
@@ -363,10 +498,11 @@ class ServedModel:
 
     def _input_shape(self, inputs: Sequence[InputTensor]) -> tuple[int, int]:
         """(batch, seq), from the inputs' declared shapes and sizes alone."""
-        names = [t.name for t in inputs[:len(INPUT_NAMES) + 1]]
-        if sorted(names) != sorted(INPUT_NAMES):
+        expected = list(self.manifest.inputs)
+        names = [t.name for t in inputs[:len(expected) + 1]]
+        if sorted(names) != sorted(expected):
             shown = ", ".join(quote(n) for n in names) + (" …" if len(inputs) > len(names) else "")
-            raise InvalidArgument("inputs", f"got [{shown}], expected exactly {list(INPUT_NAMES)}")
+            raise InvalidArgument("inputs", f"got [{shown}], expected exactly {expected}")
         shapes = []
         for i, t in enumerate(inputs):
             field = f"inputs[{i}] ({t.name})"
@@ -384,10 +520,11 @@ class ServedModel:
                 raise InvalidArgument(field, f"{what}, shape {list(shape)} INT64 needs "
                                       f"{count * 8 if raw else count}{' bytes' if raw else ''}")
             shapes.append(shape)
-        if shapes[0] != shapes[1]:
-            mask = names.index("attention_mask")
-            raise InvalidArgument("attention_mask", f"shape {list(shapes[mask])} differs from "
-                                  f"input_ids {list(shapes[1 - mask])}")
+        ids = names.index("input_ids")
+        for i, shape in enumerate(shapes):
+            if shape != shapes[ids]:
+                raise InvalidArgument(names[i], f"shape {list(shape)} differs from input_ids "
+                                      f"{list(shapes[ids])}")
         batch, seq = shapes[0]
         if seq > self.manifest.max_positions:
             raise InvalidArgument("input_ids", f"seq {seq} is longer than the model's "
@@ -399,13 +536,15 @@ class ServedModel:
         if len(outputs) > len(known):
             raise InvalidArgument("outputs", f"{len(outputs)} named; the model has {len(known)}, "
                                   "each to be named once")
-        names = list(outputs) or [HIDDEN_OUTPUT]
+        names = list(outputs) or [next(iter(known))]
         layers: set[int] = set()
         for i, name in enumerate(names):
             if name not in known:
+                listed = (LOGITS_OUTPUT if self.kind == RERANKER else
+                          f"{HIDDEN_OUTPUT}, {ALL_ATTENTIONS}, attentions.0 … "
+                          f"attentions.{self.manifest.num_layers - 1}")
                 raise InvalidArgument(f"outputs[{i}]", f"unknown output {quote(name)}; known: "
-                                      f"{HIDDEN_OUTPUT}, {ALL_ATTENTIONS}, attentions.0 … "
-                                      f"attentions.{self.manifest.num_layers - 1}")
+                                      f"{listed}")
             if name in names[:i]:
                 raise InvalidArgument(f"outputs[{i}]", f"{quote(name)} is named twice")
             layers.update(known[name])
@@ -414,6 +553,8 @@ class ServedModel:
     def _output_shape(self, name: str, layers: tuple[int, ...], batch: int,
                       seq: int) -> tuple[int, ...]:
         m = self.manifest
+        if name == LOGITS_OUTPUT:
+            return batch, len(m.labels)
         if name == HIDDEN_OUTPUT:
             return batch, seq, m.hidden_size
         if name == ALL_ATTENTIONS:
@@ -421,8 +562,9 @@ class ServedModel:
         return batch, m.num_heads, seq, seq
 
     def _rows(self, inputs: Sequence[InputTensor], batch: int,
-              seq: int) -> tuple[list[np.ndarray], np.ndarray]:
-        """Each row's ids up to its length, and the lengths."""
+              seq: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None]:
+        """Each row's ids up to its length, the lengths, and where each row's second
+        segment starts (with token types)."""
         arrays = {}
         for t in inputs:
             if isinstance(t.data, bytes | bytearray | memoryview):
@@ -451,7 +593,9 @@ class ServedModel:
             r, c = (int(x) for x in bad[0])
             raise InvalidArgument(f"input_ids[{r}, {c}]", f"id {int(ids[r, c])} is outside the "
                                   f"vocabulary [0, {vocab})")
-        return [ids[row, :length] for row, length in enumerate(lengths.tolist())], lengths
+        segments = None if TOKEN_TYPES not in arrays else _segments(arrays[TOKEN_TYPES], lengths)
+        return ([ids[row, :length] for row, length in enumerate(lengths.tolist())], lengths,
+                segments)
 
     def _dense(self, shapes: list[tuple[str, tuple[int, ...]]], layers: tuple[int, ...],
                results: list[SequenceResult]) -> list[tuple[str, np.ndarray]]:
@@ -459,7 +603,10 @@ class ServedModel:
         out = []
         for name, shape in shapes:
             array = np.zeros(shape, dtype="<f4")
-            if name == HIDDEN_OUTPUT:
+            if name == LOGITS_OUTPUT:
+                for row, r in enumerate(results):
+                    array[row] = r.pooled[LOGITS_OUTPUT]
+            elif name == HIDDEN_OUTPUT:
                 for row, r in enumerate(results):
                     array[row, :len(r.hidden)] = r.hidden
             else:
@@ -476,19 +623,39 @@ class ServedModel:
 
     def model_info(self) -> ModelInfo:
         m = self.manifest
-        outputs = [TensorInfo(HIDDEN_OUTPUT, "FP32", (-1, -1, m.hidden_size)),
-                   TensorInfo(ALL_ATTENTIONS, "FP32", (m.num_layers, -1, m.num_heads, -1, -1))]
-        outputs += [TensorInfo(attention_output(i), "FP32", (-1, m.num_heads, -1, -1))
-                    for i in range(m.num_layers)]
+        if self.kind == RERANKER:
+            outputs = [TensorInfo(LOGITS_OUTPUT, "FP32", (-1, len(m.labels)))]
+        else:
+            outputs = [TensorInfo(HIDDEN_OUTPUT, "FP32", (-1, -1, m.hidden_size)),
+                       TensorInfo(ALL_ATTENTIONS, "FP32", (m.num_layers, -1, m.num_heads, -1, -1))]
+            outputs += [TensorInfo(attention_output(i), "FP32", (-1, m.num_heads, -1, -1))
+                        for i in range(m.num_layers)]
         return ModelInfo(
             model=self.name, hidden_size=m.hidden_size, num_layers=m.num_layers,
             num_heads=m.num_heads, max_positions=m.max_positions, vocab_size=m.vocab_size,
             default_pooling=m.default_pooling, provider=self.placement.provider,
             precision=self.placement.precision, platform=self.placement.platform,
-            family=m.model_type,
+            family=m.model_type, kind=m.kind, labels=list(m.labels),
             artifact_sha256=self.artifact.manifest_sha256,
-            inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in INPUT_NAMES],
+            inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in m.inputs],
             outputs=outputs)
+
+
+def _segments(types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Where each row's token types turn from 0 to 1 (its length for none): within a row's
+    length they must be zeros then ones; past it they are padding, not read."""
+    batch, seq = types.shape
+    real = np.arange(seq)[None, :] < lengths[:, None]
+    ones = (types == 1) & real
+    starts = np.where(ones.any(axis=1), ones.argmax(axis=1), lengths)
+    expected = (np.arange(seq)[None, :] >= starts[:, None]) & real
+    bad = (((types != 0) & (types != 1)) & real) | ((types == 1) != expected) & real
+    if bad.any():
+        row, column = (int(x) for x in np.argwhere(bad)[0])
+        raise InvalidArgument(f"token_type_ids[{row}, {column}]",
+                              f"{int(types[row, column])}; each row's token types must be 0 "
+                              "then 1 (the query's side, then the text's) over its length")
+    return starts.astype(np.int64)
 
 
 class _InferNames:

@@ -21,6 +21,14 @@ event loop gets the interpreter between them. Each slice's working memory is tak
 the call's memory holds before it runs and given back after; what the call keeps (the
 ids, and tokens and offsets when asked for) stays held until the call ends.
 
+A reranker's (query, text) pairs (`encode_pairs`) are laid out as the tokenizer's
+post-processor lays out a pair ([CLS] query [SEP] text [SEP], <s> query </s></s> text
+</s>), the text's side its second segment where the template gives it one (BERT's). The
+query and the texts are tokenized without special tokens, each a prefix at a time as
+above, up to what the model's positions leave them: a pair that does not fit is refused
+naming its text, or with `truncate` its text is cut to fit, never the query, which must
+leave room for at least one token of text.
+
 Chunking needs a text whole, never truncated, with each token's place in it
 (`encode_whole`): it is tokenized a piece at a time, each piece ending at a cut point so
 that its tokens are the text's own, the pieces of a slice in one `encode_batch` (which
@@ -38,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from attnserve.artifact import TOKENIZER, Artifact, ArtifactError
+from attnserve.artifact import RERANKER, TOKENIZER, Artifact, ArtifactError
 from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
 from attnserve.server.memory.ledger import Holds
 
@@ -124,11 +132,41 @@ class TextTokens:
 
 
 class TooLong(ValueError):
-    def __init__(self, index: int, limit: int):
+    def __init__(self, index: int, limit: int, reason: str | None = None):
+        """`index`: the text's; -1 for a pair's query."""
         self.index = index
-        self.reason = (f"more than {limit} tokens, longer than the model's {limit} positions; "
-                       "set truncate=true to cut it")
+        self.reason = reason or (f"more than {limit} tokens, longer than the model's {limit} "
+                                 "positions; set truncate=true to cut it")
         super().__init__(f"text {index}: {self.reason}")
+
+
+@dataclass(frozen=True)
+class PairTemplate:
+    """Where a pair's special tokens go, as the tokenizer's post-processor places them:
+    head, query, middle, text, tail."""
+
+    head: np.ndarray
+    middle: np.ndarray
+    tail: np.ndarray
+    segments: bool
+    """the text's side is token type 1 (the template says so: BERT's)"""
+
+    @property
+    def specials(self) -> int:
+        return len(self.head) + len(self.middle) + len(self.tail)
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> "PairTemplate | None":
+        """None for a tokenizer whose post-processor has no template for pairs."""
+        try:
+            probe = tokenizer.encode("a", "b")
+        except Exception:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+            return None
+        ids, sides = np.asarray(probe.ids, dtype=np.int64), probe.sequence_ids
+        query = [i for i, side in enumerate(sides) if side == 0]
+        text = [i for i, side in enumerate(sides) if side == 1]
+        return cls(ids[:query[0]], ids[query[-1] + 1:text[0]], ids[text[-1] + 1:],
+                   probe.type_ids[text[0]] == 1)
 
 
 class TextTokenizer:
@@ -163,6 +201,8 @@ class TextTokenizer:
         longest = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)))
         self.decoded_bytes_per_id = DECODED_BYTES_PER_CHAR * longest + 1
         """the most text one id decodes to: its token's characters, and the space before it"""
+        self.pair = PairTemplate.of(self.tokenizer)
+        """how a reranker's pairs are laid out; None without a template for pairs"""
 
     def encode(self, texts: list[str], truncate: bool, holds: Holds,
                details: bool = False, special_tokens: bool = True) -> list[Encoded]:
@@ -175,7 +215,7 @@ class TextTokenizer:
         first = self._first_prefix()
         tail = self.tail if special_tokens else 0
         for start, end in _slices([min(len(text), first) for text in texts]):
-            encodings = self._encode_slice(texts[start:end], holds, special_tokens)
+            encodings = self._encode_slice(texts[start:end], holds, special_tokens=special_tokens)
             kept = [self._keep(start + i, e, truncate, details, tail)
                     for i, e in enumerate(encodings)]
             del encodings
@@ -186,18 +226,57 @@ class TextTokenizer:
     def _first_prefix(self) -> int:
         return PREFIX_CHARS_PER_POSITION * self.max_positions
 
-    def _encode_slice(self, texts: list[str], holds: Holds, special_tokens: bool = True) -> list:
+    def _encode_slice(self, texts: list[str], holds: Holds, limit: int | None = None,
+                      special_tokens: bool = True) -> list:
         """Each text's encoding, from its shortest prefix that decides it: the whole text,
-        or a prefix that already has more tokens than the model's positions."""
+        or a prefix that already has more tokens than the model's positions. With `limit`:
+        without special tokens, more than `limit` tokens deciding."""
+        limit, whole = (self.max_positions, False) if limit is None else (limit, True)
         sized = [self._prefix(text, self._first_prefix()) for text in texts]
-        encodings = self._tokenize([prefix for prefix, _ in sized], holds,
-                                   special_tokens=special_tokens)
+        encodings = self._tokenize([prefix for prefix, _ in sized], holds, whole, special_tokens)
         for i, text in enumerate(texts):
             prefix, size = sized[i]
-            while len(prefix) < len(text) and len(encodings[i]) <= self.max_positions:
+            while len(prefix) < len(text) and len(encodings[i]) <= limit:
                 prefix, size = self._prefix(text, size * PREFIX_GROWTH)
-                encodings[i] = self._tokenize([prefix], holds, special_tokens=special_tokens)[0]
+                encodings[i] = self._tokenize([prefix], holds, whole, special_tokens)[0]
         return encodings
+
+    def encode_pairs(self, query: str, texts: Sequence[str], truncate: bool, holds: Holds,
+                     max_text_tokens: int | None = None) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """Each (query, text) pair's ids, and where each pair's second segment starts
+        (None when the template has none). Refuses (TooLong) a query that leaves no room
+        for a text (index -1), and a pair over the model's positions unless `truncate`,
+        which cuts its text to fit; `max_text_tokens`: every text cut to at most that (a
+        text it makes fit is not refused)."""
+        pair = self.pair
+        room = self.max_positions - pair.specials
+        (asked,) = self._encode_slice([query], holds, room)
+        if len(asked) >= room:
+            raise TooLong(-1, self.max_positions, f"{'more than ' if len(asked) > room else ''}"
+                          f"{len(asked)} tokens, leaving no room for a text among the model's "
+                          f"{self.max_positions} positions (with the pair's {pair.specials} "
+                          "special tokens): shorten it (truncate cuts texts, never the query)")
+        query_ids = np.asarray(asked.ids, dtype=np.int64)
+        head = np.concatenate([pair.head, query_ids, pair.middle])
+        budget = room - len(query_ids)
+        cap = budget if max_text_tokens is None else min(budget, max_text_tokens)
+        pairs: list[np.ndarray] = []
+        for start, end in _slices([min(len(text), self._first_prefix()) for text in texts]):
+            encodings = self._encode_slice(list(texts[start:end]), holds, budget)
+            for i, encoding in enumerate(encodings, start):
+                ids = encoding.ids
+                if len(ids) > budget and cap == budget and not truncate:
+                    raise TooLong(i, self.max_positions, (
+                        f"with the query, more than {self.max_positions} tokens, longer than the "
+                        f"model's {self.max_positions} positions; set truncate=true to cut the "
+                        "text"))
+                pairs.append(np.concatenate([head, np.asarray(ids[:cap], dtype=np.int64),
+                                             pair.tail]))
+            del encodings
+            holds.take(sum(KEPT_BYTES_PER_TEXT + KEPT_BYTES_PER_ID * len(p)
+                           for p in pairs[start:]), "token ids")
+        segments = np.full(len(pairs), len(head), dtype=np.int64) if pair.segments else None
+        return pairs, segments
 
     def _tokenize(self, texts: list[str], holds: Holds, whole: bool = False,
                   special_tokens: bool = True) -> list:
@@ -326,6 +405,10 @@ def _joined(parts: list[TextTokens]) -> TextTokens:
 
 def load_tokenizer(artifact: Artifact) -> TextTokenizer:
     try:
-        return TextTokenizer(artifact.path(TOKENIZER), artifact.manifest.max_positions)
+        tokenizer = TextTokenizer(artifact.path(TOKENIZER), artifact.manifest.max_positions)
     except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception
         raise ArtifactError(f"{artifact.path(TOKENIZER)}: not a valid tokenizer ({err})") from err
+    if artifact.manifest.kind == RERANKER and tokenizer.pair is None:
+        raise ArtifactError(f"{artifact.path(TOKENIZER)}: no template for pairs, which a "
+                            "reranker's (query, text) pairs need")
+    return tokenizer

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from attnserve.server.memory.model import ATTENTION, COEFFICIENTS, GRAPH_KINDS
+from attnserve.server.memory.model import ATTENTION, COEFFICIENTS
 
 # Relative errors are scored over shapes whose peak reaches this; the fit weighs smaller
 # ones as if they were at it (a few hundred KiB of per-run overhead is not what a memory
@@ -124,7 +124,7 @@ def fit_with_holdout(rows: list[Measured], heads: int, every: int) -> dict:
     fit on all of them."""
     flags = held_out_flags(rows, every)
     train_fits, held, train, fits = {}, [], [], {}
-    for kind in GRAPH_KINDS:
+    for kind in dict.fromkeys(r.graph for r in rows):
         mine = [(r, f) for r, f in zip(rows, flags, strict=True) if r.graph == kind]
         if not mine:
             continue

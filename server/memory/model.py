@@ -24,7 +24,8 @@ not the request asks for it (measured: one layer returned or six, the same peak)
 c counts them (≈ 4·layers per score) and d, per returned layer, comes out ≈ 0.
 
 Each of the artifact's two graphs keeps different things alive, so each has its own
-model, per provider and precision.
+model, per provider and precision. A reranker has one graph, its scores graph: the same
+form, with no maps (its head adds a vector per sequence, nothing per token).
 
 `attnserve memory-profile` measures the allocation peak of each shape, fits both graphs
 and saves the coefficients beside the artifact as memory_model.json, keyed by
@@ -37,10 +38,15 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from attnserve.artifact import MEMORY_MODEL, Manifest
+from attnserve.artifact import MEMORY_MODEL, RERANKER, Manifest
 
-EMBEDDINGS, ATTENTION = "embeddings", "attention"
+EMBEDDINGS, ATTENTION, SCORES = "embeddings", "attention", "scores"
 GRAPH_KINDS = (EMBEDDINGS, ATTENTION)
+
+
+def graph_kinds(manifest: Manifest) -> tuple[str, ...]:
+    """The graphs an artifact's batches run through: an embedder's two, a reranker's one."""
+    return (SCORES,) if manifest.kind == RERANKER else GRAPH_KINDS
 FORMAT_VERSION = 2
 """memory_model.json: 1 (no "format_version"): one set of coefficients, a b c d source,
 for every graph; 2: {"format_version": 2, "models": {"<provider>/<precision>/<graph>":
@@ -98,7 +104,8 @@ class MemoryModel:
 @dataclass(frozen=True)
 class MemoryModels:
     """What the server predicts with: the embeddings graph's model for batches without
-    maps, the attention graph's for batches that return some."""
+    maps, the attention graph's for batches that return some (a reranker's scores graph
+    is both: its batches never return maps)."""
 
     embeddings: MemoryModel
     attention: MemoryModel
@@ -193,8 +200,11 @@ def load_memory_model(directory: Path, manifest: Manifest, provider: str = "CPUE
         one = _model(data)
         return MemoryModels(one, one)
     entries = read_entries(path)
-    fitted = {kind: entries.get(model_key(provider, precision, kind)) for kind in GRAPH_KINDS}
+    fitted = {kind: entries.get(model_key(provider, precision, kind))
+              for kind in graph_kinds(manifest)}
     missing = f"analytic bound (memory_model.json has no {provider}/{precision} fit)"
     models = {kind: _model(entry) if entry else replace(bound, source=missing)
               for kind, entry in fitted.items()}
+    if manifest.kind == RERANKER:
+        return MemoryModels(models[SCORES], models[SCORES])
     return MemoryModels(models[EMBEDDINGS], models[ATTENTION])

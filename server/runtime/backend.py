@@ -18,7 +18,8 @@ from attnserve.server.runtime.shapes import Shape
 
 Outputs = frozenset[str]
 """Graph outputs a batch must bring back: HIDDEN_OUTPUT and the pooled vectors
-(artifact.POOLED_OUTPUTS); attention maps are asked for by layer."""
+(artifact.POOLED_OUTPUTS), or a reranker's LOGITS_OUTPUT; attention maps are asked for by
+layer."""
 HIDDEN_ONLY: Outputs = frozenset({HIDDEN_OUTPUT})
 
 __all__ = ["DEFAULT_STRATEGY", "HIDDEN_ONLY", "Backend", "BatchOutput", "Outputs", "Placement",
@@ -68,7 +69,9 @@ class BatchOutput:
     attentions: dict[int, np.ndarray]
     """layer -> (batch, heads, seq, seq) float32, only the layers asked for"""
     pooled: dict[str, np.ndarray] = field(default_factory=dict)
-    """pooled output name -> (batch, hidden) float32, only those asked for"""
+    """the outputs of one vector per sequence (artifact.sequence_outputs), only those asked
+    for: pooled output name -> (batch, hidden) float32, or a reranker's logits ->
+    (batch, labels)"""
     new_shape: bool = False
     """the first run of this graph at this shape on the session that ran it"""
 
@@ -83,7 +86,8 @@ class SequenceResult:
     attentions: dict[int, np.ndarray]
     """layer -> (heads, num_tokens, num_tokens)"""
     pooled: dict[str, np.ndarray] = field(default_factory=dict)
-    """pooled output name -> (hidden,): those the request asked for"""
+    """output name -> this sequence's vector of it (pooled (hidden,), logits (labels,)):
+    those the request asked for"""
     span_means: np.ndarray | None = None
     """(spans, hidden): the mean token embedding over each token span the request named
     for this sequence (RequestQueue.submit's `spans`), in place of `hidden`"""
@@ -117,9 +121,13 @@ class Backend(Protocol):
         ...
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-            layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY) -> BatchOutput:
+            layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY,
+            token_type_ids: np.ndarray | None = None) -> BatchOutput:
         """One padded batch, int64 [batch, seq] each: the `outputs` named, and the
-        attention maps of `layers` only. Safe from up to `concurrency` threads at once."""
+        attention maps of `layers` only. `token_type_ids`: each token's segment (a
+        reranker's pairs: 0 for the query's side, 1 for the text's), for a graph that
+        takes them (artifact.TOKEN_TYPES in the manifest's inputs); None: every token 0.
+        Safe from up to `concurrency` threads at once."""
         ...
 
     def bind_thread(self) -> None:

@@ -4,9 +4,9 @@ and one batch through them.
 The only module of the server that imports onnxruntime; the batch loop sees it through
 `backend.Backend`. Behind that seam:
 
-* lanes: `sessions` sets of sessions (embeddings graph, attention graph), each running
-  one batch at a time on the inference thread it belongs to, so several batches run on
-  the device at once;
+* lanes: `sessions` sets of sessions (embeddings graph, attention graph; a reranker's one
+  scores graph), each running one batch at a time on the inference thread it belongs to,
+  so several batches run on the device at once;
 * shape buckets (`shapes.py`): batches padded to a bounded set of shapes, each run once
   per lane before serving;
 * outputs: only what the batch's requests need leaves the device (the pooled vectors are
@@ -27,8 +27,10 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from attnserve.artifact import (
     HIDDEN_OUTPUT,
-    INPUT_NAMES,
+    LOGITS_OUTPUT,
     POOLED_OUTPUTS,
+    RERANKER,
+    TOKEN_TYPES,
     Artifact,
     ArtifactError,
     Graph,
@@ -37,6 +39,7 @@ from attnserve.artifact import (
     cpu_session_config,
     pooled_output,
     required_outputs,
+    sequence_outputs,
 )
 from attnserve.server.config import ConfigError
 from attnserve.server.host import gpu_present, keep_freed_memory, trim_heap
@@ -62,9 +65,9 @@ CPU = "CPUExecutionProvider"
 # What onnxruntime raises for a file it cannot load as a graph: the artifact's fault.
 GRAPH_ERRORS = (ort_errors.InvalidProtobuf, ort_errors.InvalidGraph, ort_errors.NoSuchFile,
                 ort_errors.NoModel, ort_errors.NotImplemented, ort_errors.Fail)
-# The pooled output fetched when a batch's requests need no output at all (only token
-# ids back): the smallest there is.
-CHEAPEST_OUTPUT = pooled_output("cls", False)
+# The output fetched when a batch's requests need none at all (only token ids back, or a
+# warm-up): the smallest there is.
+CHEAPEST_OUTPUT = {"embedder": pooled_output("cls", False), RERANKER: LOGITS_OUTPUT}
 # Progress lines while warming up: about this many per lane.
 WARM_UP_LOG_LINES = 10
 
@@ -107,8 +110,8 @@ def place(manifest: Manifest, device: str, precision: str) -> Placement:
     if precision == "auto":
         has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
         precision = "fp16" if provider == CUDA and has_fp16 else "fp32"
-    if manifest.graph(attention=False, precision=precision) is None or \
-            manifest.graph(attention=True, precision=precision) is None:
+    needed = (False,) if manifest.kind == RERANKER else (False, True)
+    if any(manifest.graph(attention=a, precision=precision) is None for a in needed):
         raise ArtifactError(f"{manifest.model_name}: no {precision} graphs (export with --{precision})")
     if precision == "int8" and provider == CUDA:
         # Their quantized kernels (QAttention, DynamicQuantizeMatMul) are CPU ones.
@@ -158,19 +161,30 @@ def providers_for(provider: str, cuda_graph: bool = False) -> list:
 Results = dict[str, np.ndarray]
 
 
+def token_types_for(input_ids: np.ndarray, token_type_ids: np.ndarray | None) -> np.ndarray:
+    """A graph's token types: as given, or every token of segment 0."""
+    return np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+
+
 class PlainRunner:
     """`session.run` for the outputs asked for: onnxruntime copies only those off the
     device (a pooled vector is [batch, hidden]; the hidden state it came from stays)."""
 
-    def __init__(self, session: ort.InferenceSession):
+    def __init__(self, session: ort.InferenceSession, cheapest: str):
         self.session = session
+        self.cheapest = cheapest
+        self.takes_token_types = TOKEN_TYPES in {i.name for i in session.get_inputs()}
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str]) -> Results:
-        values = self.session.run(names, {"input_ids": input_ids, "attention_mask": attention_mask})
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str],
+            token_type_ids: np.ndarray | None = None) -> Results:
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.takes_token_types:
+            feed[TOKEN_TYPES] = token_types_for(input_ids, token_type_ids)
+        values = self.session.run(names, feed)
         return dict(zip(names, values, strict=True))
 
     def warm(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
-        self.run(input_ids, attention_mask, [CHEAPEST_OUTPUT])
+        self.run(input_ids, attention_mask, [self.cheapest])
 
 
 @dataclass
@@ -179,6 +193,7 @@ class _Slot:
 
     input_ids: ort.OrtValue
     attention_mask: ort.OrtValue
+    token_type_ids: ort.OrtValue | None
     outputs: dict[str, ort.OrtValue]
     binding: ort.IOBinding
     options: ort.RunOptions
@@ -194,39 +209,52 @@ class BoundRunner:
 
     RUNS_TO_CAPTURE = 3
 
-    def __init__(self, session: ort.InferenceSession, device: str, hidden_size: int,
+    def __init__(self, session: ort.InferenceSession, device: str, manifest: Manifest,
                  cuda_graph: bool):
         self.session = session
         self.device = device
-        self.hidden_size = hidden_size
+        self.manifest = manifest
         self.cuda_graph = cuda_graph
         self.slots: dict[Shape, _Slot] = {}
+        self.takes_token_types = TOKEN_TYPES in {i.name for i in session.get_inputs()}
+
+    def _output_shapes(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
+        m = self.manifest
+        if m.kind == RERANKER:
+            return {LOGITS_OUTPUT: (batch, len(m.labels))}
+        return {HIDDEN_OUTPUT: (batch, seq, m.hidden_size)} | {
+            name: (batch, m.hidden_size) for name in POOLED_OUTPUTS}
 
     def _new_slot(self, shape: Shape) -> _Slot:
         def buffer(dims: tuple[int, ...], dtype: type) -> ort.OrtValue:
             return ort.OrtValue.ortvalue_from_shape_and_type(dims, dtype, self.device, 0)
 
-        batch, seq = shape
         binding = self.session.io_binding()
         ids, mask = buffer(shape, np.int64), buffer(shape, np.int64)
         binding.bind_ortvalue_input("input_ids", ids)
         binding.bind_ortvalue_input("attention_mask", mask)
-        outputs = {HIDDEN_OUTPUT: buffer((batch, seq, self.hidden_size), np.float32)}
-        outputs |= {name: buffer((batch, self.hidden_size), np.float32) for name in POOLED_OUTPUTS}
+        types = buffer(shape, np.int64) if self.takes_token_types else None
+        if types is not None:
+            binding.bind_ortvalue_input(TOKEN_TYPES, types)
+        outputs = {name: buffer(dims, np.float32)
+                   for name, dims in self._output_shapes(*shape).items()}
         for name, value in outputs.items():
             binding.bind_ortvalue_output(name, value)
         options = ort.RunOptions()
         if self.cuda_graph:
             options.add_run_config_entry("gpu_graph_id", str(len(self.slots) + 1))
-        return _Slot(ids, mask, outputs, binding, options)
+        return _Slot(ids, mask, types, outputs, binding, options)
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str]) -> Results:
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str],
+            token_type_ids: np.ndarray | None = None) -> Results:
         shape = input_ids.shape
         slot = self.slots.get(shape)
         if slot is None:
             slot = self.slots[shape] = self._new_slot(shape)
         slot.input_ids.update_inplace(input_ids)
         slot.attention_mask.update_inplace(attention_mask)
+        if slot.token_type_ids is not None:
+            slot.token_type_ids.update_inplace(token_types_for(input_ids, token_type_ids))
         self.session.run_with_iobinding(slot.binding, slot.options)
         # From the device numpy() copies; on the CPU it is a view of the fixed buffer,
         # which the next batch of this shape overwrites.
@@ -240,9 +268,10 @@ class BoundRunner:
 
 
 class Lane:
-    """One session per graph, running one batch at a time."""
+    """One session per graph, running one batch at a time (a reranker's lane has no
+    attention graph)."""
 
-    def __init__(self, index: int, embed: PlainRunner | BoundRunner, attend: PlainRunner):
+    def __init__(self, index: int, embed: PlainRunner | BoundRunner, attend: PlainRunner | None):
         self.index = index
         self.embed = embed
         self.attend = attend
@@ -263,8 +292,12 @@ class OrtBackend:
         self.strategy = strategy
         placement = place(artifact.manifest, device, precision)
         provider, why, self.precision = placement.provider, placement.why, placement.precision
-        self.embed_graph = artifact.manifest.graph(attention=False, precision=self.precision)
-        self.attn_graph = artifact.manifest.graph(attention=True, precision=self.precision)
+        manifest = artifact.manifest
+        self.embed_graph = manifest.graph(attention=False, precision=self.precision)
+        self.attn_graph = (None if manifest.kind == RERANKER
+                           else manifest.graph(attention=True, precision=self.precision))
+        self.sequence_outputs = sequence_outputs(manifest)
+        self.cheapest = CHEAPEST_OUTPUT[manifest.kind]
         try:
             self._build(provider, intra_op_threads)
         except (DeviceError, ConfigError):
@@ -285,7 +318,8 @@ class OrtBackend:
                  self.precision, self.threads,
                  self.concurrency, "off" if self.buckets is None else
                  f"rows_pow2_to_{self.buckets.max_batch_size},seq_multiple_{self.buckets.seq_multiple}",
-                 self.cuda_graphs, why, self.embed_graph.file, self.attn_graph.file)
+                 self.cuda_graphs, why, self.embed_graph.file,
+                 self.attn_graph.file if self.attn_graph else "-")
 
     def _build(self, provider: str, intra_op_threads: int) -> None:
         """Resolve the strategy for `provider` and open every lane's sessions."""
@@ -314,9 +348,10 @@ class OrtBackend:
         self.lanes = []
         for index in range(self.concurrency):
             embed_session = self._session(self.embed_graph, provider, s.cuda_graphs)
-            embed = (BoundRunner(embed_session, device, manifest.hidden_size, self.cuda_graphs)
-                     if s.cuda_graphs else PlainRunner(embed_session))
-            attend = PlainRunner(self._session(self.attn_graph, provider, False))
+            embed = (BoundRunner(embed_session, device, manifest, self.cuda_graphs)
+                     if s.cuda_graphs else PlainRunner(embed_session, self.cheapest))
+            attend = (PlainRunner(self._session(self.attn_graph, provider, False), self.cheapest)
+                      if self.attn_graph else None)
             self.lanes.append(Lane(index, embed, attend))
         self.provider = provider
         self.device = device
@@ -333,14 +368,15 @@ class OrtBackend:
         if provider == CUDA and CUDA not in session.get_providers():
             raise DeviceError(f"{graph.file}: onnxruntime did not place the graph on CUDA")
         inputs = [i.name for i in session.get_inputs()]
-        if inputs != list(INPUT_NAMES):
-            raise ArtifactError(f"{path}: graph inputs {inputs}, expected {list(INPUT_NAMES)}")
+        if inputs != list(self.artifact.manifest.inputs):
+            raise ArtifactError(f"{path}: graph inputs {inputs}, expected "
+                                f"{list(self.artifact.manifest.inputs)}")
         for i in session.get_inputs():
             if i.type != "tensor(int64)" or len(i.shape) != 2:
                 raise ArtifactError(f"{path}: graph input {i.name} is {i.type} {i.shape}, "
                                     "expected tensor(int64) [batch, seq]")
         outputs = {o.name for o in session.get_outputs()}
-        wanted = required_outputs(graph, self.artifact.manifest.num_layers)
+        wanted = required_outputs(self.artifact.manifest, graph)
         missing = [name for name in wanted if name not in outputs]
         if missing:
             raise ArtifactError(f"{path}: graph lacks outputs {missing} (exported by an older "
@@ -363,11 +399,12 @@ class OrtBackend:
     # --- running -----------------------------------------------------------------------
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-            layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY) -> BatchOutput:
+            layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY,
+            token_type_ids: np.ndarray | None = None) -> BatchOutput:
         """One padded batch. With `layers`, the attention graph runs and returns only
         those layers' maps, so onnxruntime frees the others as it goes."""
         names = [HIDDEN_OUTPUT] if HIDDEN_OUTPUT in outputs else []
-        names += [name for name in POOLED_OUTPUTS if name in outputs]
+        names += [name for name in self.sequence_outputs if name in outputs]
         names += [attention_output(layer) for layer in layers]
         lane = self._lane()
         with lane.lock:
@@ -375,10 +412,10 @@ class OrtBackend:
             new_shape = key not in lane.seen
             lane.seen.add(key)
             runner = lane.attend if layers else lane.embed
-            got = runner.run(input_ids, attention_mask, names or [CHEAPEST_OUTPUT])
+            got = runner.run(input_ids, attention_mask, names or [self.cheapest], token_type_ids)
         return BatchOutput(got.get(HIDDEN_OUTPUT),
                            {layer: got[attention_output(layer)] for layer in layers},
-                           {name: got[name] for name in POOLED_OUTPUTS if name in outputs},
+                           {name: got[name] for name in self.sequence_outputs if name in outputs},
                            new_shape)
 
     def release_memory(self) -> None:
@@ -416,7 +453,7 @@ class OrtBackend:
                 mask = np.ones(shape, dtype=np.int64)
                 lane.embed.warm(ids, mask)
                 lane.seen.add((False, shape))
-                if done == 1:
+                if done == 1 and lane.attend is not None:
                     lane.attend.warm(ids, mask)
                     lane.seen.add((True, shape))
                 if done % every == 0 or done == len(shapes):

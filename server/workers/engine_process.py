@@ -54,12 +54,12 @@ class FrontEndLink:
     def message(self, header, arrays: list[np.ndarray]) -> None:
         kind = header[0]
         if kind == "submit":
-            _, job, model, layers, deadline, outputs, alone, _ = header
-            sequences, lengths, spans = messages.submitted(header, arrays)
+            _, job, model, layers, deadline, outputs, alone, _, _ = header
+            sequences, lengths, spans, segments = messages.submitted(header, arrays)
             queue = self.process.runners.models[model].queue
             self.jobs[job] = asyncio.get_running_loop().create_task(
                 self.run(queue, job, sequences, lengths, tuple(layers), deadline,
-                         frozenset(outputs), alone, spans))
+                         frozenset(outputs), alone, spans, segments))
         elif kind == "cancel":
             task = self.jobs.get(header[1])
             if task is None:  # answered already: its place is free
@@ -70,11 +70,11 @@ class FrontEndLink:
             self.said_bye = True
 
     async def run(self, queue: RequestQueue, job: int, sequences, lengths, layers, deadline,
-                  outputs, alone, spans) -> None:
+                  outputs, alone, spans, segments) -> None:
         times = timings.begin()  # this task's own: the queue fills it in for the front end
         try:
             results = await queue.submit(sequences, layers, deadline, outputs, alone, lengths,
-                                         spans)
+                                         spans, segments)
             header, entries = messages.results(job, results, layers, times)
             del results
             nbytes = sum(part.nbytes for parts in entries for part in parts)

@@ -76,14 +76,14 @@ class RemoteEngine:
 
     async def submit(self, scheduler: "RemoteScheduler", sequences: list[np.ndarray],
                      lengths: np.ndarray, layers: tuple[int, ...], deadline: float | None,
-                     outputs: Outputs, alone: float,
-                     spans: list[np.ndarray] | None) -> list[SequenceResult]:
+                     outputs: Outputs, alone: float, spans: list[np.ndarray] | None,
+                     segments: np.ndarray | None) -> list[SequenceResult]:
         job = next(self.jobs)
         future = asyncio.get_running_loop().create_future()
         self.waiting[job] = (future, lengths, scheduler, timings.current())
         self.idle.clear()
         self.channel.send(*messages.submit(job, scheduler.index, sequences, lengths, layers,
-                                           deadline, outputs, alone, spans))
+                                           deadline, outputs, alone, spans, segments))
         try:
             return await future
         except asyncio.CancelledError:
@@ -147,12 +147,13 @@ class RemoteScheduler:
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
                      alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
+                     spans: list[np.ndarray] | None = None,
+                     segments: np.ndarray | None = None) -> list[SequenceResult]:
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         self.admit(int(lengths.sum()))
         return await self.engine.submit(self, sequences, lengths, layers, deadline, outputs,
-                                        alone, spans)
+                                        alone, spans, segments)
 
 
 class FrontProcess:

@@ -1,8 +1,9 @@
 """What a front end and the engine process say to each other, as a channel's headers and
 arrays (server/workers/channel.py).
 
-front end -> engine: ["submit", job, model, layers, deadline, outputs, alone, has spans] with
-the sequences' ids laid end to end, their lengths and (late chunking) their token spans;
+front end -> engine: ["submit", job, model, layers, deadline, outputs, alone, has spans, has
+segments] with the sequences' ids laid end to end, their lengths, (late chunking) their
+token spans and (a reranker's pairs) where each one's second segment starts;
 ["cancel", job]; ["bye"] (a drained front end leaving).
 engine -> front end: ["welcome", EngineFacts's fields] (the models in the order the front
 ends hold them: --artifact's); ["results", job, hidden, layers, pooled names, has span
@@ -44,13 +45,15 @@ class EngineFacts:
 
 def submit(job: int, model: int, sequences: list[np.ndarray], lengths: np.ndarray, layers: tuple[int, ...],
            deadline: float | None, outputs: Outputs, alone: float,
-           spans: list[np.ndarray] | None):
+           spans: list[np.ndarray] | None, segments: np.ndarray | None):
     ids = [s.astype(np.int32, copy=False) for s in sequences]
     entries = [ids, [lengths]]
     if spans is not None:  # late chunking: each sequence's [k, 2] token spans, and the ks
         entries += [spans, [np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))]]
+    if segments is not None:
+        entries.append([segments])
     header = ["submit", job, model, list(layers), deadline, sorted(outputs), alone,
-              spans is not None]
+              spans is not None, segments is not None]
     return header, entries
 
 
@@ -62,11 +65,13 @@ def _split(flat: np.ndarray, counts: np.ndarray, width: int) -> list[np.ndarray]
 
 
 def submitted(header, arrays: list[np.ndarray]):
-    """The sequences (views of the message), their lengths and their spans (or None)."""
+    """The sequences (views of the message), their lengths, their spans and their
+    segments (each None where not sent)."""
     lengths = arrays[1].astype(np.int64)
     sequences = [s.reshape(-1) for s in _split(arrays[0], lengths, 1)]
     spans = _split(arrays[2], arrays[3], 2) if header[7] else None
-    return sequences, lengths, spans
+    segments = arrays[-1].astype(np.int64) if header[8] else None
+    return sequences, lengths, spans, segments
 
 
 def results(job: int, results: list[SequenceResult], layers: tuple[int, ...], times: CallTimes):
@@ -97,7 +102,8 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
             views.append(flat[at:at + heads * n * n].reshape(heads, n, n))
             at += heads * n * n
         maps.append(views)
-    pooled = [arrays.pop(0).reshape(len(lengths), width) for _ in names]
+    # Pooled vectors are `width` wide, a reranker's logits one per label.
+    pooled = [arrays.pop(0).reshape(len(lengths), -1) for _ in names]
     span_means = _split(arrays[0], arrays[1], width) if means else [None] * len(lengths)
     return [SequenceResult(None if out_hidden is None else out_hidden[end - n:end],
                            {layer: maps[k][i] for k, layer in enumerate(layers)},

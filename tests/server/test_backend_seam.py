@@ -63,7 +63,7 @@ class LookupBackend:
     def padded_shape(self, batch: int, longest: int):
         return batch, longest
 
-    def run(self, input_ids, attention_mask, layers=(), outputs=frozenset()):
+    def run(self, input_ids, attention_mask, layers=(), outputs=frozenset(), token_type_ids=None):
         self.running.set()
         if self.gate is not None:
             assert self.gate.wait(WAIT_S), "the test never opened the gate"

@@ -63,7 +63,7 @@ class Gated:
     def release_memory(self):
         self.backend.release_memory()
 
-    def run(self, input_ids, attention_mask, layers=(), outputs=HIDDEN_ONLY):
+    def run(self, input_ids, attention_mask, layers=(), outputs=HIDDEN_ONLY, token_type_ids=None):
         call = len(self.runs)
         self.runs.append(input_ids.shape)
         if call == self.hold:
@@ -71,7 +71,7 @@ class Gated:
             assert self.gate.wait(WAIT_S), "the test never opened the gate"
         if attention_mask.sum(axis=1).max() == self.fail_at_length:
             raise RuntimeError("this batch fails")
-        return self.backend.run(input_ids, attention_mask, layers, outputs)
+        return self.backend.run(input_ids, attention_mask, layers, outputs, token_type_ids)
 
 
 MODEL = "tiny"

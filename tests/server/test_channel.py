@@ -76,25 +76,30 @@ def result(n: int, hidden: int, heads: int, layers: tuple[int, ...], pooled: lis
     return SequenceResult(
         rng.standard_normal((n, hidden)).astype(np.float32),
         {layer: rng.random((heads, n, n)).astype(np.float32) for layer in layers},
-        {name: rng.standard_normal(hidden).astype(np.float32) for name in pooled},
+        {name: rng.standard_normal(1 if name == "logits" else hidden).astype(np.float32)
+         for name in pooled},
         None if spans is None else rng.standard_normal((spans, hidden)).astype(np.float32))
 
 
-@pytest.mark.parametrize("layers,pooled,spans", [((), ["pooled_mean"], None),
-                                                 ((0, 2), [], None),
-                                                 ((), ["pooled_cls", "pooled_mean_normalized"], 3)])
-def test_every_message_reads_back_as_it_was_written(layers, pooled, spans):
+@pytest.mark.parametrize("layers,pooled,spans,segmented", [
+    ((), ["pooled_mean"], None, False), ((0, 2), [], None, False),
+    ((), ["pooled_cls", "pooled_mean_normalized"], 3, False),
+    ((), ["logits"], None, True)])  # a reranker's pairs: their segments, one logit each
+def test_every_message_reads_back_as_it_was_written(layers, pooled, spans, segmented):
     rng = np.random.default_rng(1)
     hidden, heads = 8, 2
     lengths = np.array([3, 1, 5], dtype=np.int64)
     sequences = [rng.integers(0, 30000, n).astype(np.int64) for n in lengths]
     token_spans = None if spans is None else [np.array([[0, 1], [1, n]]) for n in lengths]
+    segments = np.array([2, 1, 3], dtype=np.int64) if segmented else None
     header, entries = messages.submit(7, 2, sequences, lengths, (1,), 12.5,
-                                      frozenset({"last_hidden_state"}), 3.0, token_spans)
+                                      frozenset({"last_hidden_state"}), 3.0, token_spans, segments)
     (got_header, arrays), = asyncio.run(exchange([(header, entries)]))[0]
     assert got_header[:7] == ["submit", 7, 2, [1], 12.5, ["last_hidden_state"], 3.0]
-    back, back_lengths, back_spans = messages.submitted(got_header, arrays)
+    back, back_lengths, back_spans, back_segments = messages.submitted(got_header, arrays)
     assert back_lengths.tolist() == lengths.tolist()
+    assert (None if back_segments is None else back_segments.tolist()) == (
+        None if segments is None else segments.tolist())
     assert [s.tolist() for s in back] == [s.tolist() for s in sequences]
     assert (back_spans is None) == (token_spans is None)
     if token_spans is not None:

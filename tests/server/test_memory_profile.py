@@ -178,3 +178,39 @@ def test_a_damaged_file_is_refused(tiny_artifact, tmp_path, text):
     (tmp_path / MEMORY_MODEL).write_text(text)
     with pytest.raises((ValueError, TypeError)):
         load_memory_model(tmp_path, manifest)
+
+
+# --- a reranker ---------------------------------------------------------------------------
+
+
+def test_a_rerankers_scores_graph_is_profiled_fitted_and_served_with(bert_reranker_artifact,
+                                                                     tmp_path):
+    """One graph, the scores graph, run on pairs of both segments; its fit saved under
+    provider/precision/scores, loaded for the reranker's batches, and named by the server
+    that serves it. --attention is for embedders."""
+    from tests.server.reliability import serve
+
+    artifact = tmp_path / "reranker"
+    shutil.copytree(bert_reranker_artifact, artifact)
+    done = subprocess.run(
+        [*ATTNSERVE, "memory-profile", "--artifact", str(artifact), "--out", str(tmp_path / "out"),
+         "--seq-lens", "16,32,64,128", "--batch-sizes", "1,8", "--device", "cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    printed = set(re.findall(r"^\s*(\w+)\s+\d+\s+(\d+)\s+(\d+)\s", done.stdout, re.MULTILINE))
+    assert {(g, int(b), int(s)) for g, b, s in printed} == {
+        ("scores", b, s) for b in (1, 8) for s in (16, 32, 64, 128)}, done.stdout
+    entries = json.loads((artifact / MEMORY_MODEL).read_text())["models"]
+    assert list(entries) == [model_key(CPU, "fp32", "scores")]
+    manifest = load_artifact(artifact).manifest
+    models = load_memory_model(artifact, manifest, CPU, "fp32")
+    assert models.embeddings == models.attention
+    assert models.embeddings.source.startswith(f"fitted on {CPU} fp32 (reranker_opt.onnx)")
+    # The fit grows with the batch and the length, as the peaks do.
+    assert models.predict(8, 128, manifest.num_heads, 0) > models.predict(1, 16, manifest.num_heads, 0)
+    with serve(artifact) as server:
+        assert f"fitted on {CPU} fp32 (reranker_opt.onnx)" in server.output()
+    refused = subprocess.run(
+        [*ATTNSERVE, "memory-profile", "--artifact", str(artifact), "--attention", "--device", "cpu",
+         "--out", str(tmp_path / "again")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "a reranker has no attention graph" in refused.stderr

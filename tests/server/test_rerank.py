@@ -1,0 +1,367 @@
+"""Promise: one server holds MiniLM and two rerankers (a BERT and an XLM-RoBERTa
+cross-encoder, small and random) under one memory budget, and each door scores
+(query, text) pairs as sentence-transformers' CrossEncoder.predict does, within 1e-4:
+attnserve.v1 Rerank, TEI's /rerank, Cohere's and Jina's /v1/rerank (through the `cohere`
+client and LangChain's CohereRerank, unchanged), KServe infer on the reranker's graph
+(tritonclient), the Python client and `attnserve rerank`. Results come highest first,
+top_n cut, texts back when asked; a pair over the model's positions is refused naming
+its text, or with truncate has its text cut, never the query. Pairs batch together. Bad
+input is refused naming the field (the model's kind, for a call the model does not serve)
+and the server keeps serving."""
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_status import rpc_status
+
+from attnserve.client import EncoderClient
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from bench.harness import ATTNSERVE, REPO, delta
+from tests.server.reliability import serve, stub
+
+# Also run against a server of several processes (make test: --server-workers 2).
+pytestmark = pytest.mark.workers
+
+MINILM, BERT, XLMR = "all-MiniLM-L6-v2", "bert-reranker", "xlmr-reranker"
+QUERY = "where does the cat sleep?"
+TEXTS = ["Le chat dort sur le canapé pendant que la pluie tombe doucement.", "ok",
+         "The quick brown fox jumps over the lazy dog.", "服务 A 调用了配置中心 B。",
+         "Self-attention lets every token look at every other token.", "hello world"]
+ATOL = 1e-4
+# Longer than either reranker's 128 positions, with the query.
+LONG = "the cat sleeps on the warm sofa while it rains " * 20
+
+
+@pytest.fixture(scope="module")
+def server(minilm_artifact, bert_reranker_artifact, xlmr_reranker_artifact):
+    with serve(minilm_artifact, "--artifact", f"{BERT}={bert_reranker_artifact}",
+               "--artifact", f"{XLMR}={xlmr_reranker_artifact}") as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def encoder(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield stub(channel)
+
+
+@pytest.fixture(scope="module")
+def references(bert_reranker_checkpoint, xlmr_reranker_checkpoint):
+    """sentence-transformers' CrossEncoder on each checkpoint, at its own defaults but for
+    its length, set to the model's positions."""
+    from sentence_transformers import CrossEncoder
+
+    return {name: CrossEncoder(str(checkpoint), device="cpu", max_length=128)
+            for name, checkpoint in ((BERT, bert_reranker_checkpoint), (XLMR, xlmr_reranker_checkpoint))}
+
+
+def predicted(references, model: str, texts: list[str], raw: bool = False,
+              query: str = QUERY) -> np.ndarray:
+    from torch import nn
+
+    pairs = [(query, text) for text in texts]
+    if raw:
+        return references[model].predict(pairs, activation_fn=nn.Identity())
+    return references[model].predict(pairs)
+
+
+def pair_tokens(references, model: str, texts: list[str]) -> int:
+    tokenizer = references[model].tokenizer
+    return sum(len(tokenizer(QUERY, text)["input_ids"]) for text in texts)
+
+
+def post(server, path: str, body) -> tuple[int, dict | list]:
+    request = urllib.request.Request(server.http_url + path, data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def ranked(scores: np.ndarray) -> list[int]:
+    return np.argsort(-scores, kind="stable").tolist()
+
+
+@pytest.mark.parametrize("model", [BERT, XLMR])
+def test_grpc_rerank_scores_as_sentence_transformers_and_ranks_by_them(encoder, references, model):
+    want = predicted(references, model, TEXTS)
+    assert want.std() > 1e-3  # the pairs score apart: the order below can be wrong
+    response = encoder.Rerank(pb.RerankRequest(model=model, query=QUERY, texts=TEXTS,
+                                               return_texts=True), timeout=60)
+    assert response.model == model
+    assert response.total_tokens == pair_tokens(references, model, TEXTS)
+    got = {r.index: r.score for r in response.results}
+    np.testing.assert_allclose([got[i] for i in range(len(TEXTS))], want, atol=ATOL)
+    assert [r.index for r in response.results] == ranked(np.asarray([got[i] for i in range(len(TEXTS))]))
+    assert [r.text for r in response.results] == [TEXTS[r.index] for r in response.results]
+    raw = encoder.Rerank(pb.RerankRequest(model=model, query=QUERY, texts=TEXTS, raw_scores=True,
+                                          top_n=2), timeout=60)
+    assert [r.index for r in raw.results] == [r.index for r in response.results][:2]
+    assert all(r.text == "" for r in raw.results)
+    logits = predicted(references, model, TEXTS, raw=True)
+    np.testing.assert_allclose([r.score for r in raw.results], logits[[r.index for r in raw.results]],
+                               atol=ATOL)
+
+
+def test_one_server_holds_the_embedder_and_the_rerankers(encoder, server):
+    listed = encoder.ListModels(pb.ListModelsRequest(), timeout=60)
+    assert [(m.model, m.kind) for m in listed.models] == [
+        (MINILM, "embedder"), (BERT, "reranker"), (XLMR, "reranker")]
+    assert dict(listed.models[1].labels) == {"0": "label_0"} and not listed.models[0].labels
+    # A call that names no model goes to the first of the kind it takes.
+    assert encoder.Rerank(pb.RerankRequest(query=QUERY, texts=TEXTS), timeout=60).model == BERT
+    assert encoder.Score(pb.ScoreRequest(query=QUERY, texts=TEXTS, mode=pb.SCORE_MODE_COSINE),
+                         timeout=60).model == MINILM
+    # Both kinds' batches are admitted against the memory model and the one budget.
+    before = server.scrape()
+    encoder.Embed(pb.EmbedRequest(texts=TEXTS), timeout=60)
+    encoder.Rerank(pb.RerankRequest(model=XLMR, query=QUERY, texts=TEXTS), timeout=60)
+    after = server.scrape()
+    for model in (MINILM, XLMR):
+        assert delta(before, after, "attnserve_batch_predicted_memory_bytes_count", model=model) >= 1
+
+
+def test_a_requests_pairs_run_batched(encoder, server):
+    texts = [f"the cat number {i} sleeps on the sofa" for i in range(32)]
+    before = server.scrape()
+    encoder.Rerank(pb.RerankRequest(model=BERT, query=QUERY, texts=texts), timeout=60)
+    after = server.scrape()
+    assert delta(before, after, "attnserve_batch_size_sum", model=BERT) == 32
+    assert delta(before, after, "attnserve_batch_size_count", model=BERT) <= 2
+
+
+def test_tei_rerank(server, references):
+    status, body = post(server, "/rerank", {"query": QUERY, "texts": TEXTS, "return_text": True})
+    assert status == 200
+    want = predicted(references, BERT, TEXTS)  # no model named: the first reranker
+    assert sorted(r["index"] for r in body) == list(range(len(TEXTS)))
+    np.testing.assert_allclose([r["score"] for r in body], want[[r["index"] for r in body]], atol=ATOL)
+    assert [r["score"] for r in body] == sorted((r["score"] for r in body), reverse=True)
+    assert all(r["text"] == TEXTS[r["index"]] for r in body)
+    status, raw = post(server, "/rerank", {"query": QUERY, "texts": TEXTS, "raw_scores": True,
+                                           "model": XLMR})
+    assert status == 200 and all("text" not in r for r in raw)
+    np.testing.assert_allclose([r["score"] for r in raw],
+                               predicted(references, XLMR, TEXTS, raw=True)[[r["index"] for r in raw]],
+                               atol=ATOL)
+
+
+def test_cohere_client_and_jinas_shape(server, references):
+    import cohere
+
+    client = cohere.Client(api_key="unused", base_url=server.http_url)
+    response = client.rerank(model=XLMR, query=QUERY, documents=TEXTS, top_n=3,
+                             return_documents=True)
+    want = predicted(references, XLMR, TEXTS)
+    assert [r.index for r in response.results] == ranked(want)[:3]
+    np.testing.assert_allclose([r.relevance_score for r in response.results],
+                               want[ranked(want)[:3]], atol=ATOL)
+    assert [r.document.text for r in response.results] == [TEXTS[i] for i in ranked(want)[:3]]
+    # Jina's: documents as objects, the model and usage in the answer.
+    status, body = post(server, "/v1/rerank", {"model": BERT, "query": QUERY,
+                                               "documents": [{"text": t} for t in TEXTS],
+                                               "return_documents": True})
+    assert status == 200 and body["model"] == BERT and len(body["id"]) == 36
+    assert body["usage"] == {"total_tokens": pair_tokens(references, BERT, TEXTS)}
+    assert [r["document"]["text"] for r in body["results"]] == [TEXTS[r["index"]] for r in body["results"]]
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
+                               predicted(references, BERT, TEXTS)[[r["index"] for r in body["results"]]],
+                               atol=ATOL)
+
+
+def test_langchains_cohere_rerank(server, references):
+    from langchain_cohere import CohereRerank
+    from langchain_core.documents import Document
+
+    reranker = CohereRerank(model=BERT, base_url=server.http_url, cohere_api_key="unused", top_n=3)
+    kept = reranker.compress_documents([Document(page_content=t) for t in TEXTS], QUERY)
+    want = predicted(references, BERT, TEXTS)
+    assert [d.page_content for d in kept] == [TEXTS[i] for i in ranked(want)[:3]]
+    np.testing.assert_allclose([d.metadata["relevance_score"] for d in kept],
+                               want[ranked(want)[:3]], atol=ATOL)
+
+
+TRITON = """
+import json, sys
+import numpy as np
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+
+address, http_address, model, feed = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+found = {}
+for kind, module, client in (("grpc", tgrpc, tgrpc.InferenceServerClient(address)),
+                             ("http", thttp, thttp.InferenceServerClient(http_address))):
+    meta = client.get_model_metadata(model)
+    meta = meta if kind == "http" else {"inputs": [{"name": i.name} for i in meta.inputs],
+                                        "outputs": [{"name": o.name, "shape": list(o.shape)}
+                                                    for o in meta.outputs]}
+    found[kind + "_inputs"] = [i["name"] for i in meta["inputs"]]
+    found[kind + "_outputs"] = [(o["name"], list(o["shape"])) for o in meta["outputs"]]
+    inputs = []
+    for name in found[kind + "_inputs"]:
+        array = np.asarray(feed[name], dtype=np.int64)
+        inputs.append(module.InferInput(name, list(array.shape), "INT64"))
+        inputs[-1].set_data_from_numpy(array)
+    result = client.infer(model, inputs, outputs=[module.InferRequestedOutput("logits")])
+    found[kind + "_logits"] = result.as_numpy("logits").tolist()
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.parametrize("model", [BERT, XLMR])
+def test_kserve_infer_on_the_rerankers_graph(server, references, model):
+    tokenizer = references[model].tokenizer
+    batch = tokenizer([QUERY] * len(TEXTS), TEXTS, padding=True, return_tensors="np")
+    feed = {name: value.tolist() for name, value in batch.items()}
+    done = subprocess.run([sys.executable, "-c", TRITON, server.address,
+                           f"127.0.0.1:{server.http_port}", model, json.dumps(feed)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if model == BERT else [])
+    for kind in ("grpc", "http"):
+        assert found[kind + "_inputs"] == inputs
+        assert found[kind + "_outputs"] == [("logits", [-1, 1])] or \
+            found[kind + "_outputs"] == [["logits", [-1, 1]]]
+        np.testing.assert_allclose(np.asarray(found[kind + "_logits"])[:, 0],
+                                   predicted(references, model, TEXTS, raw=True), atol=ATOL)
+
+
+def invalid(call) -> tuple[str, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    status = rpc_status.from_call(err.value)
+    from google.rpc import error_details_pb2
+
+    detail = error_details_pb2.BadRequest()
+    status.details[0].Unpack(detail)
+    return detail.field_violations[0].field, err.value.details()
+
+
+@pytest.mark.parametrize("model", [BERT, XLMR])
+def test_a_long_pair_is_refused_or_has_its_text_cut(encoder, references, model):
+    texts = ["ok", LONG]
+    field, message = invalid(lambda: encoder.Rerank(pb.RerankRequest(model=model, query=QUERY,
+                                                                     texts=texts), timeout=60))
+    assert field == "texts[1]" and "longer than the model's 128 positions" in message
+    response = encoder.Rerank(pb.RerankRequest(model=model, query=QUERY, texts=texts,
+                                               truncate=True), timeout=60)
+    got = {r.index: r.score for r in response.results}
+    # sentence-transformers cuts the longer side first: with a short query, the text alone.
+    np.testing.assert_allclose([got[0], got[1]], predicted(references, model, texts), atol=ATOL)
+    assert response.total_tokens == len(references[model].tokenizer(QUERY, "ok")["input_ids"]) + 128
+    field, message = invalid(lambda: encoder.Rerank(pb.RerankRequest(
+        model=model, query=LONG, texts=["ok"], truncate=True), timeout=60))
+    assert field == "query" and "leaving no room for a text" in message
+
+
+BAD_GRPC = [
+    (lambda e: e.Rerank(pb.RerankRequest(model=BERT, query=QUERY)), "texts", "empty"),
+    (lambda e: e.Rerank(pb.RerankRequest(model=BERT, texts=TEXTS)), "query", "empty"),
+    (lambda e: e.Rerank(pb.RerankRequest(model=BERT, query=QUERY, texts=TEXTS, top_n=0)), "top_n",
+     "0; expected 1 or more"),
+    (lambda e: e.Rerank(pb.RerankRequest(model=BERT, query=QUERY, texts=TEXTS, top_n=-2)), "top_n",
+     "-2; expected 1 or more"),
+    (lambda e: e.Rerank(pb.RerankRequest(model=MINILM, query=QUERY, texts=TEXTS)), "model",
+     f"'{MINILM}' is an embedding model"),
+    (lambda e: e.Embed(pb.EmbedRequest(model=BERT, texts=TEXTS)), "model",
+     f"'{BERT}' is a reranker"),
+    (lambda e: e.Score(pb.ScoreRequest(model=XLMR, query=QUERY, texts=TEXTS,
+                                       mode=pb.SCORE_MODE_MAXSIM)), "model", f"'{XLMR}' is a reranker"),
+]
+
+
+@pytest.mark.parametrize("call, field, reason", BAD_GRPC)
+def test_bad_grpc_input_names_the_field(encoder, call, field, reason):
+    got, message = invalid(lambda: call(encoder))
+    assert got == field and reason in message, message
+    assert encoder.Rerank(pb.RerankRequest(model=BERT, query=QUERY, texts=TEXTS), timeout=60).results
+
+
+BAD_HTTP = [
+    ("/rerank", {"query": QUERY, "texts": []}, "texts: empty", "error"),
+    ("/rerank", {"texts": TEXTS}, "query: required", "error"),
+    ("/rerank", {"query": QUERY, "texts": ["a", 3]}, "texts[1]: 3; expected a string", "error"),
+    ("/rerank", {"query": QUERY, "texts": TEXTS, "model": MINILM}, "is an embedding model", "error"),
+    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": 0}, "top_n: 0; expected 1", "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": -1}, "top_n: -1", "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": "3"}, "top_n: '3'; expected an "
+     "integer", "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": 2.5}, "top_n: 2.5", "message"),
+    ("/v1/rerank", {"query": "", "documents": TEXTS}, "query: empty", "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": [{"title": "x"}]}, "documents[0]:", "message"),
+    ("/v2/rerank", {"query": QUERY, "documents": TEXTS, "model": MINILM}, "is an embedding model",
+     "message"),
+]
+
+
+@pytest.mark.parametrize("path, body, reason, key", BAD_HTTP)
+def test_bad_http_input_is_400_in_the_routes_shape(server, path, body, reason, key):
+    status, answer = post(server, path, body)
+    assert status == 400 and reason in answer[key], answer
+    if key == "error":
+        assert answer["error_type"] == "Validation"
+    assert post(server, path, {"query": QUERY, "texts": TEXTS, "documents": TEXTS})[0] == 200
+
+
+def test_the_cheap_limits_are_embeds_and_several_labels_are_infers(bert_reranker_artifact,
+                                                                    tmp_path):
+    """Texts past what the queue holds are refused before any is tokenized, as Embed's; a
+    classifier of several labels has no one score to rank by: Rerank refuses it, naming its
+    labels, and KServe infer returns its logits."""
+    from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
+    from tests.conftest import export
+    from tests.families import make_reranker
+    from tests.server.reliability import infer_request
+
+    three = export(tmp_path / "three", make_reranker("xlm-roberta", tmp_path / "ck", num_labels=3))
+    with serve(bert_reranker_artifact, "--max-queue-tokens", "64",
+               "--artifact", f"three={three}") as capped:
+        with grpc.insecure_channel(capped.address) as channel:
+            encoder = stub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                encoder.Rerank(pb.RerankRequest(query=QUERY, texts=["a"] * 20), timeout=60)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "this request adds at least" in err.value.details()
+            field, message = invalid(lambda: encoder.Rerank(pb.RerankRequest(
+                model="three", query=QUERY, texts=TEXTS), timeout=60))
+            assert field == "model" and "'three' has 3 labels ('label_0', 'label_1', 'label_2')" in message
+            inferred = kpb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+                infer_request("three", [[0, 17, 23, 2], [0, 9, 2]]), timeout=60)
+            assert [(o.name, list(o.shape)) for o in inferred.outputs] == [("logits", [2, 3])]
+        status, body = post(capped, "/v1/rerank", {"query": QUERY, "documents": ["a"] * 20})
+        assert status == 429 and "queue full" in body["message"]
+
+
+def test_the_python_client_and_the_cli(server, references):
+    want = predicted(references, XLMR, TEXTS)
+    with EncoderClient(server.address) as client:
+        results = client.rerank(QUERY, TEXTS, top_n=3, model=XLMR, return_texts=True)
+    assert [r.index for r in results] == ranked(want)[:3]
+    np.testing.assert_allclose([r.score for r in results], want[ranked(want)[:3]], atol=ATOL)
+    assert [r.text for r in results] == [TEXTS[i] for i in ranked(want)[:3]]
+    out = subprocess.run([*ATTNSERVE, "rerank", "--address", server.address, "--model", XLMR,
+                          "--top-n", "2", QUERY, *TEXTS], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout
+    for line, index in zip(lines, ranked(want)[:2], strict=True):
+        assert f"[{index}] {TEXTS[index][:60]!r}" in line and f"{want[index]:+.4f}"[:6] in line
+
+
+@pytest.mark.parametrize("path, key", [("/rerank", "error_type"), ("/similarity", "error_type"),
+                                       ("/v1/rerank", "message"), ("/v2/rerank", "message")])
+def test_a_wrong_method_is_answered_in_the_routes_shape(server, path, key):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(server.http_url + path, timeout=60)
+    assert err.value.code == 405 and err.value.headers["Allow"] == "POST"
+    assert key in json.loads(err.value.read())
