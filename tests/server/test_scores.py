@@ -114,5 +114,5 @@ def test_tei_similarity(minilm_server, client):
                           "inputs.sentences[1]: more than 512 tokens"),
                          ({"inputs": "x"}, "inputs: expected a JSON object")):
         status, answer = post(minilm_server, body)
-        assert status == 400 and answer["error"].startswith(reason), answer
+        assert status == 422 and answer["error"].startswith(reason), answer  # TEI's status
         assert answer["error_type"] == "Validation"
