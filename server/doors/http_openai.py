@@ -1,13 +1,16 @@
 """POST /v1/embeddings as OpenAI defines it, through the data plane: the JSON body becomes an
-EmbedRequest for mean-pooled, normalised vectors (as OpenAI's are), and the result
+EmbedRequest for vectors of the model's pooling, normalised (as OpenAI's are), and the result
 becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
 come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}. `model` names
 one of the server's models, as GET /v1/models lists them; without it, the server's
 default (its first) answers, as TEI's, Infinity's and vLLM's do.
 
 Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
-included, as gRPC's token_ids are. Beyond OpenAI's fields, `truncate` (default false) cuts
-texts longer than the model's positions instead of refusing them, and `chunking`
+included, as gRPC's token_ids are. `dimensions` cuts the vectors to one of the model's
+Matryoshka sizes. Beyond OpenAI's fields, `truncate` (default false) cuts texts longer than
+the model's positions instead of refusing them, at their end or, with
+`truncation_direction` "left", at their start; `prompt_name` names one of the model's
+prompts to put before every text (default: the server's default prompt); and `chunking`
 ({"max_tokens": N, "mode": "late" or "isolated", "window_overlap": N}, as attnserve.v1's
 Chunking) embeds each text as chunks: `data` then holds one item per chunk, in order,
 each with OpenAI's fields and `input_index` (the text it is a chunk of), `start` and `end`
@@ -33,6 +36,7 @@ from attnserve.server.engine.requests import (
     Embedded,
     EmbedRequest,
     ResponseSize,
+    TruncationDirection,
 )
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.memory.ledger import Holds
@@ -53,6 +57,8 @@ OWNED_BY = "attnserve"
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
 CHUNKING_MODES = {"late": ChunkingMode.LATE, "isolated": ChunkingMode.ISOLATED}
 CHUNKING_FIELDS = ("max_tokens", "mode", "window_overlap")
+# TEI's names, which its own clients write "Left" and "Right".
+DIRECTIONS = {"left": TruncationDirection.LEFT, "right": TruncationDirection.RIGHT}
 # HTTP status -> OpenAI's error `type` and `code`.
 ERROR_KINDS = {
     400: ("invalid_request_error", None),
@@ -145,8 +151,11 @@ class Parsed:
 
     model: str | None
     encoding: str
-    dimensions: int | None
+    dimensions: int
+    """0: the model's size"""
     truncate: bool
+    truncation_direction: TruncationDirection
+    prompt_name: str | None
     chunking: Chunking | None
     inputs: dict
     """EmbedRequest's texts or token_ids"""
@@ -164,11 +173,17 @@ def parse(body) -> Parsed:
         raise InvalidArgument("encoding_format", f"{quote(encoding)}; expected 'float' or "
                               "'base64'")
     dimensions = body.get("dimensions")
-    if dimensions is not None and type(dimensions) is not int:
-        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected an integer")
+    if dimensions is not None and (type(dimensions) is not int or dimensions < 1):
+        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected a positive integer")
     truncate = body.get("truncate", False)
     if not isinstance(truncate, bool):
         raise InvalidArgument("truncate", f"{quote(truncate)}; expected true or false")
+    side = body.get("truncation_direction") or "right"
+    if not isinstance(side, str) or side.lower() not in DIRECTIONS:
+        raise InvalidArgument("truncation_direction", f"{quote(side)}; expected 'left' or 'right'")
+    prompt_name = body.get("prompt_name")
+    if prompt_name is not None and not isinstance(prompt_name, str):
+        raise InvalidArgument("prompt_name", f"{quote(prompt_name)}; expected a string")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidArgument("user", f"{quote(user)}; expected a string")
@@ -176,7 +191,8 @@ def parse(body) -> Parsed:
         raise InvalidArgument("input", f"required: {INPUT_FORMS}")
     chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
     fields, names = _inputs(body["input"])
-    return Parsed(model, encoding, dimensions, truncate, chunking, fields, names)
+    return Parsed(model, encoding, dimensions or 0, truncate, DIRECTIONS[side.lower()],
+                  prompt_name, chunking, fields, names)
 
 
 class OpenAIEmbeddings:
@@ -187,7 +203,6 @@ class OpenAIEmbeddings:
         self.calls = calls
         self.plane = plane
         self.max_response_bytes = max_response_bytes
-        self.pooled = pooled_output("mean", True)
         self.created = int(time.time())
         """when the models were loaded: OpenAI's `created` of each model"""
 
@@ -196,12 +211,8 @@ class OpenAIEmbeddings:
                 web.get("/v1/models/{model:.+}", self.get_model)]
 
     def request(self, parsed: Parsed, model: ServedModel) -> EmbedRequest:
-        """The model's request for a parsed body: `dimensions` and the response's size
-        depend on the model."""
+        """The model's request for a parsed body: the response's size depends on the model."""
         hidden = model.manifest.hidden_size
-        if parsed.dimensions is not None and parsed.dimensions != hidden:
-            raise InvalidArgument("dimensions", f"{quote(parsed.dimensions)}; {model.name!r} has "
-                                  f"one size, {hidden}: omit dimensions or set it to that")
         per_float = FLOAT_BYTES if parsed.encoding == "float" else BASE64_FLOAT_BYTES
         item = ITEM_BYTES + hidden * per_float
         head = 256 + len(model.name.encode()) * 6
@@ -212,16 +223,19 @@ class OpenAIEmbeddings:
             size = ResponseSize(lambda counts: head + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
                                 self.max_response_bytes, CHUNKED_ADVICE)
         return EmbedRequest(names=parsed.names, size=size, truncate=parsed.truncate,
-                            outputs=frozenset({self.pooled}), chunking=parsed.chunking,
+                            truncation_direction=parsed.truncation_direction,
+                            prompt_name=parsed.prompt_name, outputs=frozenset({pooled(model)}),
+                            dimensions=parsed.dimensions, chunking=parsed.chunking,
                             normalize=True, **parsed.inputs)
 
     def _vector(self, vector, encoding: str):
         return (base64.b64encode(vector.astype("<f4").tobytes()).decode()
                 if encoding == "base64" else vector)
 
-    def body(self, model: str, embedded: Embedded, encoding: str) -> bytes:
+    def body(self, model: ServedModel, embedded: Embedded, encoding: str) -> bytes:
+        name = pooled(model)
         data = [{"object": "embedding", "index": index,
-                 "embedding": self._vector(result.pooled[self.pooled], encoding)}
+                 "embedding": self._vector(result.pooled[name], encoding)}
                 for index, result in enumerate(embedded.results)]
         for text_index, text in enumerate(embedded.chunked):
             for (start, end), count, vector in zip(text.spans.tolist(), text.token_counts.tolist(),
@@ -231,7 +245,7 @@ class OpenAIEmbeddings:
                              "input_index": text_index, "start": start, "end": end,
                              "num_tokens": count})
         tokens = embedded.total_tokens
-        return orjson.dumps({"object": "list", "data": data, "model": model,
+        return orjson.dumps({"object": "list", "data": data, "model": model.name,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                             option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -245,7 +259,7 @@ class OpenAIEmbeddings:
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
         hidden = model.manifest.hidden_size
         payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self.body,
-                                   model.name, embedded, parsed.encoding)
+                                   model, embedded, parsed.encoding)
         return web.Response(body=payload, content_type="application/json")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -267,6 +281,11 @@ class OpenAIEmbeddings:
             name = request.match_info["model"]
             return web.json_response(self._model_object(self.plane.model(name)))
         return await self.calls.answer("http:/v1/models/{model}", request, handle, refusal)
+
+
+def pooled(model: ServedModel) -> str:
+    """The vector OpenAI's door answers with: the model's own pooling, normalised."""
+    return pooled_output(model.manifest.default_pooling, True)
 
 
 def refusal(err: RequestError, status: int) -> web.Response:

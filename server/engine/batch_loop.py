@@ -10,8 +10,10 @@ while they run, the next is formed, padded and queued behind them, so no inferen
 waits on the event loop. The batches in flight hold their predicted memory together
 against the budget. A batch brings back from the backend only the outputs its requests
 need (the union of theirs): pooled vectors alone, unless someone asked for more. A
-request that names token spans of its sequences (late chunking) gets each span's mean
-embedding, pooled on the inference thread, instead of the token embeddings.
+request that names token spans of its sequences (late chunking, a vector that leaves out
+a prompt) gets each span's mean embedding, pooled on the inference thread, beside the
+outputs it asked for: the batch brings back the token embeddings for it, and the request
+keeps them only if it asked for them too.
 """
 
 import asyncio
@@ -192,7 +194,10 @@ class BatchLoop:
         self.queue.take(items)
         shape = self.backend.padded_shape(len(items), items[-1].length)
         ids, mask = pad([w.sequence for w in items], shape, self.pad_id)
-        outputs = frozenset().union(*(job.outputs for job in {w.job for w in items}))
+        jobs = {w.job for w in items}
+        outputs = frozenset().union(*(job.outputs for job in jobs))
+        if any(job.spans is not None for job in jobs):
+            outputs |= {HIDDEN_OUTPUT}
         return Batch(items, layers, outputs, ids, mask, need)
 
     # --- on the inference thread -------------------------------------------------------
@@ -269,7 +274,6 @@ class BatchLoop:
                 continue
             job.results[w.index] = SequenceResult(
                 None if out.hidden is None or HIDDEN_OUTPUT not in job.outputs
-                or job.spans is not None
                 else out.hidden[row, :w.length],
                 {layer: maps[row, :, :w.length, :w.length] for layer, maps in out.attentions.items()},
                 {name: out.pooled[name][row] for name in job.outputs if name in out.pooled},

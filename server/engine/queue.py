@@ -103,8 +103,7 @@ class Job:
     dropping: bool = False
     """its caller left and its sequences are being taken out a slice at a time"""
     spans: list[np.ndarray] | None = None
-    """per sequence, the token spans whose mean embeddings its result carries instead of
-    its token embeddings (`submit`)"""
+    """per sequence, the token spans whose mean embeddings its result carries (`submit`)"""
 
 
 class State(enum.Enum):
@@ -181,9 +180,10 @@ class RequestQueue:
         run alone (ModelMemory.check), kept free while it waits; `lengths`: the
         sequences' lengths, when already known; `spans`: per sequence, int64 [k, 2]
         token ranges [start, end), ascending, not overlapping, none empty, whose mean
-        embeddings each result carries (SequenceResult.span_means) instead of the token
-        embeddings (`outputs` then HIDDEN_ONLY): a request of many long sequences keeps
-        a few vectors of each, not every batch output it ran in. A big request is queued
+        embeddings each result carries (SequenceResult.span_means) beside `outputs`
+        (which need not name the token embeddings the means are taken from): a request
+        of many long sequences keeps a few vectors of each, not every batch output it
+        ran in. A big request is queued
         a slice at a time, so the event loop serves other calls in between."""
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
