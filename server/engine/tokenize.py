@@ -195,9 +195,8 @@ class TextTokenizer:
             return None
         encoding = self.tokenizer.encode(text)
         if len(encoding) >= self.max_positions:
-            raise PromptTooLong(f"prompt {name!r} has {len(encoding)} tokens with the special "
-                             f"tokens, leaving no room for a text in the model's "
-                             f"{self.max_positions} positions")
+            raise PromptTooLong(f"prompt {name!r} and the special tokens take {self.max_positions} "
+                                "or more of the model's positions, leaving none for a text")
         length = len(encoding) - (1 if self.tail else 0)
         own = slice(len(self.head_ids), length)
         return Prompt(name, text, length, np.asarray(encoding.ids[own], dtype=np.int64),

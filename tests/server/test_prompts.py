@@ -7,6 +7,8 @@ with --default-prompt-name."""
 
 import json
 import re
+import shutil
+import subprocess
 
 import grpc
 import numpy as np
@@ -16,10 +18,11 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from tokenizers import Tokenizer
 
+from attnserve.artifact import MANIFEST
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from bench.harness import ServerProcess
+from bench.harness import ATTNSERVE, REPO, ServerProcess
 from tests.conftest import export
 
 PROMPTS = {"query": "query: ", "passage": "passage: ", "document": ""}
@@ -349,3 +352,16 @@ def test_front_ends_pool_and_cut_as_one_process(artifacts, client):
             got, expected = front.embed(texts, **ask), client.embed(texts, **ask)
             assert [r.token_ids for r in got] == [r.token_ids for r in expected]
             np.testing.assert_allclose(pooled(got), pooled(expected), atol=1e-6)
+
+
+def test_a_prompt_that_leaves_a_text_no_room_is_refused_at_start(artifacts, tmp_path):
+    target = tmp_path / "long-prompt"
+    shutil.copytree(artifacts[0], target)
+    data = json.loads((target / MANIFEST).read_text())
+    data["prompts"]["long"] = "word " * 200
+    (target / MANIFEST).write_text(json.dumps(data))
+    done = subprocess.run([*ATTNSERVE, "serve", "--artifact", str(target), "--check-config"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert (f"--artifact {target}: {target / MANIFEST}: prompt 'long' and the special tokens "
+            "take 128 or more of the model's positions, leaving none for a text") in done.stderr
