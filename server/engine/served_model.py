@@ -220,19 +220,30 @@ class ServedModel:
                 cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S), self._read_ids,
                 request.token_ids, request.truncate, names)
         size = request.size.check(lengths)
-        pooled = [name for name in request.outputs if name in POOLED]
+        results = await self._run_pooled(ids, lengths, names.sequence, request.layers,
+                                         request.outputs, size, holds, deadline, prompt, dimensions)
+        return Embedded(ids, lengths, results, response_bytes=size)
+
+    async def _run_pooled(self, sequences: list[np.ndarray], lengths: np.ndarray,
+                          field_of: Callable[[int], str], layers: tuple[int, ...],
+                          outputs: Outputs, response_bytes: int, holds: Holds,
+                          deadline: float | None, prompt: Prompt | None, dimensions: int,
+                          spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
+        """`_run`, the pooled vectors among `outputs` as the request asks for them: without
+        the prompt's tokens where the model's pooling leaves them out (a span a sequence,
+        in place of the graph's pooled output), cut to `dimensions` (0: whole)."""
+        pooled = [name for name in outputs if name in POOLED]
         pooling = self._prompt_pooling(prompt, pooled)
-        outputs, spans = request.outputs, None
         if pooling is not None:
             outputs = outputs - set(pooled)
             spans = await self.offload.request(len(lengths) * SPAN_S, prompt_spans, lengths,
                                                prompt.length, pooling)
-        results = await self._run(ids, lengths, names.sequence, request.layers, outputs,
-                                  size, holds, deadline, spans)
+        results = await self._run(sequences, lengths, field_of, layers, outputs, response_bytes,
+                                  holds, deadline, spans)
         if pooling is not None or dimensions:
             await self.offload.request(len(results) * POOLED_S, finish, results, pooled,
                                        pooling is not None, dimensions)
-        return Embedded(ids, lengths, results, response_bytes=size)
+        return results
 
     # --- embed, chunked -----------------------------------------------------------------
 
@@ -271,17 +282,12 @@ class ServedModel:
                 cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._sequences,
                 plans, late, head, holds)
             text_of = np.repeat(np.arange(len(plans)), list(map(len, per_text)))
-            pooled = pooled_output("mean", request.normalize)
-            outputs = frozenset() if late else frozenset({pooled})
-            without_prompt = not late and self._prompt_pooling(prompt, outputs) is not None
-            if without_prompt:
-                outputs, spans = frozenset(), await self.offload.request(
-                    len(lengths) * SPAN_S, prompt_spans, lengths, prompt.length, "mean")
-            results = await self._run(sequences, lengths, lambda i: names.sequence(int(text_of[i])),
-                                      (), outputs, size, holds, deadline, spans)
-            if without_prompt:
-                await self.offload.request(len(results) * POOLED_S, finish, results, [pooled],
-                                           True, 0)
+            # LATE: the chunks' means from their windows' spans; ISOLATED: each chunk's
+            # pooled vector. Cut to `dimensions` with the rest of the chunk vectors.
+            outputs = frozenset() if late else frozenset({pooled_output("mean", request.normalize)})
+            results = await self._run_pooled(
+                sequences, lengths, lambda i: names.sequence(int(text_of[i])), (), outputs, size,
+                holds, deadline, prompt, 0, spans)
         return Embedded([], lengths, [], await self.offload.request(
             cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._chunk_vectors, plans,
             list(map(len, per_text)), results, request.normalize, dimensions), size)
@@ -331,8 +337,8 @@ class ServedModel:
         pooled, hidden = pooled_output("mean", normalize), self.manifest.hidden_size
         out, at = [], 0
         for plan, count in zip(plans, counts, strict=True):
-            vectors = to_dimensions(plan.vectors(results[at:at + count], pooled, normalize, hidden),
-                          dimensions, normalize)
+            vectors = to_dimensions(plan.vectors(results[at:at + count], pooled, normalize,
+                                                 hidden), dimensions, normalize)
             out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans,
                                    plan.chunks.token_counts, vectors))
             at += count
