@@ -194,7 +194,7 @@ def outdated(directory: Path | str) -> str | None:
 
 
 def _check_extras(path: Path, m: Manifest) -> None:
-    """The prompts and Matryoshka sizes are what a server serves by: they must be whole."""
+    """Prompts and Matryoshka sizes that hold together: a server serves requests by them."""
     if not isinstance(m.prompts, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in m.prompts.items()):
         raise ArtifactError(f"{path}: prompts must map names to texts")
