@@ -365,3 +365,15 @@ def test_a_prompt_that_leaves_a_text_no_room_is_refused_at_start(artifacts, tmp_
     assert done.returncode == 2
     assert (f"--artifact {target}: {target / MANIFEST}: prompt 'long' and the special tokens "
             "take 128 or more of the model's positions, leaving none for a text") in done.stderr
+
+
+def test_the_embed_command_takes_a_prompt_and_a_size(server, client, tmp_path):
+    out, png = tmp_path / "vectors.npy", tmp_path / "map.png"
+    done = subprocess.run([*ATTNSERVE, "embed", *TEXTS[:2], "--address", server.address,
+                           "--prompt-name", "query", "--dimensions", "8", "--normalize",
+                           "--out", str(out), "--heatmap", str(png)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    np.testing.assert_allclose(np.load(out), pooled(client.embed(
+        TEXTS[:2], prompt_name="query", dimensions=8, normalize=True)), atol=1e-6)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
