@@ -18,8 +18,9 @@ MEMORY_MODEL = "memory_model.json"
 # 2: a graph may be int8 and carry its parity against fp32 (`Graph.parity`). A manifest of
 # an older version is read as it was written; a newer one is refused by name. 3: the
 # manifest names the graphs' runtime and the checkpoint's family (model_type). 4: the
-# artifact's kind (an embedder, or a reranker with its labels and, for BERT, token types)
-# and an embedder's pooled vectors' ranges over the calibration texts (`EmbeddingRanges`).
+# artifact's kind (an embedder, or a reranker with its labels and, for BERT, token types),
+# an embedder's pooled vectors' ranges over the calibration texts (`EmbeddingRanges`), the
+# checkpoint's prompts, whether pooling takes their tokens, and its Matryoshka sizes.
 FORMAT_VERSION = 4
 READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 INPUT_NAMES = ("input_ids", "attention_mask")
@@ -187,6 +188,16 @@ class Manifest:
     embedding_ranges: EmbeddingRanges | None = None
     """None in a manifest of format_version 3 or older: such an artifact serves no int8 or
     uint8 embeddings"""
+    prompts: dict[str, str] = field(default_factory=dict)
+    """name -> text put before a text to embed (sentence-transformers' `prompts`)"""
+    default_prompt_name: str | None = None
+    """the prompt a request that names none gets, one of `prompts` (or none)"""
+    include_prompt: bool = True
+    """pooling takes the prompt's tokens too (sentence-transformers' Pooling
+    `include_prompt`); False: a pooled vector leaves them out"""
+    matryoshka_dims: list[int] = field(default_factory=list)
+    """the sizes a pooled vector may be cut to (Matryoshka training), largest first, as the
+    checkpoint declares them; the hidden size is served whether listed or not"""
 
     def graph(self, *, attention: bool, precision: str) -> Graph | None:
         """The graph to serve with: an optimised one when export kept it."""
@@ -234,6 +245,20 @@ def outdated(directory: Path | str) -> str | None:
             return (f"{directory / graph.file}: lacks the outputs {missing} the server asks "
                     "for (an older exporter)")
     return None
+
+
+def _check_extras(path: Path, m: Manifest) -> None:
+    """Prompts and Matryoshka sizes that hold together: a server serves requests by them."""
+    if not isinstance(m.prompts, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in m.prompts.items()):
+        raise ArtifactError(f"{path}: prompts must map names to texts")
+    if m.default_prompt_name is not None and m.default_prompt_name not in m.prompts:
+        raise ArtifactError(f"{path}: default_prompt_name {m.default_prompt_name!r} is not one "
+                            f"of the prompts {sorted(m.prompts)}")
+    dims = m.matryoshka_dims
+    if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= m.hidden_size for d in dims):
+        raise ArtifactError(f"{path}: matryoshka_dims {dims!r} must be sizes from 1 to the "
+                            f"hidden size, {m.hidden_size}")
 
 
 def sha256_file(path: Path) -> str:
@@ -315,6 +340,7 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
     if manifest.graph(attention=False, precision="fp32") is None:
         graph = "scores" if manifest.kind == RERANKER else "embeddings"
         raise ArtifactError(f"{manifest_path}: no fp32 {graph} graph")
+    _check_extras(manifest_path, manifest)
     return Artifact(directory, manifest, hashlib.sha256(raw).hexdigest())
 
 

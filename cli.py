@@ -21,12 +21,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     # Imported here: export brings torch, which the serving path never loads.
     from attnserve.export.pipeline import run_export
     from attnserve.export.quantize import Int8ParityError
+    from attnserve.export.serving import ServingConfigError
 
     try:
         run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name, int8=args.int8,
                    int8_min_cosine=args.int8_min_cosine,
-                   int8_max_score_error=args.int8_max_score_error)
-    except Int8ParityError as err:
+                   int8_max_score_error=args.int8_max_score_error, matryoshka_dims=args.matryoshka_dims)
+    except (Int8ParityError, ServingConfigError) as err:
         print(f"attnserve export: {err}", file=sys.stderr)
         return 1
     print(f"artifact written to {args.out}")
@@ -45,6 +46,13 @@ def _score_error(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"{text}: a difference of scores in [0, 1)")
     return value
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: comma-separated sizes, such as 768,512,256") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -146,6 +154,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="a reranker's int8 parity gate: the most a pair's score (sigmoid, or "
                         "softmax over several labels) may differ from fp32's (default 0.02)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
+    p.add_argument("--matryoshka-dims", type=_sizes, default=None, metavar="N,N,...",
+                   help="the sizes the model was Matryoshka-trained for (such as 768,512,256), "
+                        "which requests may ask pooled vectors cut to (`dimensions`); "
+                        "default: config.json's matryoshka_dimensions, or none (the hidden "
+                        "size alone)")
     p.add_argument("--unless-current", action="store_true",
                    help="keep --out when it holds an artifact this exporter would write "
                         "(its format, every output the server asks for); otherwise say why "
@@ -174,6 +187,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--pooling", default="default", choices=("default", "mean", "cls", "none"))
     p.add_argument("--normalize", action="store_true")
     p.add_argument("--truncate", action="store_true")
+    p.add_argument("--truncation-direction", default="right", choices=("right", "left"),
+                   help="with --truncate: keep a long text's start (right) or its end (left)")
+    p.add_argument("--prompt-name", default="", help="one of the model's prompts (such as "
+                   "query or passage) before every text; default: the server's default prompt")
+    p.add_argument("--dimensions", type=int, default=0, metavar="N",
+                   help="cut the pooled vectors to N values, one of the model's Matryoshka "
+                        "sizes (0: whole)")
     p.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
                    help="one vector per chunk of at most N tokens, with its span in the text "
                         "(texts are never truncated); late chunking: each chunk pools its "

@@ -15,6 +15,7 @@ POOLING = {"default": pb.POOLING_UNSPECIFIED, "mean": pb.POOLING_MEAN, "cls": pb
 EMBEDDING_TYPES = {"float": pb.EMBEDDING_TYPE_FLOAT, "int8": pb.EMBEDDING_TYPE_INT8,
                    "uint8": pb.EMBEDDING_TYPE_UINT8, "binary": pb.EMBEDDING_TYPE_BINARY,
                    "ubinary": pb.EMBEDDING_TYPE_UBINARY}
+TRUNCATION_DIRECTIONS = {"right": pb.TRUNCATION_DIRECTION_RIGHT, "left": pb.TRUNCATION_DIRECTION_LEFT}
 
 
 def to_numpy(tensor: pb.Tensor) -> np.ndarray | None:
@@ -80,9 +81,14 @@ class EncoderClient:
               attention_layers: list[int] | None = None, attention_heads: list[int] | None = None,
               average_heads: bool = False, float16: bool = False, truncate: bool = False,
               chunk_tokens: int | None = None, isolated: bool = False, window_overlap: int = 0,
-              model: str = "", embedding_type: str = "float",
+              model: str = "", embedding_type: str = "float", prompt_name: str = "",
+              dimensions: int = 0, truncation_direction: str = "right",
               timeout: float | None = None) -> list[EmbeddingResult]:
         """`model`: one of `list_models()`, "" for the server's default.
+        `prompt_name`: one of the model's prompts (`model_info().prompts`) before every
+        text; "" for the server's default prompt. `dimensions`: pooled vectors cut to one of
+        the model's `matryoshka_dims` (0: whole). `truncation_direction`: "right" keeps a
+        truncated text's start, "left" its end.
         `attention_layers=[]` asks for every layer; None asks for no attention maps.
         `chunk_tokens`: one vector per chunk of at most that many tokens (`chunks`), late
         chunking unless `isolated`, windows overlapping by `window_overlap` tokens (0: the
@@ -94,6 +100,8 @@ class EncoderClient:
             return_token_embeddings=token_embeddings,
             dtype=pb.DTYPE_FLOAT16 if float16 else pb.DTYPE_FLOAT32, model=model,
             embedding_type=EMBEDDING_TYPES[embedding_type],
+            prompt_name=prompt_name, dimensions=dimensions,
+            truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
         )
         if attention_layers is not None:
             request.attention.CopyFrom(pb.AttentionOptions(
@@ -131,10 +139,13 @@ class EncoderClient:
                                    timeout=timeout)
         return np.asarray(response.scores, dtype=np.float32)
 
-    def tokenize(self, texts: list[str], truncate: bool = False,
-                 model: str = "") -> list[pb.Tokenization]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(texts=texts, truncate=truncate,
-                                                          model=model)).tokenizations)
+    def tokenize(self, texts: list[str], truncate: bool = False, model: str = "",
+                 prompt_name: str = "", truncation_direction: str = "right") -> list[pb.Tokenization]:
+        """With a prompt, the tokens are the prompt's and the text's, and the offsets count
+        from the prompt's first character."""
+        return list(self.stub.Tokenize(pb.TokenizeRequest(
+            texts=texts, truncate=truncate, model=model, prompt_name=prompt_name,
+            truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction])).tokenizations)
 
     def model_info(self, model: str = "") -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(model=model))

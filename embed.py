@@ -177,7 +177,10 @@ def run_embed(args: argparse.Namespace) -> int:
         for start in range(0, len(texts), args.batch_size):
             batch = texts[start:start + args.batch_size]
             results += client.embed(batch, pooling=args.pooling, normalize=args.normalize,
-                                    truncate=args.truncate, attention_layers=layers,
+                                    truncate=args.truncate,
+                                    truncation_direction=args.truncation_direction,
+                                    prompt_name=args.prompt_name, dimensions=args.dimensions,
+                                    attention_layers=layers,
                                     attention_heads=_ints(args.heads),
                                     average_heads=args.average_heads,
                                     chunk_tokens=args.chunk_tokens, isolated=args.isolated,
@@ -188,8 +191,13 @@ def run_embed(args: argparse.Namespace) -> int:
                 print(f"\r[{bar:<30}] {done}/{len(texts)} texts", end="", file=sys.stderr)
         if args.file:
             print(file=sys.stderr)
-        tokenized = (client.tokenize(texts[:1], truncate=args.truncate, model=args.model)[0]
-                     if args.heatmap else None)
+        if args.heatmap:
+            tokenized = client.tokenize(texts[:1], truncate=args.truncate, model=args.model,
+                                        prompt_name=args.prompt_name,
+                                        truncation_direction=args.truncation_direction)[0]
+            info = client.model_info(args.model)
+            # The offsets count from the prompt's first character.
+            read = info.prompts.get(args.prompt_name or info.default_prompt_name, "") + texts[0]
     if args.chunk_tokens is not None:
         return _chunks_out(args, texts, results)
     for text, result in zip(texts, results, strict=True):
@@ -205,7 +213,7 @@ def run_embed(args: argparse.Namespace) -> int:
         print(f"wrote {len(pooled)} embeddings to {args.out}")
     if args.heatmap:
         maps = results[0].attentions
-        labels = token_texts(texts[0], list(tokenized.tokens), list(tokenized.offsets))
+        labels = token_texts(read, list(tokenized.tokens), list(tokenized.offsets))
         heatmap(args.heatmap, maps[0, 0], labels,
                 f"layer {(_ints(args.layers) or [0])[0]}, "
                 + ("heads averaged" if args.average_heads else f"head {(_ints(args.heads) or [0])[0]}"))

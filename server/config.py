@@ -94,6 +94,7 @@ class ServeConfig:
     max_queue_requests: int = 1024
     max_queue_tokens: int = 262144
     max_chunking_chars: int = 1 << 20
+    default_prompt_name: str | None = None
     memory_budget_bytes: int = 0
     drain_seconds: float = 20.0
     max_message_bytes: int = 64 * 1024 * 1024
@@ -205,6 +206,11 @@ _HELP = {
                           "carry; a longer one gets INVALID_ARGUMENT naming it. A chunked text "
                           "is tokenized whole and costs what its windows or chunks cost "
                           "against --max-queue-tokens and the memory budget",
+    "default_prompt_name": "the prompt (one of a model's prompts, as GetModelInfo lists them) "
+                           "put before the texts of every request that names none, for "
+                           "every model that has a prompt of this name; a model without "
+                           "one keeps its own default prompt (its checkpoint's "
+                           "default_prompt_name), or none, and the start-up log says which",
     "memory_budget_bytes": "peak memory the batches in flight and the requests and answers "
                            "held may take together (on CUDA the batches alone: requests and "
                            "answers get half the machine's free memory); 0: half the device's "

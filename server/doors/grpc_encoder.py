@@ -38,6 +38,7 @@ from attnserve.server.engine.requests import (
     EmbedRequest,
     ResponseSize,
     TokenizeRequest,
+    TruncationDirection,
 )
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import Encoded
@@ -49,6 +50,9 @@ TOKENIZE_ADVICE = "send fewer texts per request"
 CHUNKING_MODES = {pb.CHUNKING_MODE_UNSPECIFIED: ChunkingMode.LATE,
                   pb.CHUNKING_MODE_LATE: ChunkingMode.LATE,
                   pb.CHUNKING_MODE_ISOLATED: ChunkingMode.ISOLATED}
+DIRECTIONS = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: TruncationDirection.RIGHT,
+              pb.TRUNCATION_DIRECTION_RIGHT: TruncationDirection.RIGHT,
+              pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT}
 
 
 class TextNames:
@@ -112,6 +116,12 @@ def _tokenization(e: Encoded) -> pb.Tokenization:
                            offsets=[x for pair in e.offsets for x in pair])
 
 
+def direction(value: int) -> TruncationDirection:
+    if value not in DIRECTIONS:
+        raise InvalidArgument("truncation_direction", f"unknown value {value}")
+    return DIRECTIONS[value]
+
+
 def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> EmbedPlan:
     """Validate everything but the sequences themselves (the data plane reads those)."""
     if bool(request.texts) == bool(request.token_ids):
@@ -145,7 +155,8 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
         raise InvalidArgument("embedding_type", "sets what the pooled vector is sent as, and "
                               "pooling is POOLING_NONE: ask for a pooling")
     return dataclasses.replace(plan, embedding_type=kind,
-                               ranges=ranges_of(manifest, model, source, kind, "embedding_type"))
+                               ranges=ranges_of(manifest, model, source, kind, "embedding_type",
+                                                         request.dimensions))
 
 
 def _chunking(request: pb.EmbedRequest) -> Chunking | None:
@@ -189,7 +200,9 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         embedded = await model.embed(EmbedRequest(
             names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
             token_ids=IdLists(request.token_ids), truncate=request.truncate,
-            outputs=outputs_for(plan),
+            truncation_direction=direction(request.truncation_direction),
+            prompt_name=request.prompt_name, outputs=outputs_for(plan),
+            dimensions=request.dimensions,
             layers=plan.attention.graph_layers if plan.attention else (),
             chunking=plan.chunking, normalize=plan.normalize), holds, deadline)
         results = int(embedded.chunk_counts.sum()) if plan.chunking else len(embedded.ids)
@@ -223,7 +236,9 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             size.check(None, at_least=True)
             holds = call_holds()
             encoded = await model.tokenize(
-                TokenizeRequest(TEXTS, request.texts, request.truncate), holds)
+                TokenizeRequest(TEXTS, request.texts, request.truncate,
+                                direction(request.truncation_direction), request.prompt_name),
+                holds)
             tokens = sum(len(e.ids) for e in encoded)
             return await model.pack(count * RESULT_S + tokens * TOKEN_S,
                                     self._tokenize_response, model, encoded, holds)
@@ -277,4 +292,6 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
             execution_provider=info.provider, precision=info.precision,
             artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family,
-            kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)})
+            kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
+            prompts=info.prompts, default_prompt_name=info.default_prompt_name or "",
+            matryoshka_dims=info.matryoshka_dims)

@@ -1,5 +1,5 @@
 """POST /v1/embeddings as OpenAI defines it, through the data plane: the JSON body becomes an
-EmbedRequest for mean-pooled, normalised vectors (as OpenAI's are), and the result
+EmbedRequest for vectors of the model's pooling, normalised (as OpenAI's are), and the result
 becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
 come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}, a field the
 route does not know among them. `model` names one of the server's models, as GET
@@ -9,8 +9,11 @@ GET /models), with a few fields of its own both ways: those routes are here too,
 same code.
 
 Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
-included, as gRPC's token_ids are. Beyond OpenAI's fields, `truncate` (default false) cuts
-texts longer than the model's positions instead of refusing them, and `chunking`
+included, as gRPC's token_ids are. `dimensions` cuts the vectors to one of the model's
+Matryoshka sizes. Beyond OpenAI's fields, `truncate` (default false) cuts texts longer than
+the model's positions instead of refusing them, at their end or, with
+`truncation_direction` "left", at their start; `prompt_name` names one of the model's
+prompts to put before every text (default: the server's default prompt); and `chunking`
 ({"max_tokens": N, "mode": "late" or "isolated", "window_overlap": N}, as attnserve.v1's
 Chunking) embeds each text as chunks: `data` then holds one item per chunk, in order,
 each with OpenAI's fields and `input_index` (the text it is a chunk of), `start` and `end`
@@ -46,6 +49,7 @@ from attnserve.server.engine.requests import (
     Embedded,
     EmbedRequest,
     ResponseSize,
+    TruncationDirection,
 )
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.errors import InvalidArgument, RequestError, quote
@@ -53,8 +57,8 @@ from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"
 INFINITY_RPC = "http:/embeddings"
-FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate", "chunking",
-          "embedding_types", "embedding_dtype")
+FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate",
+          "truncation_direction", "prompt_name", "chunking", "embedding_types", "embedding_dtype")
 # Infinity's body: OpenAI's, and the inputs' modality.
 INFINITY_FIELDS = (*FIELDS, "modality")
 # The model Infinity's clients name when they name none.
@@ -70,6 +74,8 @@ OWNED_BY = "attnserve"
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
 CHUNKING_MODES = {"late": ChunkingMode.LATE, "isolated": ChunkingMode.ISOLATED}
 CHUNKING_FIELDS = ("max_tokens", "mode", "window_overlap")
+# TEI's names, which its own clients write "Left" and "Right".
+DIRECTIONS = {"left": TruncationDirection.LEFT, "right": TruncationDirection.RIGHT}
 # HTTP status -> OpenAI's error `type` and `code`.
 ERROR_KINDS = {
     400: ("invalid_request_error", None),
@@ -111,8 +117,11 @@ class Parsed:
 
     model: str | None
     vectors: VectorFormat
-    dimensions: int | None
+    dimensions: int
+    """0: the model's size"""
     truncate: bool
+    truncation_direction: TruncationDirection
+    prompt_name: str | None
     chunking: Chunking | None
     inputs: dict
     """EmbedRequest's texts or token_ids"""
@@ -126,11 +135,17 @@ def parse(body) -> Parsed:
         raise InvalidArgument("model", f"{quote(model)}; expected a string")
     vectors = VectorFormat.parse(body)
     dimensions = body.get("dimensions")
-    if dimensions is not None and type(dimensions) is not int:
-        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected an integer")
+    if dimensions is not None and (type(dimensions) is not int or dimensions < 1):
+        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected a positive integer")
     truncate = body.get("truncate", False)
     if not isinstance(truncate, bool):
         raise InvalidArgument("truncate", f"{quote(truncate)}; expected true or false")
+    side = body.get("truncation_direction") or "right"
+    if not isinstance(side, str) or side.lower() not in DIRECTIONS:
+        raise InvalidArgument("truncation_direction", f"{quote(side)}; expected 'left' or 'right'")
+    prompt_name = body.get("prompt_name")
+    if prompt_name is not None and not isinstance(prompt_name, str):
+        raise InvalidArgument("prompt_name", f"{quote(prompt_name)}; expected a string")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidArgument("user", f"{quote(user)}; expected a string")
@@ -138,7 +153,8 @@ def parse(body) -> Parsed:
         raise InvalidArgument("input", f"required: {SEQUENCE_FORMS}")
     chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
     inputs, names = sequences(body["input"], "input")
-    return Parsed(model, vectors, dimensions, truncate, chunking, inputs, names)
+    return Parsed(model, vectors, dimensions or 0, truncate, DIRECTIONS[side.lower()],
+                  prompt_name, chunking, inputs, names)
 
 
 def parse_infinity(body) -> Parsed:
@@ -164,7 +180,6 @@ class OpenAIEmbeddings:
         self.calls = calls
         self.plane = plane
         self.max_response_bytes = max_response_bytes
-        self.pooled = pooled_output("mean", True)
         self.created = int(time.time())
         """when the models were loaded: OpenAI's `created` of each model"""
 
@@ -175,12 +190,8 @@ class OpenAIEmbeddings:
                 web.get("/models", self.infinity_models)]
 
     def request(self, parsed: Parsed, model: ServedModel) -> EmbedRequest:
-        """The model's request for a parsed body: `dimensions` and the response's size
-        depend on the model."""
+        """The model's request for a parsed body: the response's size depends on the model."""
         hidden = model.manifest.hidden_size
-        if parsed.dimensions is not None and parsed.dimensions != hidden:
-            raise InvalidArgument("dimensions", f"{quote(parsed.dimensions)}; {model.name!r} has "
-                                  f"one size, {hidden}: omit dimensions or set it to that")
         item = ITEM_BYTES + parsed.vectors.vector_bytes(hidden)
         head = 256 + len(model.name.encode()) * 6
         if parsed.chunking is None:
@@ -190,15 +201,18 @@ class OpenAIEmbeddings:
             size = ResponseSize(lambda counts: head + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
                                 self.max_response_bytes, CHUNKED_ADVICE)
         return EmbedRequest(names=parsed.names, size=size, truncate=parsed.truncate,
-                            outputs=frozenset({self.pooled}), chunking=parsed.chunking,
+                            truncation_direction=parsed.truncation_direction,
+                            prompt_name=parsed.prompt_name, outputs=frozenset({pooled(model)}),
+                            dimensions=parsed.dimensions, chunking=parsed.chunking,
                             normalize=True, **parsed.inputs)
 
-    def body(self, model: str, embedded: Embedded, vectors: VectorFormat, ranges: dict,
+    def body(self, model: ServedModel, embedded: Embedded, vectors: VectorFormat, ranges: dict,
              more: dict) -> bytes:
         """`more`: fields beside OpenAI's."""
-        pooled = [result.pooled[self.pooled] for result in embedded.results]
-        pooled += [vector for text in embedded.chunked for vector in text.vectors]
-        fields = iter(vectors.fields(np.stack(pooled), ranges) if pooled else ())
+        name = pooled(model)
+        pooled_vectors = [result.pooled[name] for result in embedded.results]
+        pooled_vectors += [vector for text in embedded.chunked for vector in text.vectors]
+        fields = iter(vectors.fields(np.stack(pooled_vectors), ranges) if pooled_vectors else ())
         data = [{"object": "embedding", "index": index, **next(fields)}
                 for index in range(len(embedded.results))]
         for text_index, text in enumerate(embedded.chunked):
@@ -208,7 +222,7 @@ class OpenAIEmbeddings:
                              "input_index": text_index, "start": start, "end": end,
                              "num_tokens": count})
         tokens = embedded.total_tokens
-        return orjson.dumps({"object": "list", "data": data, "model": model,
+        return orjson.dumps({"object": "list", "data": data, "model": model.name,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, **more},
                             option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -223,9 +237,9 @@ class OpenAIEmbeddings:
         embedded = await model.embed(self.request(parsed, model), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
         hidden = model.manifest.hidden_size
-        ranges = parsed.vectors.ranges(model.manifest, model.name, self.pooled)
+        ranges = parsed.vectors.ranges(model.manifest, model.name, pooled(model), parsed.dimensions)
         payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self.body,
-                                   model.name, embedded, parsed.vectors, ranges, more())
+                                   model, embedded, parsed.vectors, ranges, more())
         return web.Response(body=payload, content_type="application/json")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -262,6 +276,11 @@ class OpenAIEmbeddings:
             name = request.match_info["model"]
             return web.json_response(self._model_object(self.plane.model(name)))
         return await self.calls.answer("http:/v1/models/{model}", request, handle, refusal)
+
+
+def pooled(model: ServedModel) -> str:
+    """The vector OpenAI's door answers with: the model's own pooling, normalised."""
+    return pooled_output(model.manifest.default_pooling, True)
 
 
 def refusal(err: RequestError, status: int) -> web.Response:

@@ -274,8 +274,8 @@ class TeiHttp:
         count = len(body.texts)
         ResponseSize(lambda _: count * (LIST_BYTES + least * TOKEN_BYTES), self.max_response_bytes,
                      ADVICE).check(None, at_least=True)
-        encoded = await model.tokenize(TokenizeRequest(body.names, body.texts, body.truncate,
-                                                       body.special_tokens), holds)
+        encoded = await model.tokenize(TokenizeRequest(
+            body.names, body.texts, body.truncate, special_tokens=body.special_tokens), holds)
         tokens = sum(len(e.ids) for e in encoded)
         payload = await model.pack(count * RESULT_S + tokens * TOKEN_S, self._tokens, model, holds,
                                    body.texts, encoded)

@@ -63,10 +63,11 @@ class VectorFormat:
         kinds = self.types or (EmbeddingType.FLOAT,)
         return int(sum(TYPE_KEY_BYTES + k.dimensions(hidden) * self.value_bytes(k) for k in kinds))
 
-    def ranges(self, manifest: Manifest, model: str, pooled: str) -> dict[EmbeddingType, np.ndarray]:
-        """The ranges the types asked for need, for the pooled output `pooled`: refused
-        before any work when the artifact has none."""
-        return {kind: ranges_of(manifest, model, pooled, kind, "embedding_types")
+    def ranges(self, manifest: Manifest, model: str, pooled: str,
+               dimensions: int) -> dict[EmbeddingType, np.ndarray]:
+        """The ranges the types asked for need, for the pooled output `pooled` cut to
+        `dimensions` (0: whole): refused before any work when there are none to use."""
+        return {kind: ranges_of(manifest, model, pooled, kind, "embedding_types", dimensions)
                 for kind in self.types if kind.ranged}
 
     def _encoded(self, vector: np.ndarray, kind: EmbeddingType):

@@ -249,12 +249,23 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
                                "export fitted; binary and ubinary the sign bits, 8 to a byte), "
                                "and an empty `embedding`"},
             "dimensions": {"type": "integer",
-                           "enum": sorted({info.hidden_size for info in infos}),
-                           "description": "the model's one size"},
+                           "enum": sorted({d for info in infos
+                                           for d in (info.hidden_size, *info.matryoshka_dims)}),
+                           "description": "the model's size, or one of its Matryoshka sizes "
+                                          "(GetModelInfo's matryoshka_dims): the vectors' first "
+                                          "values, normalised again"},
             "user": {"type": "string"},
             "truncate": {"type": "boolean", "default": False,
                          "description": "cut texts longer than the model's positions instead of "
                                         "refusing them (an extension)"},
+            "truncation_direction": {"type": "string", "enum": ["right", "left", "Right", "Left"],
+                                     "default": "right",
+                                     "description": "with truncate: keep a text's start (right) "
+                                                    "or its end (left), as TEI (an extension)"},
+            "prompt_name": {"type": "string", "nullable": True,
+                            "description": "one of the model's prompts (GetModelInfo's prompts), "
+                                           "put before every text; omitted: the server's "
+                                           "default prompt for the model (an extension)"},
             "chunking": {
                 "type": "object", "nullable": True, "required": ["max_tokens"],
                 "additionalProperties": False,

@@ -104,12 +104,13 @@ class Job:
     dropping: bool = False
     """its caller left and its sequences are being taken out a slice at a time"""
     spans: list[np.ndarray] | None = None
-    """per sequence, the token spans whose mean embeddings its result carries instead of
-    its token embeddings (`submit`)"""
+    """per sequence, the token spans whose mean embeddings its result carries (`submit`)"""
     times: timings.CallTimes | None = None
     """its call's record (server/engine/timings.py), told when its batches ran"""
     ran: tuple[float, float] | None = None
     """(the first of its batches' starts, the last of their ends), on the monotonic clock"""
+    segments: np.ndarray | None = None
+    """per sequence, where its second segment starts (`submit`)"""
 
     def batch_ran(self, start: float, end: float, size: int, rows: int, seq: int) -> None:
         """One of its batches ran, from `start` to `end`: `size` sequences padded to
@@ -126,8 +127,6 @@ class Job:
             first, last = self.ran
             self.times.add("queue", self.enqueued, first)
             self.times.seconds["inference"] += last - first
-    segments: np.ndarray | None = None
-    """per sequence, where its second segment starts (`submit`)"""
 
 
 class State(enum.Enum):
@@ -211,12 +210,13 @@ class RequestQueue:
         run alone (ModelMemory.check), kept free while it waits; `lengths`: the
         sequences' lengths, when already known; `spans`: per sequence, int64 [k, 2]
         token ranges [start, end), ascending, not overlapping, none empty, whose mean
-        embeddings each result carries (SequenceResult.span_means) instead of the token
-        embeddings (`outputs` then HIDDEN_ONLY): a request of many long sequences keeps
-        a few vectors of each, not every batch output it ran in; `segments`: per
-        sequence, the position where its second segment (token type 1) starts, its length
-        for none (a reranker's pairs: the text's side). A big request is queued a slice at
-        a time, so the event loop serves other calls in between."""
+        embeddings each result carries (SequenceResult.span_means) beside `outputs`
+        (which need not name the token embeddings the means are taken from): a request
+        of many long sequences keeps a few vectors of each, not every batch output it
+        ran in; `segments`: per sequence, the position where its second segment (token
+        type 1) starts, its length for none (a reranker's pairs: the text's side). A big
+        request is queued a slice at a time, so the event loop serves other calls in
+        between."""
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         tokens = int(lengths.sum())

@@ -66,6 +66,13 @@ class ChunkingMode(enum.Enum):
     """each chunk runs alone, with its own special tokens, mean-pooled"""
 
 
+class TruncationDirection(enum.Enum):
+    RIGHT = "right"
+    """keep a text's start"""
+    LEFT = "left"
+    """keep its end"""
+
+
 @dataclass(frozen=True)
 class Chunking:
     """One vector per chunk of each text (server/engine/chunking.py)."""
@@ -88,8 +95,16 @@ class EmbedRequest:
     token_ids: Sequence[Sequence[int]] = ()
     truncate: bool = False
     """cut sequences longer than the model's positions instead of refusing them"""
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    """texts only: which end `truncate` keeps"""
+    prompt_name: str | None = None
+    """texts only: the prompt put before each; None: the model's default prompt"""
     outputs: Outputs = frozenset()
-    """pooled outputs (artifact.pooled_output) and HIDDEN_OUTPUT, as the response needs"""
+    """pooled outputs (artifact.pooled_output) of one pooling, and HIDDEN_OUTPUT, as the
+    response needs"""
+    dimensions: int = 0
+    """cut each pooled vector to its first this many values (renormalised where it was
+    normalised); 0: the hidden size"""
     layers: tuple[int, ...] = ()
     """attention maps to return, each layer once, in order"""
     chunking: Chunking | None = None
@@ -220,6 +235,8 @@ class TokenizeRequest:
     names: FieldNames
     texts: Sequence[str]
     truncate: bool = False
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    prompt_name: str | None = None
     special_tokens: bool = True
     """close each text with the model's special tokens, as the model runs it"""
 
@@ -292,3 +309,8 @@ class ModelInfo:
     artifact_sha256: str
     inputs: list[TensorInfo] = field(default_factory=list)
     outputs: list[TensorInfo] = field(default_factory=list)
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    """the prompt a request that names none gets"""
+    matryoshka_dims: list[int] = field(default_factory=list)
+    """the sizes a pooled vector may be cut to besides the hidden size, largest first"""

@@ -42,12 +42,15 @@ from attnserve.server.engine.offload import (
     DECODE_ID_S,
     ID_SEQUENCE_S,
     MAXSIM_S,
+    POOLED_S,
+    SPAN_S,
     TEXT_CHAR_S,
     TEXT_S,
     TOKEN_ID_S,
     Offload,
     cost,
 )
+from attnserve.server.engine.pooling import POOLED, finish, prompt_spans, to_dimensions
 from attnserve.server.engine.requests import (
     ChunkedText,
     Chunking,
@@ -69,9 +72,16 @@ from attnserve.server.engine.requests import (
     ScoreRequest,
     TensorInfo,
     TokenizeRequest,
+    TruncationDirection,
 )
 from attnserve.server.engine.scores import QueryThenTexts, cosines, maxsim, ranking, sigmoid
-from attnserve.server.engine.tokenize import KEPT_BYTES_PER_ID, Encoded, TextTokenizer, TooLong
+from attnserve.server.engine.tokenize import (
+    KEPT_BYTES_PER_ID,
+    Encoded,
+    Prompt,
+    TextTokenizer,
+    TooLong,
+)
 from attnserve.server.errors import InvalidArgument, Unavailable, quote
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.memory.ledger import Holds
@@ -89,6 +99,8 @@ KINDS_SAID = {EMBEDDER: ("an embedding model", "it embeds texts and scores them 
                                                "from their vectors (Embed, Score)"),
               RERANKER: ("a reranker (a cross-encoder)", "it scores (query, text) pairs (Rerank)")}
 """kind -> (what it is, what it does), as a refusal says them"""
+# A refusal names at most this many of a model's prompts.
+PROMPTS_LISTED = 16
 
 
 class Scheduler(Protocol):
@@ -110,7 +122,8 @@ class ServedModel:
     def __init__(self, name: str, artifact: Artifact, tokenizer: TextTokenizer,
                  scheduler: Scheduler, memory: ModelMemory, placement: Placement,
                  offload: Offload, metrics: Metrics, ready: Callable[[], bool],
-                 max_chunking_chars: int):
+                 max_chunking_chars: int, default_prompt: str | None = None):
+        """`default_prompt`: the name of the prompt a request that names none gets."""
         self.name = name
         """what callers name it by"""
         self.artifact = artifact
@@ -125,8 +138,11 @@ class ServedModel:
         """() -> bool: warmed up and the server not draining"""
         self.max_chunking_chars = max_chunking_chars
         """the longest text a chunked request may carry"""
+        self.default_prompt = default_prompt
         m = self.manifest
         self.kind = m.kind
+        self.dimensions = sorted({m.hidden_size, *m.matryoshka_dims}, reverse=True)
+        """the sizes a pooled vector may be cut to"""
         if m.kind == RERANKER:
             self.output_layers = {LOGITS_OUTPUT: ()}
         else:
@@ -161,6 +177,54 @@ class ServedModel:
                 timings.stage("respond"):
             return await self.offload.response(seconds, build, *args)
 
+    def prompt(self, name: str | None, texts: bool = True) -> Prompt | None:
+        """The prompt a request names (`prompt_name`), or the default one when it names
+        none; `texts`: the request carries texts (token ids are run as sent)."""
+        if not name:
+            return self.tokenizer.prompts[self.default_prompt] if texts and self.default_prompt else None
+        prompts = self.tokenizer.prompts
+        if name not in prompts:
+            known = list(prompts)
+            listed = ", ".join(map(repr, known[:PROMPTS_LISTED])) + (
+                f" and {len(known) - PROMPTS_LISTED} more" if len(known) > PROMPTS_LISTED else "")
+            raise InvalidArgument("prompt_name", f"{quote(name)} is not a prompt of "
+                                  f"{self.name!r}; " + (f"its prompts: {listed}" if known else
+                                                        "it has none"))
+        if not texts:
+            raise InvalidArgument("prompt_name", "a prompt goes before texts: token ids are "
+                                  "run as sent")
+        return prompts[name]
+
+    def _left(self, direction: TruncationDirection, texts: bool) -> bool:
+        if direction is TruncationDirection.RIGHT:
+            return False
+        if not texts:
+            raise InvalidArgument("truncation_direction", "left truncation keeps a text's "
+                                  "special tokens: send texts, or cut token ids yourself")
+        return True
+
+    def _dimensions(self, request: EmbedRequest) -> int:
+        """The size pooled vectors are cut to, checked; 0: the hidden size (no cut)."""
+        dimensions = request.dimensions
+        if dimensions in (0, self.manifest.hidden_size):
+            return 0
+        if not self.manifest.matryoshka_dims:
+            raise InvalidArgument("dimensions", f"{quote(dimensions)}; {self.name!r} declares no "
+                                  "Matryoshka sizes: omit dimensions or set it to its one size, "
+                                  f"{self.manifest.hidden_size}")
+        if dimensions not in self.dimensions:
+            raise InvalidArgument("dimensions", f"{quote(dimensions)}; {self.name!r} takes "
+                                  f"{', '.join(map(str, self.dimensions))}")
+        if request.chunking is None and not set(request.outputs) & POOLED.keys():
+            raise InvalidArgument("dimensions", "cuts the pooled vector: ask for one")
+        return dimensions
+
+    def _prompt_pooling(self, prompt: Prompt | None, outputs) -> str | None:
+        """The pooling that must leave the prompt's tokens out of these outputs, if any."""
+        if prompt is None or self.manifest.include_prompt:
+            return None
+        return next((POOLED[name][0] for name in outputs if name in POOLED), None)
+
     async def _run(self, sequences: list[np.ndarray], lengths: np.ndarray,
                    field_of: Callable[[int], str], layers: tuple[int, ...], outputs: Outputs,
                    response_bytes: int, holds: Holds, deadline: float | None,
@@ -190,16 +254,21 @@ class ServedModel:
         count = len(request.texts) or len(request.token_ids)
         if not count:
             raise InvalidArgument(names.sequences, "empty: send at least one sequence")
+        texts = bool(request.texts)
+        prompt = self.prompt(request.prompt_name, texts)
+        left = self._left(request.truncation_direction, texts)
+        dimensions = self._dimensions(request)
         if request.chunking is not None:
-            return await self._embed_chunked(request, holds, deadline)
+            return await self._embed_chunked(request, prompt, dimensions, holds, deadline)
         # The cheap bounds first, from the count of sequences alone (each has at least an
         # empty text's tokens, or one id): a request that cannot be served is refused
         # before any text is tokenized or any id read.
-        least = len(self.tokenizer.empty.ids) if request.texts else 1
+        least = len(self.tokenizer.empty.ids) if texts else 1
         self.scheduler.admit(count * least, at_least=True)
         request.size.check(np.full(count, least), at_least=True)
-        if request.texts:
-            encoded = await self._tokenize(request.texts, request.truncate, names, holds, False)
+        if texts:
+            encoded = await self._tokenize(request.texts, request.truncate, names, holds, False,
+                                           prompt, left)
             ids = [e.ids for e in encoded]
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         else:
@@ -208,24 +277,48 @@ class ServedModel:
                     cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S), self._read_ids,
                     request.token_ids, request.truncate, names)
         size = request.size.check(lengths)
-        results = await self._run(ids, lengths, names.sequence, request.layers, request.outputs,
-                                  size, holds, deadline)
+        results = await self._run_pooled(ids, lengths, names.sequence, request.layers,
+                                         request.outputs, size, holds, deadline, prompt, dimensions)
         return Embedded(ids, lengths, results, response_bytes=size)
+
+    async def _run_pooled(self, sequences: list[np.ndarray], lengths: np.ndarray,
+                          field_of: Callable[[int], str], layers: tuple[int, ...],
+                          outputs: Outputs, response_bytes: int, holds: Holds,
+                          deadline: float | None, prompt: Prompt | None, dimensions: int,
+                          spans: list[np.ndarray] | None = None) -> list[SequenceResult]:
+        """`_run`, the pooled vectors among `outputs` as the request asks for them: without
+        the prompt's tokens where the model's pooling leaves them out (a span a sequence,
+        in place of the graph's pooled output), cut to `dimensions` (0: whole)."""
+        pooled = [name for name in outputs if name in POOLED]
+        pooling = self._prompt_pooling(prompt, pooled)
+        if pooling is not None:
+            outputs = outputs - set(pooled)
+            spans = await self.offload.request(len(lengths) * SPAN_S, prompt_spans, lengths,
+                                               prompt.length, pooling)
+        results = await self._run(sequences, lengths, field_of, layers, outputs, response_bytes,
+                                  holds, deadline, spans)
+        if pooling is not None or dimensions:
+            await self.offload.request(len(results) * POOLED_S, finish, results, pooled,
+                                       pooling is not None, dimensions)
+        return results
 
     # --- embed, chunked -----------------------------------------------------------------
 
-    async def _embed_chunked(self, request: EmbedRequest, holds: Holds,
-                             deadline: float | None) -> Embedded:
+    async def _embed_chunked(self, request: EmbedRequest, prompt: Prompt | None, dimensions: int,
+                             holds: Holds, deadline: float | None) -> Embedded:
         """Each text cut into chunks and run as its windows (LATE) or chunks (ISOLATED),
         under the same bounds as any request, each as soon as it can be known: the queue
         and the response from the count of texts, the response again from the count of
         chunks, the queue from the tokens of every window, the memory budget from the
-        longest."""
+        longest. A prompt's tokens run in every window or chunk, after its leading special
+        tokens."""
         names, texts, chunking = request.names, request.texts, request.chunking
         if request.token_ids:
             raise InvalidArgument(names.chunking, "chunking cuts texts into chunks: send texts, "
                                   "not token ids")
-        specials = len(self.tokenizer.empty.ids)
+        head = self.tokenizer.head_ids if prompt is None else np.concatenate(
+            (self.tokenizer.head_ids, prompt.ids))
+        specials = len(head) + len(self.tokenizer.tail_ids)
         width = self.manifest.max_positions - specials  # a window's tokens, specials aside
         overlap = window_overlap(chunking, names, width)
         # A text may have no tokens, and so no chunks.
@@ -245,14 +338,17 @@ class ServedModel:
             self.scheduler.admit(int(lengths.sum()))
             sequences, spans = await self.offload.request(
                 cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._sequences,
-                plans, late, holds)
+                plans, late, head, holds)
             text_of = np.repeat(np.arange(len(plans)), list(map(len, per_text)))
-            outputs = HIDDEN_ONLY if late else frozenset({pooled_output("mean", request.normalize)})
-            results = await self._run(sequences, lengths, lambda i: names.sequence(int(text_of[i])),
-                                      (), outputs, size, holds, deadline, spans)
+            # LATE: the chunks' means from their windows' spans; ISOLATED: each chunk's
+            # pooled vector. Cut to `dimensions` with the rest of the chunk vectors.
+            outputs = frozenset() if late else frozenset({pooled_output("mean", request.normalize)})
+            results = await self._run_pooled(
+                sequences, lengths, lambda i: names.sequence(int(text_of[i])), (), outputs, size,
+                holds, deadline, prompt, 0, spans)
         return Embedded([], lengths, [], await self.offload.request(
             cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count), self._chunk_vectors, plans,
-            list(map(len, per_text)), results, request.normalize), size)
+            list(map(len, per_text)), results, request.normalize, dimensions), size)
 
     def _plan_chunks(self, texts: Sequence[str], chunking: Chunking, width: int, overlap: int,
                      names: FieldNames, size: ResponseSize, holds: Holds) -> list[TextPlan]:
@@ -277,11 +373,11 @@ class ServedModel:
                          else TextPlan.isolated(text_tokens, chunks))
         return plans
 
-    def _sequences(self, plans: list[TextPlan], late: bool,
+    def _sequences(self, plans: list[TextPlan], late: bool, head: np.ndarray,
                    holds: Holds) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-        """Every plan's sequences and, for windows (`late`), the chunks' token spans in
-        each."""
-        head, tail = self.tokenizer.head_ids, self.tokenizer.tail_ids
+        """Every plan's sequences, each after the ids `head`, and, for windows (`late`), the
+        chunks' token spans in each."""
+        tail = self.tokenizer.tail_ids
         sequences: list[np.ndarray] = []
         spans: list[np.ndarray] = []
         for plan in plans:
@@ -292,12 +388,15 @@ class ServedModel:
         return sequences, spans if late else None
 
     def _chunk_vectors(self, plans: list[TextPlan], counts: list[int],
-                       results: list[SequenceResult], normalize: bool) -> list[ChunkedText]:
-        """Each text's chunks and their vectors; `counts`: the sequences each plan ran."""
+                       results: list[SequenceResult], normalize: bool,
+                       dimensions: int) -> list[ChunkedText]:
+        """Each text's chunks and their vectors, cut to `dimensions` (0: whole); `counts`:
+        the sequences each plan ran."""
         pooled, hidden = pooled_output("mean", normalize), self.manifest.hidden_size
         out, at = [], 0
         for plan, count in zip(plans, counts, strict=True):
-            vectors = plan.vectors(results[at:at + count], pooled, normalize, hidden)
+            vectors = to_dimensions(plan.vectors(results[at:at + count], pooled, normalize,
+                                                 hidden), dimensions, normalize)
             out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans,
                                    plan.chunks.token_counts, vectors))
             at += count
@@ -406,8 +505,10 @@ class ServedModel:
         self.scheduler.admit((count + 1) * least, at_least=True)
         request.size.check(np.full(count, least), at_least=True)
         sequences = QueryThenTexts(names)
+        # The query and the texts get the default prompt, as Embed would give them.
+        prompt = self.prompt(None)
         encoded = await self._tokenize([request.query, *request.texts], request.truncate,
-                                       sequences, holds, False)
+                                       sequences, holds, False, prompt)
         ids = [e.ids for e in encoded]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         size = request.size.check(lengths[1:])
@@ -421,8 +522,8 @@ class ServedModel:
                                                  [r.hidden for r in results[1:]])
         else:
             name = pooled_output(self.manifest.default_pooling, True)
-            results = await self._run(ids, lengths, sequences.sequence, (), frozenset({name}),
-                                      size, holds, deadline)
+            results = await self._run_pooled(ids, lengths, sequences.sequence, (),
+                                             frozenset({name}), size, holds, deadline, prompt, 0)
             scores = await self.offload.response(count * hidden * COPY_BYTE_S, cosines,
                                                  results[0].pooled[name],
                                                  [r.pooled[name] for r in results[1:]])
@@ -431,13 +532,14 @@ class ServedModel:
     # --- tokenize ---------------------------------------------------------------------
 
     async def _tokenize(self, texts: Sequence[str], truncate: bool, names: FieldNames,
-                        holds: Holds, details: bool, special_tokens: bool = True) -> list[Encoded]:
+                        holds: Holds, details: bool, prompt: Prompt | None = None,
+                        left: bool = False, special_tokens: bool = True) -> list[Encoded]:
         try:
             with self.metrics.stage_duration.labels(self.name, "tokenize").time(), \
                     timings.stage("tokenize"):
                 return await self.offload.request(
                     cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
-                    holds, details, special_tokens)
+                    holds, details, prompt, left, special_tokens)
         except TooLong as err:
             raise InvalidArgument(names.sequence(err.index), err.reason) from err
 
@@ -447,8 +549,10 @@ class ServedModel:
         self.check_ready()
         if not request.texts:
             raise InvalidArgument(request.names.sequences, "empty: send at least one text")
+        prompt = self.prompt(request.prompt_name)
+        left = self._left(request.truncation_direction, True)
         return await self._tokenize(request.texts, request.truncate, request.names, holds, True,
-                                    request.special_tokens)
+                                    prompt, left, request.special_tokens)
 
     # --- decode -----------------------------------------------------------------------
 
@@ -638,7 +742,8 @@ class ServedModel:
             family=m.model_type, kind=m.kind, labels=list(m.labels),
             artifact_sha256=self.artifact.manifest_sha256,
             inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in m.inputs],
-            outputs=outputs)
+            outputs=outputs, prompts=dict(m.prompts), default_prompt_name=self.default_prompt,
+            matryoshka_dims=list(m.matryoshka_dims))
 
 
 def _segments(types: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -15,6 +15,13 @@ Tokenized whole, a 4 MiB text takes 6 s and 625 MiB at its peak; its first 4,096
 characters take a millisecond. A text with no such point (one 4 MiB word, or
 only whitespace) is still tokenized whole, its working memory held first.
 
+Cut at its start instead (left truncation), a text keeps its last tokens: it is tokenized
+a suffix at a time, from a cut point near its end (the tokens after a cut point are the
+whole text's, as a piece's are), growing the suffix while it has too few tokens to
+fill the model's positions. A prompt goes before the text as sentence-transformers puts
+it, as text; a text cut at its start keeps the prompt's tokens after the leading special
+tokens, then the text's last tokens.
+
 All of it goes through `encode_batch`, which lets the interpreter go while it works
 (`encode` holds it: 1.27 s for a 2 MiB text), in slices of a few hundred texts, so the
 event loop gets the interpreter between them. Each slice's working memory is taken from
@@ -46,7 +53,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from attnserve.artifact import RERANKER, TOKENIZER, Artifact, ArtifactError
+from attnserve.artifact import MANIFEST, RERANKER, TOKENIZER, Artifact, ArtifactError
 from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
 from attnserve.server.memory.ledger import Holds
 
@@ -131,6 +138,27 @@ class TextTokens:
     """bool: the token begins a word of the pre-tokenizer's (not a piece after ##)"""
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt, as the model reads it before a text."""
+
+    name: str
+    text: str
+    length: int
+    """the tokens at a sequence's start that are the prompt's, the leading special tokens
+    included: sentence-transformers' prompt_length (the prompt tokenized alone, less the
+    special token that closes it), which pooling leaves out with include_prompt false"""
+    ids: np.ndarray
+    """int64: the prompt's tokens after the leading special tokens, kept by a text cut at
+    its start"""
+    tokens: list[str]
+    offsets: list[tuple[int, int]]
+
+
+class PromptTooLong(ValueError):
+    """A prompt that leaves a text no room in the model's positions."""
+
+
 class TooLong(ValueError):
     def __init__(self, index: int, limit: int, reason: str | None = None):
         """`index`: the text's; -1 for a pair's query."""
@@ -170,7 +198,8 @@ class PairTemplate:
 
 
 class TextTokenizer:
-    def __init__(self, path: Path, max_positions: int):
+    def __init__(self, path: Path, max_positions: int, prompts: dict[str, str] | None = None):
+        """`prompts`: name -> text (the artifact's)."""
         # The bundled tokenizer.json pads and truncates to 128 tokens: padding off, and
         # the cut one token past the model's positions, where the server's own rule
         # decides (refuse or truncate) instead of a silent cut.
@@ -184,6 +213,9 @@ class TextTokenizer:
         """for encode_whole: no truncation, no post-processor"""
         self.whole.no_truncation()
         self.tokenizer.enable_truncation(max_positions + 1)
+        self.left = Tokenizer.from_str(json.dumps(described))
+        """for a text cut at its start: its last tokens, the special tokens around them"""
+        self.left.enable_truncation(max_positions + 1, direction="left")
         self.max_positions = max_positions
         probe = self.tokenizer.encode("a")
         mask = probe.special_tokens_mask
@@ -204,19 +236,42 @@ class TextTokenizer:
         self.pair = PairTemplate.of(self.tokenizer)
         """how a reranker's pairs are laid out; None without a template for pairs"""
 
-    def encode(self, texts: list[str], truncate: bool, holds: Holds,
-               details: bool = False, special_tokens: bool = True) -> list[Encoded]:
-        """Refuses (TooLong) a text longer than the model's positions unless `truncate`;
-        `details`: keep the tokens, offsets and special-token flags too; `special_tokens`:
-        close each text with the model's special tokens. Takes its memory from `holds`: the
-        working memory while it works, what it returns for good."""
+        self.prompts = {name: self._prompt(name, text) for name, text in (prompts or {}).items()}
+        """name -> Prompt; None for an empty text (sentence-transformers then adds none)"""
+
+
+    def _prompt(self, name: str, text: str) -> Prompt | None:
+        if not text:
+            return None
+        encoding = self.tokenizer.encode(text)
+        if len(encoding) >= self.max_positions:
+            raise PromptTooLong(f"prompt {name!r} and the special tokens take {self.max_positions} "
+                                "or more of the model's positions, leaving none for a text")
+        length = len(encoding) - (1 if self.tail else 0)
+        own = slice(len(self.head_ids), length)
+        return Prompt(name, text, length, np.asarray(encoding.ids[own], dtype=np.int64),
+                      encoding.tokens[own], encoding.offsets[own])
+
+    def encode(self, texts: list[str], truncate: bool, holds: Holds, details: bool = False,
+               prompt: Prompt | None = None, left: bool = False,
+               special_tokens: bool = True) -> list[Encoded]:
+        """Refuses (TooLong) a text longer than the model's positions unless `truncate`,
+        which cuts its end, or its start with `left`; `details`: keep the tokens, offsets
+        (into the prompt and the text, as the model reads them) and special-token flags
+        too; `prompt`: put before each text; `special_tokens`: close each text with the
+        model's special tokens. Takes its memory from `holds`: the working memory while it
+        works, what it returns for good."""
         out: list[Encoded] = []
         per_token = KEPT_BYTES_PER_ID + (KEPT_BYTES_PER_DETAIL if details else 0)
         first = self._first_prefix()
+        lead = prompt.text if prompt else ""
         tail = self.tail if special_tokens else 0
-        for start, end in _slices([min(len(text), first) for text in texts]):
-            encodings = self._encode_slice(texts[start:end], holds, special_tokens=special_tokens)
-            kept = [self._keep(start + i, e, truncate, details, tail)
+        for start, end in _slices([min(len(text), first) + len(lead) for text in texts]):
+            encodings = self._encode_slice(texts[start:end], holds, lead,
+                                           special_tokens=special_tokens)
+            kept = [self._keep_end(texts[start + i], prompt, holds, details, special_tokens)
+                    if left and truncate and len(e) > self.max_positions
+                    else self._keep(start + i, e, truncate, details, tail)
                     for i, e in enumerate(encodings)]
             del encodings
             holds.take(sum(KEPT_BYTES_PER_TEXT + per_token * len(k.ids) for k in kept), "token ids")
@@ -226,19 +281,22 @@ class TextTokenizer:
     def _first_prefix(self) -> int:
         return PREFIX_CHARS_PER_POSITION * self.max_positions
 
-    def _encode_slice(self, texts: list[str], holds: Holds, limit: int | None = None,
-                      special_tokens: bool = True) -> list:
-        """Each text's encoding, from its shortest prefix that decides it: the whole text,
-        or a prefix that already has more tokens than the model's positions. With `limit`:
-        without special tokens, more than `limit` tokens deciding."""
-        limit, whole = (self.max_positions, False) if limit is None else (limit, True)
+    def _encode_slice(self, texts: list[str], holds: Holds, lead: str = "",
+                      limit: int | None = None, special_tokens: bool = True) -> list:
+        """Each text's encoding after `lead`, from its shortest prefix that decides it: the
+        whole text, or a prefix that already has more tokens than the model's positions.
+        With `limit`: without special tokens, more than `limit` tokens deciding."""
+        limit, tokenizer = ((self.max_positions, self.tokenizer) if limit is None
+                            else (limit, self.whole))
         sized = [self._prefix(text, self._first_prefix()) for text in texts]
-        encodings = self._tokenize([prefix for prefix, _ in sized], holds, whole, special_tokens)
+        encodings = self._tokenize([lead + prefix for prefix, _ in sized], holds, tokenizer,
+                                   special_tokens)
         for i, text in enumerate(texts):
             prefix, size = sized[i]
             while len(prefix) < len(text) and len(encodings[i]) <= limit:
                 prefix, size = self._prefix(text, size * PREFIX_GROWTH)
-                encodings[i] = self._tokenize([prefix], holds, whole, special_tokens)[0]
+                encodings[i] = self._tokenize([lead + prefix], holds, tokenizer,
+                                              special_tokens)[0]
         return encodings
 
     def encode_pairs(self, query: str, texts: Sequence[str], truncate: bool, holds: Holds,
@@ -250,7 +308,7 @@ class TextTokenizer:
         text it makes fit is not refused)."""
         pair = self.pair
         room = self.max_positions - pair.specials
-        (asked,) = self._encode_slice([query], holds, room)
+        (asked,) = self._encode_slice([query], holds, limit=room)
         if len(asked) >= room:
             raise TooLong(-1, self.max_positions, f"{'more than ' if len(asked) > room else ''}"
                           f"{len(asked)} tokens, leaving no room for a text among the model's "
@@ -262,7 +320,7 @@ class TextTokenizer:
         cap = budget if max_text_tokens is None else min(budget, max_text_tokens)
         pairs: list[np.ndarray] = []
         for start, end in _slices([min(len(text), self._first_prefix()) for text in texts]):
-            encodings = self._encode_slice(list(texts[start:end]), holds, budget)
+            encodings = self._encode_slice(list(texts[start:end]), holds, limit=budget)
             for i, encoding in enumerate(encodings, start):
                 ids = encoding.ids
                 if len(ids) > budget and cap == budget and not truncate:
@@ -278,15 +336,14 @@ class TextTokenizer:
         segments = np.full(len(pairs), len(head), dtype=np.int64) if pair.segments else None
         return pairs, segments
 
-    def _tokenize(self, texts: list[str], holds: Holds, whole: bool = False,
+    def _tokenize(self, texts: list[str], holds: Holds, tokenizer: Tokenizer,
                   special_tokens: bool = True) -> list:
-        """`whole`: untruncated, without special tokens."""
+        """With `self.whole`: untruncated, without special tokens."""
         work = WORK_BYTES_PER_TEXT * len(texts) + WORK_BYTES_PER_CHAR * sum(map(len, texts))
         holds.take(work, "tokenizing")
         try:
-            if whole:
-                return self.whole.encode_batch(texts, add_special_tokens=False)
-            return self.tokenizer.encode_batch(texts, add_special_tokens=special_tokens)
+            return tokenizer.encode_batch(
+                texts, add_special_tokens=special_tokens and tokenizer is not self.whole)
         finally:
             holds.give_back(work)
             if work >= TRIM_AFTER_BYTES:
@@ -318,6 +375,45 @@ class TextTokenizer:
                        for ids in sequences), "decoded text")
         return self.tokenizer.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
+    def _suffix(self, text: str, size: int) -> tuple[int, int]:
+        """(the first cut point of the last `size` characters, the size looked at); 0 when
+        the text is that short. With no cut point near, it looks further back."""
+        while size < len(text):
+            begin = len(text) - size
+            point = self.cut_points.search(text, begin, min(len(text), begin + CUT_WINDOW))
+            if point is not None:
+                return point.start(), size
+            size *= PREFIX_GROWTH
+        return 0, len(text)
+
+    def _keep_end(self, text: str, prompt: Prompt | None, holds: Holds, details: bool,
+                  special_tokens: bool) -> Encoded:
+        """A text too long for the model cut at its start: the leading special tokens, the
+        prompt's, the text's last tokens that fit, the closing special tokens."""
+        heads, tails = (len(self.head_ids), self.tail) if special_tokens else (0, 0)
+        room = self.max_positions - heads - tails - (len(prompt.ids) if prompt else 0)
+        start, size = self._suffix(text, self._first_prefix())
+        (encoding,) = self._tokenize([text[start:]], holds, self.left, special_tokens)
+        n = len(encoding)
+        while start > 0 and n - heads - tails <= room:
+            start, size = self._suffix(text, size * PREFIX_GROWTH)
+            (encoding,) = self._tokenize([text[start:]], holds, self.left, special_tokens)
+            n = len(encoding)
+        head, tail = slice(heads), slice(n - tails, n)
+        own = slice(max(heads, n - tails - room), n - tails)
+        lead = prompt.ids.tolist() if prompt else []
+        ids = encoding.ids
+        ids = np.asarray(ids[head] + lead + ids[own] + ids[tail], dtype=np.int64)
+        if not details:
+            return Encoded(ids, None, None)
+        shift = start + (len(prompt.text) if prompt else 0)
+        tokens, offsets, mask = encoding.tokens, encoding.offsets, encoding.special_tokens_mask
+        return Encoded(ids, tokens[head] + (prompt.tokens if prompt else []) + tokens[own] + tokens[tail],
+                       offsets[head] + (prompt.offsets if prompt else [])
+                       + [(a + shift, b + shift) for a, b in offsets[own]] + offsets[tail],
+                       [bool(m) for m in mask[head]] + [False] * len(lead)
+                       + [bool(m) for m in mask[own] + mask[tail]])
+
     # --- whole texts, for chunking ------------------------------------------------------
 
     def encode_whole(self, texts: Sequence[str], holds: Holds) -> list[TextTokens]:
@@ -329,7 +425,7 @@ class TextTokenizer:
         for low, high in _slices([end - start for _, start, end in pieces]):
             piece_slice = pieces[low:high]
             encodings = self._tokenize([texts[i][start:end] for i, start, end in piece_slice],
-                                       holds, whole=True)
+                                       holds, self.whole)
             holds.take(KEPT_BYTES_PER_WHOLE_TOKEN * sum(map(len, encodings)), "tokens")
             for (i, start, end), encoding in zip(piece_slice, encodings, strict=True):
                 parts[i].append(_piece_tokens(encoding, texts[i][start:end], start))
@@ -404,8 +500,12 @@ def _joined(parts: list[TextTokens]) -> TextTokens:
 
 
 def load_tokenizer(artifact: Artifact) -> TextTokenizer:
+    manifest = artifact.manifest
     try:
-        tokenizer = TextTokenizer(artifact.path(TOKENIZER), artifact.manifest.max_positions)
+        tokenizer = TextTokenizer(artifact.path(TOKENIZER), manifest.max_positions,
+                                  manifest.prompts)
+    except PromptTooLong as err:
+        raise ArtifactError(f"{artifact.path(MANIFEST)}: {err}") from err
     except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception
         raise ArtifactError(f"{artifact.path(TOKENIZER)}: not a valid tokenizer ({err})") from err
     if artifact.manifest.kind == RERANKER and tokenizer.pair is None:

@@ -90,7 +90,7 @@ class SequenceResult:
     those the request asked for"""
     span_means: np.ndarray | None = None
     """(spans, hidden): the mean token embedding over each token span the request named
-    for this sequence (RequestQueue.submit's `spans`), in place of `hidden`"""
+    for this sequence (RequestQueue.submit's `spans`)"""
 
 
 class Backend(Protocol):

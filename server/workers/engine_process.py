@@ -19,7 +19,7 @@ from attnserve.server.config import config_from_json
 from attnserve.server.engine import timings
 from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
 from attnserve.server.engine.queue import RequestQueue
-from attnserve.server.engine.registry import load_models
+from attnserve.server.engine.registry import load_models, log_default_prompts
 from attnserve.server.engine.runner import Runners
 from attnserve.server.errors import RequestError
 from attnserve.server.host import resident_bytes_of
@@ -107,6 +107,7 @@ class EngineProcess:
     def __init__(self, config, shared: SharedState, listener: socket.socket):
         self.config, self.shared, self.listener = config, shared, listener
         named = load_models(config)
+        log_default_prompts(config, named)
         self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in named),
                                os.environ[FRONT_ENDS_METRICS_ENV])
 

@@ -193,7 +193,7 @@ class FrontProcess:
                                         manifest.hidden_size)
             models.append(ServedModel(named.name, named.artifact, tokenizer, scheduler, memory,
                                       placement, offload, self.metrics, self.serving,
-                                      config.max_chunking_chars))
+                                      config.max_chunking_chars, named.default_prompt))
         plane = DataPlane(models, budget, offload, self.metrics, self.serving)
         await self.ports.start(plane, offload.requests_pool, shared_ports=True, metrics_port=False)
         self.shared.fields.worker_up[self.index] = 1

@@ -44,6 +44,7 @@ SERVE_FLAGS = {
     "--max-queue-requests",
     "--max-queue-tokens",
     "--max-chunking-chars",
+    "--default-prompt-name",
     "--memory-budget-bytes",
     "--drain-seconds",
     "--max-message-bytes",

@@ -8,7 +8,14 @@ import subprocess
 import onnx
 import pytest
 
-from attnserve.artifact import MANIFEST, TOKENIZER, ArtifactError, attention_output, load_artifact
+from attnserve.artifact import (
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKENIZER,
+    ArtifactError,
+    attention_output,
+    load_artifact,
+)
 from attnserve.export.quantize import pooled_cosines
 from bench.harness import make_tiny_checkpoint
 from tests.conftest import ATTNSERVE, REPO, export
@@ -33,7 +40,7 @@ def _ops(artifact, file: str) -> set[str]:
 
 def test_int8_graphs_are_listed_with_their_parity(int8_artifact):
     manifest = int8_artifact.manifest
-    assert manifest.format_version == 4
+    assert manifest.format_version == FORMAT_VERSION
     embed = manifest.graph(attention=False, precision="int8")
     attend = manifest.graph(attention=True, precision="int8")
     assert (embed.file, attend.file) == ("encoder_int8.onnx", "encoder_attn_int8.onnx")
@@ -168,9 +175,11 @@ def test_a_format_1_manifest_still_loads(tmp_path, int8_artifact):
 
 
 def test_a_newer_format_is_refused_by_name(tmp_path, int8_artifact):
-    _copy_with_manifest(int8_artifact, tmp_path / "v5", lambda data: data.update(format_version=5))
-    with pytest.raises(ArtifactError, match=r"format_version 5, this server reads 1 and 2 and 3 and 4"):
-        load_artifact(tmp_path / "v5")
+    newer = FORMAT_VERSION + 1
+    _copy_with_manifest(int8_artifact, tmp_path / "newer", lambda data: data.update(format_version=newer))
+    with pytest.raises(ArtifactError, match=rf"format_version {newer}, this server reads 1 and 2 and 3 "
+                                            rf"and 4$"):
+        load_artifact(tmp_path / "newer")
 
 
 def test_smoothing_and_outlier_split_leave_fp32_results_unchanged(int8_artifact):

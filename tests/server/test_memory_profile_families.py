@@ -1,0 +1,58 @@
+"""`attnserve memory-profile` on an artifact of each family beside BERT (tests/families.py:
+byte-level, metaspace and ModernBERT's tokenizers, vocabularies of a few hundred entries,
+RoBERTa's positions after the padding id, ModernBERT's local attention): every shape
+measured, a fit that follows the peaks, and a real server that loads each family's fit."""
+
+import json
+import re
+
+import pytest
+
+from attnserve.artifact import load_artifact
+from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, load_memory_model
+from bench.harness import ServerProcess
+from tests.conftest import export
+from tests.families import FAMILIES, make_checkpoint
+from tests.server.test_memory_profile import BATCHES, CPU, SEQ_LENS, profile
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> dict:
+    """family -> (artifact directory, memory_profile.json)"""
+    out = {}
+    for family in FAMILIES:
+        checkpoint = make_checkpoint(family, tmp_path_factory.mktemp(f"{family}-checkpoint"))
+        artifact = export(tmp_path_factory.mktemp(family), checkpoint, "--name", family)
+        report_dir = tmp_path_factory.mktemp(f"{family}-profile")
+        profile(artifact, report_dir)
+        out[family] = artifact, json.loads((report_dir / "memory_profile.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_shape_is_measured_and_the_fit_follows_it(profiled, family):
+    artifact, report = profiled[family]
+    assert report["left_out"] == []
+    rows = report["rows"]
+    assert {(r["graph"], r["batch"], r["seq"]) for r in rows} == {
+        (graph, b, s) for graph in (EMBEDDINGS, ATTENTION) for b in BATCHES for s in SEQ_LENS}
+    manifest = load_artifact(artifact).manifest
+    models = load_memory_model(artifact, manifest, CPU, "fp32")
+    large = [r for r in rows if r["peak_bytes"] >= MIB]
+    assert len(large) >= 4
+    for r in large:
+        predicted = models.predict(r["batch"], r["seq"], manifest.num_heads, r["returned_layers"])
+        assert abs(predicted - r["peak_bytes"]) <= 0.15 * r["peak_bytes"], (r, predicted)
+
+
+def test_the_server_loads_each_familys_fit(profiled):
+    first, *others = FAMILIES
+    flags = [arg for family in others for arg in ("--artifact", f"{family}={profiled[family][0]}")]
+    with ServerProcess(profiled[first][0], *flags) as server:
+        line = next(line for line in server.output().splitlines() if "event=serving" in line)
+    served = re.search(r"memory_model='(.*)'", line)[1]
+    assert served == "; ".join(f"{family}: embeddings: fitted on {CPU} fp32 (encoder_opt.onnx); "
+                               f"attention: fitted on {CPU} fp32 (encoder_attn.onnx)"
+                               for family in FAMILIES), line
