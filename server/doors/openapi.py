@@ -15,11 +15,9 @@ from attnserve.server.engine.requests import ModelInfo
 
 _ERROR = {"type": "object", "required": ["error"],
           "properties": {"error": {"type": "string"}}}
-_TEI_ERROR = {"type": "object", "required": ["error", "error_type"],
-              "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}}}
 _COHERE_ERROR = {"type": "object", "required": ["message"],
                  "properties": {"message": {"type": "string"}}}
-_SCORING_STATUSES = (400, 401, 404, 408, 413, 415, 429, 503)
+_COHERE_STATUSES = (400, 401, 404, 408, 413, 415, 429, 503)
 _OPENAI_ERROR = {
     "type": "object", "required": ["error"],
     "properties": {"error": {
@@ -63,6 +61,8 @@ _TEI_ERROR = {"type": "object", "required": ["error", "error_type"],
 # TEI's statuses of its POST routes that run the model, and of those that only tokenize.
 _TEI_RUNS = (400, 401, 408, 413, 415, 422, 424, 429, 503)
 _TEI_TOKENIZES = (400, 401, 408, 413, 415, 422, 429, 503)
+# TEI's scoring routes name a model, so they may answer 404 as well.
+_TEI_SCORES = (400, 401, 404, 408, 413, 415, 422, 424, 429, 503)
 _TEI_EMPTY = "an input, list or text is empty (TEI's Empty)"
 
 
@@ -497,19 +497,20 @@ def _scoring_paths(infos: list[ModelInfo]) -> dict:
                            "usage": {"type": "object", "required": ["total_tokens"],
                                      "properties": {"total_tokens": {"type": "integer"}}}}}
 
-    def post(summary: str, body: dict, answer: dict, described: str, error: dict) -> dict:
+    def post(summary: str, body: dict, answer: dict, described: str, error: dict,
+             statuses: tuple[int, ...]) -> dict:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
             "application/json": {"schema": body}}},
-            "responses": {"200": _json(answer, described), **_refusals(error, _SCORING_STATUSES)}}}
+            "responses": {"200": _json(answer, described), **_refusals(error, statuses)}}}
 
     cohere_route = post("Cohere's and Jina's rerank: a reranker's relevance_score (sigmoid) of "
                         "each (query, document) pair", cohere, cohere_response,
-                        "highest score first", _COHERE_ERROR)
+                        "highest score first", _COHERE_ERROR, _COHERE_STATUSES)
     return {
         "/rerank": post("TEI's rerank: a reranker's score of each (query, text) pair", rerank,
-                        ranks, "highest score first", _TEI_ERROR),
+                        ranks, "highest score first", _TEI_ERROR, _TEI_SCORES),
         "/similarity": post("TEI's similarity: the cosine of the source sentence's pooled vector "
                             "and each sentence's", similarity,
                             {"type": "array", "items": {"type": "number"}},
-                            "one score a sentence, in order", _TEI_ERROR),
+                            "one score a sentence, in order", _TEI_ERROR, _TEI_SCORES),
         "/v1/rerank": cohere_route, "/v2/rerank": cohere_route}

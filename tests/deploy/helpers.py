@@ -60,6 +60,8 @@ SERVE_FLAGS = {
     "--tls-client-ca",
     "--api-key",
     "--api-key-file",
+    "--cors-allow-origin",
+    "--otlp-endpoint",
     "--log-level",
     "--ready-file",
     "--check-config",

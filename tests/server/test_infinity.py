@@ -86,7 +86,7 @@ def test_infinitys_fields_both_ways(minilm_server):
 @pytest.mark.parametrize("route,body,param,needle", [
     ("/embeddings", {"input": "hi", "modality": "image"}, "modality", "embeds text only"),
     ("/embeddings", {"input": "hi", "dimensions": 7}, "dimensions", "one size, 384"),
-    ("/embeddings", {"input": "hi", "dimensions": False}, "dimensions", "expected an integer"),
+    ("/embeddings", {"input": "hi", "dimensions": False}, "dimensions", "expected a positive integer"),
     ("/embeddings", {"input": "hi", "model": "bge-small"}, "model", "unknown model 'bge-small'"),
     ("/embeddings", {"input": []}, "input", "not empty"),
     ("/embeddings", {"input": "hi", "top_n": 3}, "top_n", "unknown field"),
