@@ -281,6 +281,14 @@ class HttpCalls:
             return convert(parsed)
         return await self.plane.offload.request(len(body) * JSON_BYTE_S, work)
 
+    async def json_body(self, request: web.Request, holds: Holds,
+                        convert: Callable[[object], T]) -> T:
+        """A JSON route's body as `convert` reads it, once the server is ready and the body
+        is JSON."""
+        self.plane.check_ready()
+        self.check_type(request, ("application/json",))
+        return await self.json(await self.body(request, holds), convert)
+
     async def answer(self, rpc: str, request: web.Request,
                      handler: Callable[[Holds], Awaitable[web.StreamResponse]],
                      refusal: Callable[[RequestError, int], web.StreamResponse]) -> web.StreamResponse:

@@ -229,10 +229,7 @@ class OpenAIEmbeddings:
     async def _embed(self, request: web.Request, holds: Holds, read=parse,
                      more: Callable[[], dict] = dict) -> web.Response:
         """`read`: the body's parser; `more()`: the answer's fields beside OpenAI's."""
-        self.plane.check_ready()
-        self.calls.check_type(request, ("application/json",))
-        body = await self.calls.body(request, holds)
-        parsed = await self.calls.json(body, read)
+        parsed = await self.calls.json_body(request, holds, read)
         model = self.plane.model(parsed.model)
         embedded = await model.embed(self.request(parsed, model), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())

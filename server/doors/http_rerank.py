@@ -114,9 +114,7 @@ class RerankHttp:
         return [web.post("/v1/rerank", self.handle), web.post("/v2/rerank", self.handle)]
 
     async def _rerank(self, request: web.Request, holds: Holds) -> web.Response:
-        self.plane.check_ready()
-        self.calls.check_type(request, ("application/json",))
-        parsed = await self.calls.json(await self.calls.body(request, holds), parse)
+        parsed = await self.calls.json_body(request, holds, parse)
         model = self.plane.model(parsed.model, kind=RERANKER)
         texts = parsed.documents
 

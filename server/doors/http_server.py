@@ -148,10 +148,11 @@ class HttpServers:
                                config.http_body_timeout_seconds, max_entries, tracing)
         openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
         kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
+        scores = TeiScores(self.calls, plane, config.max_message_bytes)
         doors = [TeiHttp(self.calls, plane, config.max_message_bytes, config.max_queue_requests,
-                         config.max_batch_tokens, config.max_batch_size, max_entries),
-                 *(door(self.calls, plane, config.max_message_bytes)
-                   for door in (TeiScores, RerankHttp))]
+                         config.max_batch_tokens, config.max_batch_size, max_entries,
+                         scores.rerank),
+                 scores, RerankHttp(self.calls, plane, config.max_message_bytes)]
         self.api = Listener(api_app(self.calls, plane, keys, openai, kserve,
                                     Cors(config.cors_allow_origin),
                                     openapi_document([m.model_info() for m in plane.models.values()]),

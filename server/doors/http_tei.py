@@ -1,6 +1,6 @@
 """Text Embeddings Inference's HTTP API (TEI 1.9, its router/src/http) through the data
-plane: POST /embed, POST / (an embedder's root is /embed, as TEI routes its root by the
-model's kind), POST /embed_all, POST /tokenize, POST /decode and GET /info. TEI serves
+plane: POST /embed, POST / (TEI routes its root by the model's kind: an embedder's is
+/embed, a reranker's /rerank), POST /embed_all, POST /tokenize, POST /decode and GET /info. TEI serves
 one model and has no field or header that names one: these routes serve the server's
 default model.
 
@@ -16,19 +16,22 @@ Errors come in TEI's shape {"error", "error_type"} with TEI's statuses: an empty
 them), 429 Overloaded, 503 Unhealthy, a batch that failed in the backend 424 Backend;
 the port's own limits keep their statuses (401, 408, 413, 415) and are typed Validation.
 
-TEI fields the data plane does not take are read and checked, and any value but their
-default refused naming the field: truncation_direction (right only), prompt_name (none),
-dimensions (the model's one size). `truncate` left out means TEI's `auto_truncate`,
-false here (/info says so): a text longer than the model's positions is refused unless
-the request sets truncate. /tokenize takes `truncate` too (not a TEI field)."""
+`prompt_name` names one of the model's prompts, put before each text (none named: the
+model's default prompt, if it has one); /tokenize's tokens then include the prompt's, with
+offsets into the prompt and the text, as TEI gives them. `truncation_direction` Left cuts
+a long text at its start; `dimensions` one of the model's Matryoshka sizes. `truncate` left
+out means TEI's `auto_truncate`, false here (/info says so): a text longer than the model's
+positions is refused unless the request sets truncate. /tokenize takes `truncate` too (not
+a TEI field)."""
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 from aiohttp import web
 
-from attnserve.artifact import HIDDEN_OUTPUT, pooled_output
+from attnserve.artifact import HIDDEN_OUTPUT, RERANKER, pooled_output
 from attnserve.server.doors.front import SERVER_VERSION
 from attnserve.server.doors.http_calls import (
     JSON_FLOAT_BYTES,
@@ -45,21 +48,23 @@ from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S,
 from attnserve.server.engine.requests import (
     DecodeRequest,
     EmbedRequest,
+    ModelInfo,
     ResponseSize,
     TokenizeRequest,
+    TruncationDirection,
 )
 from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.errors import InvalidArgument, quote
 from attnserve.server.memory.ledger import Holds
 
-JSON = ("application/json",)
 EMBED_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "normalize",
                 "dimensions")
 EMBED_ALL_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name")
 TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "truncate")
 DECODE_FIELDS = ("ids", "skip_special_tokens")
-DIRECTIONS = {"Right": "right", "right": "right", "Left": "left", "left": "left"}
+DIRECTIONS = {"Right": TruncationDirection.RIGHT, "right": TruncationDirection.RIGHT,
+              "Left": TruncationDirection.LEFT, "left": TruncationDirection.LEFT}
 DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
 # Answer sizes: the brackets and comma around each vector or list, and one token's object
 # but its text ({"id":N,"text":"","special":false,"start":N,"stop":N},).
@@ -77,20 +82,20 @@ def _flag(body: dict, name: str, default: bool, nullable: bool = False) -> bool:
     return value
 
 
-def _unsupported(body: dict) -> None:
-    """TEI's fields the data plane does not take: only their defaults pass."""
-    direction = body.get("truncation_direction", "Right")
-    if direction not in DIRECTIONS:
+def _direction(body: dict) -> TruncationDirection:
+    direction = body.get("truncation_direction")
+    if direction is None:
+        return TruncationDirection.RIGHT
+    if not isinstance(direction, str) or direction not in DIRECTIONS:
         raise InvalidArgument("truncation_direction", f"{quote(direction)}; expected Right or Left")
-    if DIRECTIONS[direction] == "left":
-        raise InvalidArgument("truncation_direction", f"{quote(direction)}: this server truncates "
-                              "on the right only (a text keeps its start); omit it or send Right")
+    return DIRECTIONS[direction]
+
+
+def _prompt_name(body: dict) -> str | None:
     prompt = body.get("prompt_name")
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise InvalidArgument("prompt_name", f"{quote(prompt)}; expected a string")
-        raise InvalidArgument("prompt_name", f"{quote(prompt)}: this server applies no prompts; "
-                              "omit prompt_name, or put the prompt before the text")
+    if prompt is not None and not isinstance(prompt, str):
+        raise InvalidArgument("prompt_name", f"{quote(prompt)}; expected a string")
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,11 @@ class EmbedBody:
     """EmbedRequest's texts or token_ids"""
     names: SequenceNames
     truncate: bool
+    direction: TruncationDirection
+    prompt_name: str | None
     normalize: bool = True
-    dimensions: int | None = None
+    dimensions: int = 0
+    """0: the model's hidden size"""
 
 
 def _inputs(body: dict) -> tuple[dict, SequenceNames]:
@@ -111,20 +119,20 @@ def _inputs(body: dict) -> tuple[dict, SequenceNames]:
 
 def parse_embed(body) -> EmbedBody:
     known_fields(body, EMBED_FIELDS)
-    _unsupported(body)
     dimensions = body.get("dimensions")
-    if dimensions is not None and type(dimensions) is not int:
-        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected an integer")
+    if dimensions is not None and (type(dimensions) is not int or dimensions < 1):
+        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected a positive integer")
     inputs, names = _inputs(body)
     return EmbedBody(inputs, names, _flag(body, "truncate", False, nullable=True),
-                     _flag(body, "normalize", True), dimensions)
+                     _direction(body), _prompt_name(body), _flag(body, "normalize", True),
+                     dimensions or 0)
 
 
 def parse_embed_all(body) -> EmbedBody:
     known_fields(body, EMBED_ALL_FIELDS)
-    _unsupported(body)
     inputs, names = _inputs(body)
-    return EmbedBody(inputs, names, _flag(body, "truncate", False, nullable=True))
+    return EmbedBody(inputs, names, _flag(body, "truncate", False, nullable=True),
+                     _direction(body), _prompt_name(body))
 
 
 @dataclass(frozen=True)
@@ -133,16 +141,16 @@ class TokenizeBody:
     names: SequenceNames
     special_tokens: bool
     truncate: bool
+    prompt_name: str | None
 
 
 def parse_tokenize(body) -> TokenizeBody:
     known_fields(body, TOKENIZE_FIELDS)
-    _unsupported(body)
     if "inputs" not in body:
         raise InvalidArgument("inputs", "required: a string or a list of strings")
     inputs, names = sequences(body["inputs"], "inputs", Empty, ids=False)
     return TokenizeBody(inputs["texts"], names, _flag(body, "add_special_tokens", True),
-                        _flag(body, "truncate", False, nullable=True))
+                        _flag(body, "truncate", False, nullable=True), _prompt_name(body))
 
 
 def parse_decode(body) -> DecodeRequest:
@@ -187,8 +195,10 @@ def tei_tokens(text: str, encoded: Encoded) -> list[dict]:
 class TeiHttp:
     def __init__(self, calls: HttpCalls, plane: DataPlane, max_response_bytes: int,
                  max_queue_requests: int, max_batch_tokens: int, max_batch_size: int,
-                 max_entries: int):
+                 max_entries: int, rerank: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """`rerank`: TEI's /rerank, the root of a server whose default model is a reranker."""
         self.calls = calls
+        self.rerank = rerank
         self.plane = plane
         self.max_response_bytes = max_response_bytes
         self.refusal = refusal
@@ -197,14 +207,10 @@ class TeiHttp:
                        "max_client_batch_size": max_entries}
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/", self.root), web.post("/embed", self.embed),
+        root = self.rerank if self.plane.default.kind == RERANKER else self.root
+        return [web.post("/", root), web.post("/embed", self.embed),
                 web.post("/embed_all", self.embed_all), web.post("/tokenize", self.tokenize),
                 web.post("/decode", self.decode), web.get("/info", self.info)]
-
-    async def _body(self, request: web.Request, holds: Holds, parse):
-        self.plane.check_ready()
-        self.calls.check_type(request, JSON)
-        return await self.calls.json(await self.calls.body(request, holds), parse)
 
     def _size(self, per_sequence: int, per_token: int) -> ResponseSize:
         return ResponseSize(lambda lengths: 2 + len(lengths) * per_sequence + int(lengths.sum())
@@ -213,27 +219,28 @@ class TeiHttp:
     # --- /embed, / and /embed_all -------------------------------------------------------
 
     async def _embed(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self._body(request, holds, parse_embed)
+        body = await self.calls.json_body(request, holds, parse_embed)
         model = self.plane.model(None)
-        hidden = model.manifest.hidden_size
-        if body.dimensions is not None and body.dimensions != hidden:
-            raise InvalidArgument("dimensions", f"{body.dimensions}; {model.name!r} has one size, "
-                                  f"{hidden}: omit dimensions or set it to that")
+        size = body.dimensions or model.manifest.hidden_size
         pooled = pooled_output(model.manifest.default_pooling, body.normalize)
         embedded = await model.embed(EmbedRequest(
-            names=body.names, size=self._size(LIST_BYTES + hidden * JSON_FLOAT_BYTES, 0),
-            truncate=body.truncate, outputs=frozenset({pooled}), **body.inputs), holds, None)
+            names=body.names, size=self._size(LIST_BYTES + size * JSON_FLOAT_BYTES, 0),
+            truncate=body.truncate, truncation_direction=body.direction,
+            prompt_name=body.prompt_name, outputs=frozenset({pooled}),
+            dimensions=body.dimensions, **body.inputs), holds, None)
         count = len(embedded.results)
-        return await self._answer(model, count * (RESULT_S + hidden * FLOAT_TEXT_S),
+        return await self._answer(model, count * (RESULT_S + size * FLOAT_TEXT_S),
                                   [r.pooled[pooled] for r in embedded.results])
 
     async def _embed_all(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self._body(request, holds, parse_embed_all)
+        body = await self.calls.json_body(request, holds, parse_embed_all)
         model = self.plane.model(None)
         hidden = model.manifest.hidden_size
         embedded = await model.embed(EmbedRequest(
             names=body.names, size=self._size(LIST_BYTES, LIST_BYTES + hidden * JSON_FLOAT_BYTES),
-            truncate=body.truncate, outputs=frozenset({HIDDEN_OUTPUT}), **body.inputs), holds, None)
+            truncate=body.truncate, truncation_direction=body.direction,
+            prompt_name=body.prompt_name, outputs=frozenset({HIDDEN_OUTPUT}), **body.inputs),
+            holds, None)
         seconds = len(embedded.results) * RESULT_S + embedded.total_tokens * hidden * FLOAT_TEXT_S
         return await self._answer(model, seconds,
                                   [np.ascontiguousarray(r.hidden) for r in embedded.results])
@@ -262,27 +269,30 @@ class TeiHttp:
         model.hold_response(holds, len(payload))
         return payload
 
-    def _tokens(self, model: ServedModel, holds: Holds, texts: list[str],
+    def _tokens(self, model: ServedModel, holds: Holds, lead: str, texts: list[str],
                 encoded: list[Encoded]) -> bytes:
-        return self._checked(model, holds, [tei_tokens(text, e)
+        """`lead`: the prompt before each text, whose tokens' offsets are into it and the text."""
+        return self._checked(model, holds, [tei_tokens(lead + text, e)
                                             for text, e in zip(texts, encoded, strict=True)])
 
     async def _tokenize(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self._body(request, holds, parse_tokenize)
+        body = await self.calls.json_body(request, holds, parse_tokenize)
         model = self.plane.model(None)
         least = len(model.tokenizer.empty.ids) if body.special_tokens else 0
         count = len(body.texts)
         ResponseSize(lambda _: count * (LIST_BYTES + least * TOKEN_BYTES), self.max_response_bytes,
                      ADVICE).check(None, at_least=True)
         encoded = await model.tokenize(TokenizeRequest(
-            body.names, body.texts, body.truncate, special_tokens=body.special_tokens), holds)
+            body.names, body.texts, body.truncate, prompt_name=body.prompt_name,
+            special_tokens=body.special_tokens), holds)
+        prompt = model.prompt(body.prompt_name)
         tokens = sum(len(e.ids) for e in encoded)
         payload = await model.pack(count * RESULT_S + tokens * TOKEN_S, self._tokens, model, holds,
-                                   body.texts, encoded)
+                                   prompt.text if prompt else "", body.texts, encoded)
         return web.Response(body=payload, content_type="application/json")
 
     async def _decode(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self._body(request, holds, parse_decode)
+        body = await self.calls.json_body(request, holds, parse_decode)
         model = self.plane.model(None)
         texts = await model.decode(body, holds)
         payload = await model.pack(sum(map(len, texts)) * COPY_BYTE_S, self._checked, model, holds,
@@ -304,10 +314,17 @@ class TeiHttp:
         return {"model_id": info.model, "model_sha": info.artifact_sha256,
                 "model_dtype": DTYPES.get(info.precision, info.precision),
                 "served_model_name": info.model,
-                "model_type": {"embedding": {"pooling": info.default_pooling}},
+                "model_type": self._model_type(info),
                 **self.limits, "max_input_length": info.max_positions, "auto_truncate": False,
                 "tokenization_workers": 1, "version": SERVER_VERSION, "sha": None,
                 "docker_label": None}
+
+    @staticmethod
+    def _model_type(info: ModelInfo) -> dict:
+        if info.kind == RERANKER:
+            return {"reranker": {"id2label": {str(i): label for i, label in enumerate(info.labels)},
+                                 "label2id": {label: i for i, label in enumerate(info.labels)}}}
+        return {"embedding": {"pooling": info.default_pooling}}
 
     async def info(self, request: web.Request) -> web.StreamResponse:
         async def handle(holds: Holds) -> web.Response:

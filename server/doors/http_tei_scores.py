@@ -126,13 +126,8 @@ class TeiScores:
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/rerank", self.rerank), web.post("/similarity", self.similarity)]
 
-    async def _body(self, request: web.Request, holds: Holds, parse):
-        self.plane.check_ready()
-        self.calls.check_type(request, ("application/json",))
-        return await self.calls.json(await self.calls.body(request, holds), parse)
-
     async def _rerank(self, request: web.Request, holds: Holds) -> web.Response:
-        parsed = await self._body(request, holds, Rerank.parse)
+        parsed = await self.calls.json_body(request, holds, Rerank.parse)
         model = self.plane.model(parsed.model, kind=RERANKER)
         texts = parsed.texts
 
@@ -153,7 +148,7 @@ class TeiScores:
         return web.Response(body=payload, content_type="application/json")
 
     async def _similarity(self, request: web.Request, holds: Holds) -> web.Response:
-        parsed = await self._body(request, holds, Similarity.parse)
+        parsed = await self.calls.json_body(request, holds, Similarity.parse)
         model = self.plane.model(parsed.model, kind=EMBEDDER)
         size = ResponseSize(lambda lengths: 64 + len(lengths) * SCORE_BYTES,
                             self.max_response_bytes, "send fewer sentences")

@@ -8,6 +8,7 @@ the test suite checks the running server against it (schemathesis)."""
 
 import orjson
 
+from attnserve.artifact import RERANKER
 from attnserve.server.doors.docs_page import FILES
 from attnserve.server.doors.front import SERVER_VERSION
 from attnserve.server.doors.http_openai import INFINITY_DEFAULT_MODEL
@@ -69,6 +70,9 @@ _TEI_EMPTY = "an input, list or text is empty (TEI's Empty)"
 def _tei_paths(infos: list[ModelInfo], ids: dict) -> dict:
     """TEI's routes, serving the default model, infos[0]."""
     default = infos[0]
+    prompts = ", ".join(sorted(default.prompts)) or "it has none"
+    sizes = ", ".join(map(str, sorted({default.hidden_size, *default.matryoshka_dims},
+                                      reverse=True)))
     texts = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
     inputs = {"oneOf": [{"type": "string", "minLength": 1}, ids, texts,
                         {"type": "array", "minItems": 1, "items": ids}],
@@ -80,10 +84,14 @@ def _tei_paths(infos: list[ModelInfo], ids: dict) -> dict:
         "truncate": {"type": "boolean", "nullable": True, "default": False,
                      "description": "cut inputs longer than the model's positions instead of "
                                     "refusing them (auto_truncate is false)"},
-        "truncation_direction": {"type": "string", "enum": ["Right", "right"], "default": "Right",
-                                 "description": "TEI's Left is refused: the end is cut"},
+        "truncation_direction": {"type": "string", "enum": ["Right", "right", "Left", "left"],
+                                 "default": "Right", "nullable": True,
+                                 "description": "with truncate: Right keeps a text's start, "
+                                                "Left its end (texts only)"},
         "prompt_name": {"type": "string", "nullable": True,
-                        "description": "refused unless null: the server applies no prompts"}}
+                        "description": f"one of the model's prompts ({prompts}), put before "
+                                       "each text; null: its default prompt "
+                                       f"({default.default_prompt_name or 'none'})"}}
 
     def request(properties: dict, required: tuple[str, ...] = ("inputs",)) -> dict:
         return {"required": True, "content": {"application/json": {"schema": {
@@ -100,8 +108,7 @@ def _tei_paths(infos: list[ModelInfo], ids: dict) -> dict:
         "summary": f"TEI: one vector per input, {default.default_pooling}-pooled",
         "requestBody": request({**common, "normalize": {"type": "boolean", "default": True},
                                 "dimensions": {"type": "integer", "nullable": True, "minimum": 1,
-                                               "description": "the model's one size, "
-                                                              f"{default.hidden_size}"}}),
+                                               "description": "the vectors' size: " + sizes}}),
         "responses": answer(vectors, "the vectors, in order", _TEI_RUNS)}}
     token = {"type": "object", "required": ["id", "text", "special", "start", "stop"],
              "properties": {"id": {"type": "integer"}, "text": {"type": "string"},
@@ -122,9 +129,15 @@ def _tei_paths(infos: list[ModelInfo], ids: dict) -> dict:
             "max_concurrent_requests", "max_input_length", "max_batch_tokens",
             "max_batch_requests", "max_client_batch_size", "tokenization_workers")},
         "auto_truncate": {"type": "boolean"},
-        "model_type": {"type": "object", "required": ["embedding"], "properties": {
-            "embedding": {"type": "object", "required": ["pooling"],
-                          "properties": {"pooling": {"type": "string"}}}}}}}
+        "model_type": {"oneOf": [
+            {"type": "object", "required": ["embedding"], "properties": {
+                "embedding": {"type": "object", "required": ["pooling"],
+                              "properties": {"pooling": {"type": "string"}}}}},
+            {"type": "object", "required": ["reranker"], "properties": {
+                "reranker": {"type": "object", "required": ["id2label", "label2id"], "properties": {
+                    "id2label": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "label2id": {"type": "object",
+                                 "additionalProperties": {"type": "integer"}}}}}}]}}}
     return {
         "/": {"get": {"summary": "Readiness (TEI's root health route), as /health",
                       "responses": _HEALTH},
@@ -441,6 +454,9 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
                 **_refusals(_ERROR, (400, 401, 404, 408, 413, 415, 429, 503, 504))}}}
     paths |= _tei_paths(infos, ids)
     paths |= _scoring_paths(infos)
+    if infos[0].kind == RERANKER:  # TEI routes its root by the model's kind
+        paths["/"]["post"] = {**paths["/rerank"]["post"],
+                              "summary": "TEI's root: a reranker's is /rerank"}
     for path, operations in paths.items():
         for operation in operations.values():
             operation["tags"] = [_peer(path)]

@@ -48,6 +48,11 @@ def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]
         return err.code, json.loads(err.read())
 
 
+def post_json(server, path: str, body) -> tuple[int, object]:
+    """`body` as JSON to the server's HTTP port at `path`: the status and the JSON answer."""
+    return post(server.http_url + path, json.dumps(body).encode())
+
+
 def get(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=30) as response:

@@ -24,6 +24,7 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from bench.harness import ATTNSERVE, REPO, ServerProcess
 from tests.conftest import export
+from tests.server.test_http import post_json
 
 PROMPTS = {"query": "query: ", "passage": "passage: ", "document": ""}
 LONG_PROMPT = "Represent this sentence for searching relevant passages: "
@@ -196,6 +197,43 @@ def test_the_openai_door_takes_a_prompt_name(api, reference):
     default = api.embeddings.create(model="excluding", input=TEXTS)
     assert_same(np.array([d.embedding for d in default.data]),
                 reference.encode(TEXTS, prompt_name="passage", normalize_embeddings=True))
+
+
+def tei(server, route: str, body: dict):
+    status, answer = post_json(server, route, body)
+    assert status == 200, answer
+    return answer
+
+
+def test_teis_routes_take_a_prompt_name_and_dimensions(server, reference, tokenizer, checkpoints):
+    """TEI serves the default model, here `excluding`: its prompts, its default prompt and
+    its sizes, as sentence-transformers' encode(prompt_name=..., truncate_dim=...)."""
+    from sentence_transformers import SentenceTransformer
+
+    assert_same(np.array(tei(server, "/embed", {"inputs": TEXTS, "prompt_name": "query"})),
+                reference.encode(TEXTS, prompt_name="query", normalize_embeddings=True))
+    assert_same(np.array(tei(server, "/", {"inputs": TEXTS})),
+                reference.encode(TEXTS, prompt_name="passage", normalize_embeddings=True))
+    cut = SentenceTransformer(str(checkpoints[0]), device="cpu", truncate_dim=8)
+    sized = np.array(tei(server, "/embed", {"inputs": TEXTS, "prompt_name": "query",
+                                            "dimensions": 8}))
+    assert sized.shape == (len(TEXTS), 8)
+    assert_same(sized, cut.encode(TEXTS, prompt_name="query", normalize_embeddings=True))
+    # /embed_all: every token the model read, the prompt's among them.
+    read = [PROMPTS["query"] + text for text in TEXTS]
+    tokens = tei(server, "/embed_all", {"inputs": TEXTS, "prompt_name": "query"})
+    assert [len(t) for t in tokens] == [len(tokenizer.encode(text).ids) for text in read]
+    # /tokenize: the prompt's tokens too, each text's offsets into the prompt and the text.
+    for got, text in zip(tei(server, "/tokenize", {"inputs": TEXTS, "prompt_name": "query"}),
+                         read, strict=True):
+        encoding = tokenizer.encode(text)
+        assert [t["id"] for t in got] == encoding.ids
+        assert [t["text"] for t in got if not t["special"]] == [
+            text[a:b] for (a, b), special in zip(encoding.offsets, encoding.special_tokens_mask,
+                                                 strict=True) if not special]
+    status, error = post_json(server, "/embed", {"inputs": "a", "prompt_name": "nope"})
+    assert (status, error["error_type"]) == (422, "Validation")
+    assert error["error"].startswith("prompt_name: 'nope' is not a prompt of 'excluding'")
 
 
 def test_a_prompt_runs_in_every_chunk(client, reference, tokenizer):

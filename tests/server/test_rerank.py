@@ -24,6 +24,7 @@ from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from bench.harness import ATTNSERVE, REPO, delta
 from tests.server.reliability import serve, stub
+from tests.server.test_http import post_json
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers
@@ -74,16 +75,6 @@ def predicted(references, model: str, texts: list[str], raw: bool = False,
 def pair_tokens(references, model: str, texts: list[str]) -> int:
     tokenizer = references[model].tokenizer
     return sum(len(tokenizer(QUERY, text)["input_ids"]) for text in texts)
-
-
-def post(server, path: str, body) -> tuple[int, dict | list]:
-    request = urllib.request.Request(server.http_url + path, data=json.dumps(body).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def ranked(scores: np.ndarray) -> list[int]:
@@ -139,14 +130,14 @@ def test_a_requests_pairs_run_batched(encoder, server):
 
 
 def test_tei_rerank(server, references):
-    status, body = post(server, "/rerank", {"query": QUERY, "texts": TEXTS, "return_text": True})
+    status, body = post_json(server, "/rerank", {"query": QUERY, "texts": TEXTS, "return_text": True})
     assert status == 200
     want = predicted(references, BERT, TEXTS)  # no model named: the first reranker
     assert sorted(r["index"] for r in body) == list(range(len(TEXTS)))
     np.testing.assert_allclose([r["score"] for r in body], want[[r["index"] for r in body]], atol=ATOL)
     assert [r["score"] for r in body] == sorted((r["score"] for r in body), reverse=True)
     assert all(r["text"] == TEXTS[r["index"]] for r in body)
-    status, raw = post(server, "/rerank", {"query": QUERY, "texts": TEXTS, "raw_scores": True,
+    status, raw = post_json(server, "/rerank", {"query": QUERY, "texts": TEXTS, "raw_scores": True,
                                            "model": XLMR})
     assert status == 200 and all("text" not in r for r in raw)
     np.testing.assert_allclose([r["score"] for r in raw],
@@ -166,7 +157,7 @@ def test_cohere_client_and_jinas_shape(server, references):
                                want[ranked(want)[:3]], atol=ATOL)
     assert [r.document.text for r in response.results] == [TEXTS[i] for i in ranked(want)[:3]]
     # Jina's: documents as objects, the model and usage in the answer.
-    status, body = post(server, "/v1/rerank", {"model": BERT, "query": QUERY,
+    status, body = post_json(server, "/v1/rerank", {"model": BERT, "query": QUERY,
                                                "documents": [{"text": t} for t in TEXTS],
                                                "return_documents": True})
     assert status == 200 and body["model"] == BERT and len(body["id"]) == 36
@@ -307,40 +298,65 @@ BAD_HTTP = [
 @pytest.mark.parametrize("path, body, reason, key", BAD_HTTP)
 def test_bad_http_input_is_refused_in_the_routes_shape(server, path, body, reason, key):
     """Cohere's routes answer 400; TEI's, as TEI does, 422 for a request it cannot take."""
-    status, answer = post(server, path, body)
+    status, answer = post_json(server, path, body)
     assert status == (422 if key == "error" else 400) and reason in answer[key], answer
     if key == "error":
         assert answer["error_type"] == "Validation"
-    assert post(server, path, {"query": QUERY, "texts": TEXTS, "documents": TEXTS})[0] == 200
+    assert post_json(server, path, {"query": QUERY, "texts": TEXTS, "documents": TEXTS})[0] == 200
 
 
-def test_the_cheap_limits_are_embeds_and_several_labels_are_infers(bert_reranker_artifact,
-                                                                    tmp_path):
+@pytest.fixture(scope="module")
+def reranker_first(bert_reranker_artifact, tmp_path_factory):
+    """A server whose default model is a reranker, with a small queue, beside a classifier
+    of three labels."""
+    from tests.conftest import export
+    from tests.families import make_reranker
+
+    root = tmp_path_factory.mktemp("three")
+    three = export(root / "three", make_reranker("xlm-roberta", root / "ck", num_labels=3))
+    with serve(bert_reranker_artifact, "--max-queue-tokens", "64",
+               "--artifact", f"three={three}") as capped:
+        yield capped
+
+
+def test_the_cheap_limits_are_embeds_and_several_labels_are_infers(reranker_first):
     """Texts past what the queue holds are refused before any is tokenized, as Embed's; a
     classifier of several labels has no one score to rank by: Rerank refuses it, naming its
     labels, and KServe infer returns its logits."""
     from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-    from tests.conftest import export
-    from tests.families import make_reranker
     from tests.server.reliability import infer_request
 
-    three = export(tmp_path / "three", make_reranker("xlm-roberta", tmp_path / "ck", num_labels=3))
-    with serve(bert_reranker_artifact, "--max-queue-tokens", "64",
-               "--artifact", f"three={three}") as capped:
-        with grpc.insecure_channel(capped.address) as channel:
-            encoder = stub(channel)
-            with pytest.raises(grpc.RpcError) as err:
-                encoder.Rerank(pb.RerankRequest(query=QUERY, texts=["a"] * 20), timeout=60)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "this request adds at least" in err.value.details()
-            field, message = invalid(lambda: encoder.Rerank(pb.RerankRequest(
-                model="three", query=QUERY, texts=TEXTS), timeout=60))
-            assert field == "model" and "'three' has 3 labels ('label_0', 'label_1', 'label_2')" in message
-            inferred = kpb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
-                infer_request("three", [[0, 17, 23, 2], [0, 9, 2]]), timeout=60)
-            assert [(o.name, list(o.shape)) for o in inferred.outputs] == [("logits", [2, 3])]
-        status, body = post(capped, "/v1/rerank", {"query": QUERY, "documents": ["a"] * 20})
-        assert status == 429 and "queue full" in body["message"]
+    with grpc.insecure_channel(reranker_first.address) as channel:
+        encoder = stub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            encoder.Rerank(pb.RerankRequest(query=QUERY, texts=["a"] * 20), timeout=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "this request adds at least" in err.value.details()
+        field, message = invalid(lambda: encoder.Rerank(pb.RerankRequest(
+            model="three", query=QUERY, texts=TEXTS), timeout=60))
+        assert field == "model" and "'three' has 3 labels ('label_0', 'label_1', 'label_2')" in message
+        inferred = kpb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            infer_request("three", [[0, 17, 23, 2], [0, 9, 2]]), timeout=60)
+        assert [(o.name, list(o.shape)) for o in inferred.outputs] == [("logits", [2, 3])]
+    status, body = post_json(reranker_first, "/v1/rerank", {"query": QUERY, "documents": ["a"] * 20})
+    assert status == 429 and "queue full" in body["message"]
+
+
+def test_teis_root_and_info_follow_a_reranker(reranker_first, references):
+    """TEI routes its root by the model's kind: a reranker's is /rerank; /info says
+    reranker, with its labels."""
+    texts = TEXTS[:2]
+    status, root = post_json(reranker_first, "/", {"query": QUERY, "texts": texts})
+    assert status == 200, root
+    assert root == post_json(reranker_first, "/rerank", {"query": QUERY, "texts": texts})[1]
+    np.testing.assert_allclose([r["score"] for r in sorted(root, key=lambda r: r["index"])],
+                               predicted(references, BERT, texts), atol=ATOL)
+    status, error = post_json(reranker_first, "/", {"inputs": "a"})
+    assert (status, error["error_type"]) == (422, "Validation") and "query" in error["error"]
+    with urllib.request.urlopen(reranker_first.http_url + "/info", timeout=60) as answer:
+        info = json.loads(answer.read())
+    assert info["model_type"] == {"reranker": {"id2label": {"0": "label_0"},
+                                               "label2id": {"label_0": 0}}}
 
 
 def test_the_python_client_and_the_cli(server, references):

@@ -5,9 +5,6 @@ its best cosine among a text's tokens, summed), both checked against numpy; TEI'
 /similarity is COSINE in TEI's shape. A text over the model's positions is refused naming
 it, or cut with truncate; bad input is refused naming the field."""
 
-import json
-import urllib.error
-import urllib.request
 
 import grpc
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from tests.server.reliability import stub
+from tests.server.test_http import post_json
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers
@@ -91,18 +89,9 @@ def test_bad_input_names_the_field(encoder, request_, field, reason):
     assert err.value.details().startswith(f"{field}: ") and reason in err.value.details()
 
 
-def post(server, body) -> tuple[int, object]:
-    request = urllib.request.Request(server.http_url + "/similarity", data=json.dumps(body).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 def test_tei_similarity(minilm_server, client):
-    status, scores = post(minilm_server, {"inputs": {"source_sentence": QUERY, "sentences": TEXTS}})
+    status, scores = post_json(minilm_server, "/similarity",
+                               {"inputs": {"source_sentence": QUERY, "sentences": TEXTS}})
     assert status == 200
     query, *texts = embedded(client, [QUERY, *TEXTS])
     np.testing.assert_allclose(scores, unit(np.stack([t.pooled for t in texts])) @ unit(query.pooled),
@@ -113,6 +102,6 @@ def test_tei_similarity(minilm_server, client):
                          ({"inputs": {"source_sentence": QUERY, "sentences": ["ok", LONG]}},
                           "inputs.sentences[1]: more than 512 tokens"),
                          ({"inputs": "x"}, "inputs: expected a JSON object")):
-        status, answer = post(minilm_server, body)
+        status, answer = post_json(minilm_server, "/similarity", body)
         assert status == 422 and answer["error"].startswith(reason), answer  # TEI's status
         assert answer["error_type"] == "Validation"

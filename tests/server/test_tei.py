@@ -19,7 +19,7 @@ from llama_index.embeddings.text_embeddings_inference import TextEmbeddingsInfer
 
 from bench.harness import minilm_dir
 from tests.hugging_face import HuggingFace
-from tests.server.test_http import LONG_TEXT, MODEL, post
+from tests.server.test_http import LONG_TEXT, MODEL, post, post_json
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers
@@ -72,10 +72,6 @@ def assert_same(got, expected: np.ndarray) -> None:
     assert cosine.min() >= COSINE, cosine
 
 
-def tei(server, route: str, body) -> tuple[int, object]:
-    return post(server.http_url + route, json.dumps(body).encode())
-
-
 def test_huggingface_hub_feature_extraction(minilm_server, reference, hf, online):
     client = InferenceClient(base_url=minilm_server.http_url, timeout=60)
     assert_same(client.feature_extraction(TEXTS[0]), st_vectors(reference, TEXTS[:1]))
@@ -106,22 +102,22 @@ def test_llama_index_text_embeddings_inference(minilm_server, reference):
 
 def test_embed_takes_token_ids_and_truncates_on_request(minilm_server, hf, reference):
     ids = [hf.ids(text) for text in TEXTS]
-    status, by_ids = tei(minilm_server, "/embed", {"inputs": ids})
+    status, by_ids = post_json(minilm_server, "/embed", {"inputs": ids})
     assert status == 200
     assert_same(by_ids, st_vectors(reference, TEXTS))
-    status, one = tei(minilm_server, "/embed", {"inputs": ids[1]})
+    status, one = post_json(minilm_server, "/embed", {"inputs": ids[1]})
     assert status == 200 and len(one) == 1
     assert_same(one, st_vectors(reference, TEXTS[1:2]))
-    status, root = tei(minilm_server, "/", {"inputs": TEXTS[1], "dimensions": 384,
+    status, root = post_json(minilm_server, "/", {"inputs": TEXTS[1], "dimensions": 384,
                                              "truncation_direction": "right", "prompt_name": None})
     assert status == 200
     np.testing.assert_allclose(root, one, atol=1e-6)
-    status, cut = tei(minilm_server, "/embed", {"inputs": LONG_TEXT, "truncate": True})
+    status, cut = post_json(minilm_server, "/embed", {"inputs": LONG_TEXT, "truncate": True})
     assert status == 200 and len(cut[0]) == 384
 
 
 def test_embed_all_is_bert_models_hidden_state(minilm_server, hf):
-    status, tokens = tei(minilm_server, "/embed_all", {"inputs": TEXTS})
+    status, tokens = post_json(minilm_server, "/embed_all", {"inputs": TEXTS})
     assert status == 200 and len(tokens) == len(TEXTS)
     for text, got in zip(TEXTS, tokens, strict=True):
         hidden, _ = hf.run(hf.ids(text))
@@ -131,7 +127,7 @@ def test_embed_all_is_bert_models_hidden_state(minilm_server, hf):
 
 
 def test_tokenize_is_the_tokenizers_with_byte_offsets(minilm_server, hf):
-    status, tokenized = tei(minilm_server, "/tokenize", {"inputs": TEXTS})
+    status, tokenized = post_json(minilm_server, "/tokenize", {"inputs": TEXTS})
     assert status == 200 and len(tokenized) == len(TEXTS)
     for text, tokens in zip(TEXTS, tokenized, strict=True):
         encoding = hf.tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
@@ -145,7 +141,7 @@ def test_tokenize_is_the_tokenizers_with_byte_offsets(minilm_server, hf):
             else:
                 assert token["text"] == text[start:end]
                 assert raw[token["start"]:token["stop"]].decode() == text[start:end]
-    status, bare = tei(minilm_server, "/tokenize", {"inputs": TEXTS[2], "add_special_tokens": False})
+    status, bare = post_json(minilm_server, "/tokenize", {"inputs": TEXTS[2], "add_special_tokens": False})
     assert status == 200
     assert [t["id"] for t in bare[0]] == hf.tokenizer(TEXTS[2], add_special_tokens=False)["input_ids"]
     assert not any(t["special"] for t in bare[0])
@@ -153,10 +149,10 @@ def test_tokenize_is_the_tokenizers_with_byte_offsets(minilm_server, hf):
 
 def test_decode_is_the_tokenizers(minilm_server, hf):
     ids = [hf.ids(text) for text in TEXTS]
-    status, texts = tei(minilm_server, "/decode", {"ids": ids})
+    status, texts = post_json(minilm_server, "/decode", {"ids": ids})
     assert status == 200
     assert texts == [hf.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
-    status, kept = tei(minilm_server, "/decode", {"ids": ids[0], "skip_special_tokens": False})
+    status, kept = post_json(minilm_server, "/decode", {"ids": ids[0], "skip_special_tokens": False})
     assert status == 200 and kept == [hf.tokenizer.decode(ids[0])]
     assert kept[0].startswith("[CLS]")
 
@@ -195,12 +191,16 @@ def test_info_describes_the_default_model_and_root_is_health(minilm_server):
     ("/embed", {"inputs": "a", "truncate": 1}, 422, "Validation", "truncate: 1"),
     ("/embed", {"inputs": "a", "dimensions": 128}, 422, "Validation", "dimensions: 128"),
     ("/embed", {"inputs": "a", "dimensions": "384"}, 422, "Validation", "dimensions: '384'"),
-    ("/embed", {"inputs": "a", "truncation_direction": "Left"}, 422, "Validation",
-     "truncation_direction: 'Left': this server truncates on the right only"),
+    ("/embed", {"inputs": [[101, 102]], "truncation_direction": "Left"}, 422, "Validation",
+     "truncation_direction: left truncation keeps a text's special tokens"),
     ("/embed", {"inputs": "a", "truncation_direction": "up"}, 422, "Validation",
-     "truncation_direction: 'up'"),
+     "truncation_direction: 'up'; expected Right or Left"),
+    ("/embed", {"inputs": "a", "truncation_direction": ["Left"]}, 422, "Validation",
+     "truncation_direction: ['Left']; expected Right or Left"),
     ("/embed", {"inputs": "a", "prompt_name": "query"}, 422, "Validation",
-     "prompt_name: 'query': this server applies no prompts"),
+     "prompt_name: 'query' is not a prompt of 'all-MiniLM-L6-v2'; it has none"),
+    ("/tokenize", {"inputs": "a", "prompt_name": 1}, 422, "Validation",
+     "prompt_name: 1; expected a string"),
     ("/embed", {"inputs": ["a", [101]]}, 422, "Validation", "inputs[1]: [101]; expected a string"),
     ("/embed", {"inputs": [[101, 99999, 102]]}, 422, "Validation",
      "inputs[0][1]: id 99999 is outside the vocabulary"),
@@ -217,7 +217,7 @@ def test_info_describes_the_default_model_and_root_is_health(minilm_server):
 ])
 def test_bad_input_gets_teis_error_naming_the_field(minilm_server, route, body, status, kind,
                                                     needle):
-    got, error = tei(minilm_server, route, body)
+    got, error = post_json(minilm_server, route, body)
     assert (got, set(error)) == (status, {"error", "error_type"}), error
     assert error["error_type"] == kind and error["error"].startswith(needle), error
 

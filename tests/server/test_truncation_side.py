@@ -2,7 +2,7 @@
 tokens, token for token as `tokenizers` cuts it with enable_truncation(direction="left"),
 for BERT's tokenizer and each family's; it is tokenized a suffix at a time, never whole,
 and a prompt keeps its tokens after the leading special tokens. Through a real server:
-gRPC, Tokenize and the OpenAI door."""
+gRPC, Tokenize, the OpenAI door and TEI's."""
 
 import numpy as np
 import openai
@@ -15,6 +15,7 @@ from attnserve.server.engine.tokenize import TextTokenizer, TooLong
 from bench.harness import ServerProcess, minilm_dir
 from tests.families import FAMILIES, make_checkpoint
 from tests.server.test_hostile_units import Unlimited
+from tests.server.test_http import post_json
 
 POSITIONS = 128
 PHRASE = ("Le chat dort.  The quick brown fox jumps over the lazy dog!\nDon't panic:\t3.5%\n\n"
@@ -141,3 +142,7 @@ def test_every_door_cuts_a_text_at_its_start(server):
             "truncate": True, "truncation_direction": side})
         np.testing.assert_allclose(np.array([d.embedding for d in response.data]), vectors,
                                    atol=1e-6)
+    status, tei = post_json(server, "/embed", {"inputs": texts, "truncate": True,
+                                               "truncation_direction": "Left"})
+    assert status == 200, tei
+    np.testing.assert_allclose(np.array(tei), vectors, atol=1e-6)
