@@ -178,9 +178,10 @@ def _stalled_http_infer(server, model: str, ids: list[int]) -> socket.socket:
 
 
 def _answering(sock: socket.socket) -> bool:
-    """The server has begun to write an answer on `sock`."""
+    """The server has begun to write its answer of 200 on `sock` (a refusal's 429 is written
+    too, but is no held answer)."""
     try:
-        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        return sock.recv(12, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"HTTP/1.1 200"
     except BlockingIOError:
         return False
 
