@@ -9,10 +9,9 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
+from importlib.util import find_spec
 from pathlib import Path
 from urllib.parse import urlparse, urlsplit
-
-from attnserve.server import tracing
 
 
 class ConfigError(ValueError):
@@ -150,16 +149,35 @@ class ServeConfig:
                                              "drop --shape-buckets off")
 
 
+# What --otlp-endpoint needs installed: pip install 'attnserve[otlp]'.
+OTLP_EXTRA = "otlp"
+OTLP_MODULES = ("opentelemetry.sdk.trace",
+                "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """Those of `names` that cannot be imported here."""
+    missing = []
+    for name in names:
+        try:
+            found = find_spec(name) is not None
+        except ImportError:  # a parent package missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def _check_otlp_endpoint(endpoint: str) -> None:
     url = urlparse(endpoint)
     if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/"):
         raise ConfigError("otlp_endpoint", f"{endpoint!r} is not http://HOST:PORT or "
                                            "https://HOST:PORT (an OTLP/gRPC collector)")
-    missing = tracing.missing_modules()
+    missing = missing_modules(OTLP_MODULES)
     if missing:
-        raise ConfigError("otlp_endpoint", f"needs the {tracing.EXTRA!r} extra, which is not "
+        raise ConfigError("otlp_endpoint", f"needs the {OTLP_EXTRA!r} extra, which is not "
                                            f"installed (no {missing[0]}): pip install "
-                                           f"'attnserve[{tracing.EXTRA}]'")
+                                           f"'attnserve[{OTLP_EXTRA}]'")
 
 
 MAX_WORKERS = 64

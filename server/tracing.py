@@ -15,29 +15,12 @@ hold None in place of a Tracing."""
 
 import logging
 import time
-from importlib.util import find_spec
 
 from attnserve.server.engine.timings import Span
 
 log = logging.getLogger("attnserve.server")
 
 SERVICE_NAME = "attnserve"
-EXTRA = "otlp"
-# What --otlp-endpoint needs installed: pip install 'attnserve[otlp]'.
-MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
-
-
-def missing_modules() -> list[str]:
-    """The modules of the `otlp` extra that cannot be imported here."""
-    missing = []
-    for name in MODULES:
-        try:
-            found = find_spec(name) is not None
-        except ImportError:  # a parent package missing
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
 
 
 class Tracing:
