@@ -57,6 +57,8 @@ _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 # The most a float32 takes in a JSON body: orjson's shortest repr (-1.1754944e-38) and a comma.
 JSON_FLOAT_BYTES = 16
+# A character of text as JSON: at most six bytes (a \\u escape of four hex digits).
+JSON_CHAR_BYTES = 6
 SEQUENCE_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 # Routes of probes and tools, never traced.
 UNTRACED_PATHS = ("/health", "/v2/health/", "/openapi.json")

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import RERANKER
-from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.doors.http_calls import JSON_CHAR_BYTES, HttpCalls
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import RESULT_S
 from attnserve.server.engine.requests import RerankRequest, ResponseSize
@@ -28,8 +28,6 @@ from attnserve.server.memory.ledger import Holds
 
 # A result's JSON around its document: {"index":N,"relevance_score":F,"document":{"text":""}}.
 RESULT_BYTES = 96
-# A character of text as JSON: at most a \\uXXXX escape.
-JSON_CHAR_BYTES = 6
 ADVICE = "set top_n, leave return_documents unset, or send fewer documents"
 
 

@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import EMBEDDER, RERANKER
-from attnserve.server.doors.http_calls import HttpCalls
+from attnserve.server.doors.http_calls import JSON_CHAR_BYTES, HttpCalls
 from attnserve.server.doors.tei import refusal
 from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import RESULT_S
@@ -30,8 +30,6 @@ from attnserve.server.memory.ledger import Holds
 # A result's JSON around its text: {"index":N,"score":F,"text":""}, and a score's text.
 RESULT_BYTES = 64
 SCORE_BYTES = 16
-# A character of text as JSON: at most a \\uXXXX escape.
-JSON_CHAR_BYTES = 6
 ADVICE = "send fewer texts, or leave return_text unset"
 
 
