@@ -24,10 +24,10 @@ import numpy as np
 
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from bench.harness import REPO, ServerProcess, sample
 from bench.machine import environment, machine
 from bench.measure import latency_summary, time_calls
 from bench.workers import PYTHON_CALLERS, tiny_artifact
+from tests.harness import REPO, ServerProcess, sample
 
 RESULTS = REPO / "bench" / "results" / "fairness"
 DEFAULT_A = REPO / "artifacts" / "all-MiniLM-L6-v2"

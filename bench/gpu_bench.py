@@ -42,9 +42,9 @@ from bench.gpu_plan import CONFIGS, FULL, QUICK, Inputs, Plan, make_inputs
 from bench.gpu_report import markdown
 from bench.gpu_server import server_phase
 from bench.gpu_torch import torch_phase
-from bench.harness import ATTNSERVE, REPO
 from bench.machine import environment
 from bench.measure import Budget
+from tests.harness import ATTNSERVE, REPO
 
 log = logging.getLogger("bench.gpu_bench")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.gpu_plan import CONCURRENT_SHAPE, Config, Inputs, Plan
-from bench.harness import ServerProcess, sample
 from bench.measure import Budget, latency_summary, shape_row, time_calls
 from bench.workloads import shape_name
+from tests.harness import ServerProcess, sample
 
 log = logging.getLogger("bench.gpu_bench")
 

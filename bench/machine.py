@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import REPO
+from tests.harness import REPO
 
 
 def _version(distribution: str) -> str | None:

@@ -22,8 +22,8 @@ import grpc
 import numpy as np
 
 from attnserve.client import EncoderClient
-from bench.harness import ServerProcess
 from bench.run import RESULTS
+from tests.harness import ServerProcess
 
 MIB = 1 << 20
 

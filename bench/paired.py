@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from attnserve.client import EncoderClient
-from bench.harness import REPO, ServerProcess
 from bench.measure import shape_row, time_calls, workload_row
 from bench.serving import (
     HttpEmbedder,
@@ -29,6 +28,7 @@ from bench.serving import (
     run_callers,
 )
 from bench.workloads import Workload
+from tests.harness import REPO, ServerProcess
 
 log = logging.getLogger("bench.paired")
 

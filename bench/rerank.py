@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import REPO, ServerProcess, minilm_dir
 from bench.machine import environment, machine
 from bench.measure import latency_summary
+from tests.harness import REPO, ServerProcess, minilm_dir
 
 RESULTS = REPO / "bench" / "results" / "rerank"
 TEXTS, TEXT_TOKENS = 32, 128

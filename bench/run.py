@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import REPO
 from bench.machine import environment, machine
 from bench.measure import FULL, QUICK, ModelShape, OtherLoad, wait_quiet
 from bench.paired import run_paired
@@ -43,6 +42,7 @@ from bench.report import (
 )
 from bench.serving import measure_attention_memory
 from bench.workloads import ATTENTION_SHAPE, IDEAL_BATCH, IDEAL_PADDING, build
+from tests.harness import REPO
 
 log = logging.getLogger("bench")
 

@@ -14,9 +14,9 @@ import grpc
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from bench.harness import Samples, ServerProcess, delta
 from bench.measure import latency_summary, time_calls
 from bench.workloads import Workload
+from tests.harness import Samples, ServerProcess, delta
 
 log = logging.getLogger("bench.serving")
 

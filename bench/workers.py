@@ -27,9 +27,9 @@ import numpy as np
 
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from bench.harness import ServerProcess, make_tiny_checkpoint
 from bench.machine import environment, machine
 from bench.measure import latency_summary, time_calls
+from tests.harness import ServerProcess, make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "workers"
@@ -113,7 +113,7 @@ def measure(artifact: Path, workers: int, seconds: float, client: str, body: Pat
 
 
 def sample_calls(server: ServerProcess) -> float:
-    from bench.harness import sample
+    from tests.harness import sample
 
     return sample(server.scrape(), "attnserve_requests_total", rpc="Embed", code="OK")
 

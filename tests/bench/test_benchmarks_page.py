@@ -4,8 +4,8 @@ machine not yet in the page, and leaves the page's own prose as it was."""
 
 import pytest
 
-from bench.harness import REPO
 from bench.report import RUNS_MARKER, docs_section, update_page
+from tests.harness import REPO
 
 PAGE = f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n### An older machine, by hand\n\nIts table.\n"
 

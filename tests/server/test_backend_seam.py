@@ -39,7 +39,7 @@ from attnserve.server.memory.model import EMBEDDINGS, model_key, save_entries
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime import backends
 from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 
 HIDDEN, HEADS, LAYERS, VOCAB = 8, 2, 1, 30522
 TABLE = "table.npy"

@@ -28,7 +28,7 @@ from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Strategy
 from attnserve.server.runtime.ort_backend import OrtBackend
 from attnserve.server.runtime.shapes import ShapeBuckets
-from bench.harness import ATTNSERVE, REPO, ServerProcess, sample
+from tests.harness import ATTNSERVE, REPO, ServerProcess, sample
 
 WAIT_S = 60
 MEAN = pooled_output("mean", False)

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 
-from bench.harness import REPO
+from tests.harness import REPO
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_its_table(tmp_path, tiny_artifact):

@@ -18,7 +18,7 @@ from attnserve.server.engine.chunked import TextPlan
 from attnserve.server.engine.chunking import best_windows, cut, default_overlap, windows
 from attnserve.server.engine.requests import Chunking
 from attnserve.server.engine.tokenize import TextTokenizer
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 from tests.server.test_hostile_units import Unlimited
 
 BOUNDED = settings(max_examples=80, deadline=None, derandomize=True, database=None,

@@ -22,7 +22,7 @@ from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from bench.harness import delta, sample
+from tests.harness import delta, sample
 from tests.server.reliability import MIB, HealthProbe, serve, stub, wait_for
 
 # Also run against a server of several processes (make test: --server-workers 2).

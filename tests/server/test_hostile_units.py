@@ -27,7 +27,7 @@ from attnserve.server.doors.grpc_wire import MAX_NESTED_BYTES, TooLarge, TooMany
 from attnserve.server.engine.tokenize import TextTokenizer, TooLong
 from attnserve.server.errors import ResourceExhausted
 from attnserve.server.memory.ledger import PER_CONNECTION_SHARE, Ledger
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 
 MIB = 1 << 20
 BOUNDED = settings(max_examples=60, deadline=None, derandomize=True, database=None,

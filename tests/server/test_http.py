@@ -25,7 +25,7 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from bench.harness import ServerProcess, delta, sample
+from tests.harness import ServerProcess, delta, sample
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers

@@ -17,7 +17,7 @@ from attnserve.artifact import MANIFEST
 from attnserve.client import EncoderClient
 from attnserve.server.memory import alloc_hook
 from attnserve.server.memory.model import MemoryModel
-from bench.harness import ServerProcess
+from tests.harness import ServerProcess
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers

@@ -25,7 +25,7 @@ from attnserve.export.embedding_ranges import calibration_embeddings
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from bench.harness import ServerProcess
+from tests.harness import ServerProcess
 
 pytestmark = pytest.mark.workers
 

@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from bench.harness import ATTNSERVE, REPO, delta
+from tests.harness import ATTNSERVE, REPO, delta
 from tests.server.reliability import serve, stub
 from tests.server.test_http import post_json
 

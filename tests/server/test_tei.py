@@ -17,7 +17,7 @@ from huggingface_hub import InferenceClient
 from langchain_huggingface import HuggingFaceEndpointEmbeddings
 from llama_index.embeddings.text_embeddings_inference import TextEmbeddingsInference
 
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 from tests.hugging_face import HuggingFace
 from tests.server.test_http import LONG_TEXT, MODEL, post, post_json
 

@@ -30,7 +30,7 @@ from attnserve.artifact import load_artifact
 from attnserve.server.memory.budget import RESPONSE_COPIES
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.workers.supervisor import auto_workers
-from bench.harness import ATTNSERVE, REPO, ServerProcess, delta, sample
+from tests.harness import ATTNSERVE, REPO, ServerProcess, delta, sample
 from tests.server.reliability import (
     BIG,
     MIB,

@@ -1,5 +1,5 @@
-"""`attnserve serve` as a subprocess on loopback, for the tests, the benchmarks and
-`python -m bench.memory_load` alike.
+"""`attnserve serve` as a subprocess on loopback, for the tests and the benchmarks (bench/
+imports it from here: the tests never import bench/).
 
 The server says when it is ready: started with `--ready-file`, it writes its ports and pid
 there once health is SERVING (`server/app.py`), and the harness waits for that file, for a
@@ -175,7 +175,7 @@ def minilm_dir() -> Path:
 def make_tiny_checkpoint(directory: Path, **overrides) -> Path:
     """A random BERT in the Hugging Face layout, small enough for fast tests and cheap
     enough that a server's request path, not its model, decides its rate
-    (bench/workers.py); it shares MiniLM's tokenizer (and so its vocabulary size)."""
+    (`python -m bench workers`); it shares MiniLM's tokenizer (and so its vocabulary size)."""
     import torch
     from transformers import BertConfig, BertModel
 
