@@ -1,5 +1,6 @@
-"""The GPU benchmark's phases that run onnxruntime in this process, one after another, each
-freeing its sessions before the next; which engine a row stands for: bench/engines.py.
+"""The GPU benchmark's plan (what it measures, and how much of it: the full run or the CPU
+dry run) and its phases that run in this process, one after another, each freeing its
+sessions before the next (`python -m bench gpu`, bench/benchmarks/gpu.py):
 
 * backend: the server's backend at each precision the artifact has, against the backend on
   the CPU at fp32 on one ragged batch (the hidden state of the embeddings graph, layer 0's
@@ -9,24 +10,86 @@ freeing its sessions before the next; which engine a row stands for: bench/engin
   backend with 1, 2 and 4 sessions, a thread each, on one batch; the backend with fixed
   IO-bound buffers, and with a CUDA graph per shape, each against it without;
 * memory: the peak of each shape on its own, as `attnserve memory-profile` measures it, and
-  the memory model fitted to the peaks, with its error on shapes held out of the fit.
+  the memory model fitted to the peaks, with its error on shapes held out of the fit;
+* torch: our PyTorch model on the device, for a machine whose onnxruntime has no CUDA
+  provider: fp32 on the device against the CPU and fp16 against fp32, tokens/s at the
+  fixed shapes, and torch.cuda.max_memory_allocated against seq_len. It runs after every
+  onnxruntime phase, so torch is never busy beside onnxruntime.
 """
 
+import copy
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Artifact, pooled_output
 from attnserve.server.runtime.backend import Strategy
 from attnserve.server.runtime.backends import create_backend, place
-from bench.engines import default_session
-from bench.gpu_plan import CONCURRENT_SHAPE, PARITY_ROWS, PRECISIONS, Inputs, Plan
-from bench.measure import Budget, shape_row, time_calls
-from bench.workloads import padded_batch, shape_name
+from bench.measure import Budget, Reps, shape_row, time_calls
+from bench.raw import default_session
+from bench.workloads import SHAPES, TextMaker, Texts, mixed_lengths, padded_batch, shape_name
 
-log = logging.getLogger("bench.gpu_bench")
+log = logging.getLogger("bench.gpu")
+
+ONE_CALLER_SHAPES = ((1, 16), (32, 128), (128, 128), (32, 512))
+CONCURRENT_SHAPE, CONCURRENT_CALLERS = (32, 128), 16
+MIXED_CALLERS = 256
+CLIENT_PROCESSES = 6
+PARITY_ROWS = 8
+"""the mixed texts a parity batch holds: rows of different lengths, padded"""
+PRECISIONS = ("fp32", "fp16")
+MEMORY_SEQS = (16, 64, 128, 256, 384, 512)
+MEMORY_BATCHES = (1, 8, 32)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much of everything: the full run, or the CPU dry run."""
+
+    one_caller_shapes: tuple[tuple[int, int], ...]
+    reps: Reps
+    concurrent_requests: int
+    """requests of 32x128 the 16 callers send in all"""
+    concurrent_callers: int
+    mixed_texts: int
+    mixed_callers: int
+    client_processes: int
+    server_args: tuple[str, ...]
+    raw_sessions: tuple[int, ...]
+    backend_shapes: tuple[tuple[int, int], ...]
+    """the shapes of the backend's (and the PyTorch model's) tokens/s, per precision"""
+    backend_reps: Reps
+    memory_seqs: tuple[int, ...]
+    memory_batches: tuple[int, ...]
+
+
+FULL = Plan(ONE_CALLER_SHAPES, Reps(10, 400, 1.5, warmup=2, max_seconds=3.0), 640, CONCURRENT_CALLERS,
+            8000, MIXED_CALLERS, CLIENT_PROCESSES, (), (1, 2, 4), SHAPES,
+            Reps(5, 200, 2.0, max_seconds=float("inf")), MEMORY_SEQS, MEMORY_BATCHES)
+QUICK = Plan(((1, 16), (32, 128)), Reps(2, 4, 0.0, warmup=1), 4, 2, 48, 8, 2,
+             ("--max-batch-size", "4", "--max-batch-tokens", "512"), (1, 2), ((1, 16), (32, 128)),
+             Reps(2, 200, 0.2, max_seconds=float("inf")), (16, 64), (1, 4))
+
+
+@dataclass
+class Inputs:
+    shapes: dict[tuple[int, int], Texts]
+    """(batch, seq) -> batch texts of seq tokens each"""
+    mixed: Texts
+    """lognormal lengths (median 48, 8-256), one text a request"""
+
+
+def make_inputs(tokenizer: Path, plan: Plan, max_positions: int) -> Inputs:
+    maker = TextMaker(tokenizer, seed=0)
+    shapes = sorted({*plan.one_caller_shapes, CONCURRENT_SHAPE, *plan.backend_shapes})
+    made = {(batch, seq): maker.make([seq] * batch) for batch, seq in shapes}
+    lengths = [min(n, max_positions) for n in mixed_lengths(plan.mixed_texts, seed=0)]
+    return Inputs(made, maker.make(lengths))
+
 
 MEAN = pooled_output("mean", False)
 POOLED = frozenset({MEAN})
@@ -247,4 +310,78 @@ def memory_phase(artifact: Artifact, device: str, plan: Plan, budget: Budget) ->
                       "held_out": i in fitted["held"]} for i, r in enumerate(rows)],
             "fit": {kind: [list(map(float, phase)) for phase in phases] for kind, phases in fits.items()},
             "holdout": fitted["holdout"], "in_sample": fitted["in_sample"], "left_out": left_out}
+    return out
+
+
+# --- torch ---------------------------------------------------------------------------------------
+
+MEMORY_BATCH = max(MEMORY_BATCHES)
+
+
+def torch_phase(checkpoint: str | None, device: str, plan: Plan, inputs: Inputs, budget: Budget) -> dict:
+    import torch
+
+    from attnserve.model import load_checkpoint
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return {"error": "torch.cuda.is_available() is False"}
+    dev = torch.device(device)
+    model = load_checkpoint(checkpoint).eval().to(dev)
+    config = model.config
+    out: dict = {"torch": torch.__version__, "device": str(dev),
+                 "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                 "parity": {}, "throughput": {}, "memory": {}}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def forward(m, ids: np.ndarray, mask: np.ndarray, attentions: bool = False):
+        with torch.inference_mode():
+            return m(torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev),
+                     output_attentions=attentions)
+
+    def hidden(m, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return forward(m, ids, mask).last_hidden_state.float().cpu().numpy()
+
+    ids, mask = parity_batch(inputs, config.pad_token_id)
+    reference = hidden(model, ids, mask)
+    half = model  # fp16 matmuls are CUDA's; on the CPU the dry run stays fp32
+    if device == "cuda":
+        out["parity"]["fp32_cuda_vs_cpu"] = parity(hidden(load_checkpoint(checkpoint).eval(), ids, mask),
+                                                   reference, mask)
+        half = copy.deepcopy(model).half()
+    out["parity"]["fp16_vs_fp32"] = parity(reference, hidden(half, ids, mask), mask)
+    log.info("phase=torch parity %s", out["parity"])
+    for precision, m in (("fp32", model), ("fp16", half)):
+        rows: dict = {}
+        for shape in plan.backend_shapes:
+            if not budget.enough(60):
+                rows[shape_name(*shape)] = "skipped: time budget"
+                continue
+            batch = padded_batch(inputs.shapes[shape].ids, config.pad_token_id)
+            seconds = time_calls(lambda b=batch, m=m: forward(m, *b), plan.backend_reps, sync=sync,
+                                 keep_going=lambda: budget.enough(30))
+            rows[shape_name(*shape)] = shape_row(seconds, *shape)
+            log.info("phase=torch precision=%s shape=%s p50_ms=%.3f", precision, shape_name(*shape),
+                     rows[shape_name(*shape)]["p50_ms"])
+        out["throughput"][precision] = rows
+    if device == "cuda":
+        for precision, m in (("fp32", model), ("fp16", half)):
+            for attentions in (False, True):
+                name = f"{precision}_{'attentions' if attentions else 'embeddings'}"
+                out["memory"][name] = rows = {}
+                for seq in plan.memory_seqs:
+                    if not budget.enough(30):
+                        rows[str(seq)] = "skipped: time budget"
+                        continue
+                    # Random ids: the memory a batch takes depends on its shape alone.
+                    ids = np.random.default_rng(seq).integers(1000, config.vocab_size, (MEMORY_BATCH, seq))
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    result = forward(m, ids, np.ones_like(ids), attentions)
+                    torch.cuda.synchronize()
+                    rows[str(seq)] = {"batch": MEMORY_BATCH,
+                                      "peak_above_weights_bytes": torch.cuda.max_memory_allocated() - base}
+                    del result
+                log.info("phase=torch memory %s %s", name, rows)
     return out

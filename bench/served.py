@@ -1,11 +1,13 @@
-"""attnserve end to end: the server as an `attnserve serve` subprocess on loopback, the
-client here (grpc only: no torch, no onnxruntime in this process), /metrics scraped
-around each measurement."""
+"""attnserve end to end: `attnserve serve` as the benchmarks run it (a subprocess on
+loopback, the client here: no torch, no onnxruntime in this process), what its /metrics
+say around a measurement, and the attention maps' cost per request."""
 
-import asyncio
 import http.client
 import json
 import logging
+import shutil
+import subprocess
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -14,17 +16,12 @@ import grpc
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from bench.load import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from bench.measure import latency_summary, time_calls
 from bench.workloads import Workload
-from tests.harness import Samples, ServerProcess, delta
+from tests.harness import ATTNSERVE, REPO, Samples, ServerProcess, delta, make_tiny_checkpoint, sample
 
-log = logging.getLogger("bench.serving")
-
-# Big enough for every layer's maps in float32 at the attention shape; the default
-# (64 MiB) refuses 8 × 256 with all six layers before any work, as it should.
-MAX_MESSAGE_BYTES = 1 << 30
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+log = logging.getLogger("bench.served")
 
 
 def bench_server(artifact: Path, log_path: Path, extra: list[str], threads: int) -> ServerProcess:
@@ -32,6 +29,23 @@ def bench_server(artifact: Path, log_path: Path, extra: list[str], threads: int)
     messages large enough for every attention map, then `extra`."""
     return ServerProcess(artifact, "--intra-op-threads", str(threads),
                          "--max-message-bytes", str(MAX_MESSAGE_BYTES), *extra, log_path=log_path)
+
+
+def tiny_artifact(directory: Path) -> Path:
+    """The tests' tiny model (2 layers, 32 wide), exported once into `directory`: so cheap
+    to run that the server's request path, not its model, decides its rate."""
+    if (directory / "manifest.json").is_file():
+        return directory
+    checkpoint = make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tiny-checkpoint-")))
+    subprocess.run([*ATTNSERVE, "export", "--out", str(directory), "--from", str(checkpoint)],
+                   check=True, cwd=REPO, capture_output=True)
+    shutil.rmtree(checkpoint)
+    return directory
+
+
+def answered(server: ServerProcess, **labels: str) -> float:
+    """Embed calls the server has answered OK so far (of one model, given `model`)."""
+    return sample(server.scrape(), "attnserve_requests_total", rpc="Embed", code="OK", **labels)
 
 
 class HttpEmbedder:
@@ -118,37 +132,6 @@ class Measured:
                 else:
                     out[key] = out.get(key, 0.0) + value
         return out
-
-
-# --- measurements ----------------------------------------------------------------------------
-
-async def run_callers(address: str, texts: list[str], callers: int,
-                      connections: int = 1) -> tuple[float, list[float]]:
-    """`callers` concurrent callers over `connections` channels (a front end per
-    connection with --workers), each sending one text per request until all are sent."""
-    latencies: list[float] = []
-    next_index = 0
-    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-                for _ in range(connections)]
-    try:
-        stubs = [pb_grpc.EncoderServiceStub(channel) for channel in channels]
-        await asyncio.gather(*(stub.Embed(pb.EmbedRequest(texts=texts[:1])) for stub in stubs))
-
-        async def caller(stub):
-            nonlocal next_index
-            while next_index < len(texts):
-                text = texts[next_index]
-                next_index += 1
-                t0 = time.perf_counter()
-                await stub.Embed(pb.EmbedRequest(texts=[text]))
-                latencies.append(time.perf_counter() - t0)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(caller(stubs[i % connections]) for i in range(callers)))
-        return time.perf_counter() - started, latencies
-    finally:
-        for channel in channels:
-            await channel.close()
 
 
 ATTENTION_CONFIGS = (("none", None, False), ("none", None, True), ("one", [0], False),
