@@ -37,7 +37,7 @@ to admit batches and to predict each one's peak.
 It prints a table (and, when --out already holds a run of the same shapes, how far this
 run is from it) and writes memory_profile.csv, memory_profile.json and memory_profile.png
 to --out. It asserts nothing. (How the fit holds up under a served mixed load, measured ÷
-predicted per bucket, is `python -m bench.memory_load` in a checkout.)
+predicted per bucket, is `python -m bench memory-load` in a checkout.)
 """
 
 import argparse

@@ -14,7 +14,8 @@ def table(header: list[str], rows: list[list], align: str = "") -> str:
 
 
 # Where a machine's first run goes in the page: below this line, newest first.
-RUNS_MARKER = "<!-- python -m bench: runs written by `python -m bench --docs` follow, newest first -->"
+RUNS_MARKER = ("<!-- python -m bench: runs written by `python -m bench engines --docs` follow, newest "
+               "first -->")
 
 
 def slug(text: str) -> str:
@@ -26,7 +27,7 @@ def _markers(key: str) -> tuple[str, str]:
     return f"<!-- python -m bench: {key} -->", f"<!-- /python -m bench: {key} -->"
 
 
-def docs_section(result: dict, table: str, plot_file: str | None) -> tuple[str, str]:
+def docs_section(result: dict, tables: str, plot_file: str | None) -> tuple[str, str]:
     """(the machine, its section of the page): a heading naming the machine and the date,
     the command and versions measured, the plot, the tables."""
     environment = result["environment"]
@@ -38,8 +39,8 @@ def docs_section(result: dict, table: str, plot_file: str | None) -> tuple[str, 
              f"{environment['attnserve']}, onnxruntime {environment['onnxruntime']}, Python "
              f"{environment['python']}, {environment['threads']} threads.", ""]
     if plot_file:
-        lines += [f"![python -m bench on {key}]({plot_file})", ""]
-    lines += [table, end]
+        lines += [f"![python -m bench engines on {key}]({plot_file})", ""]
+    lines += [tables, end]
     return key, "\n".join(lines)
 
 

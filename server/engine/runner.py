@@ -4,7 +4,7 @@ their warm-up. Every start-up check happens while they are built, with nothing b
 
 Each model has its own inference thread(s): a batch of one model runs beside a batch of
 another, so a flood of calls to one model delays another's by sharing the device, never by
-queueing behind it (bench/fairness.py measures it)."""
+queueing behind it (`python -m bench fairness` measures it)."""
 
 import asyncio
 import logging

@@ -294,7 +294,7 @@ def workers_for(config: ServeConfig) -> int:
 def auto_workers(cuda: bool, cores: int) -> int:
     """One process on the CPU, where the model takes every core a front end would want
     (a group pays off there only for a model far cheaper than its callers' calls:
-    bench/workers.py); on a GPU, a front end for every two cores, up to
+    `python -m bench workers`); on a GPU, a front end for every two cores, up to
     MAX_AUTO_WORKERS, the rest left to the engine process."""
     if not cuda:
         return 1

@@ -1,4 +1,4 @@
-"""`python -m bench --docs docs/benchmarks.md`: a run's section is headed by its machine and
+"""`python -m bench engines --docs docs/benchmarks.md`: a run's section is headed by its machine and
 date, replaces the same machine's earlier run in place, goes first below the marker for a
 machine not yet in the page, and leaves the page's own prose as it was."""
 
@@ -13,7 +13,7 @@ PAGE = f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n### An older mac
 def run(cpu: str, date: str, table: str) -> tuple[str, str]:
     environment = {"cpu": cpu, "cores": 2, "threads": 2, "date": date, "attnserve": "0.1.0",
                    "onnxruntime": "1.31.1", "python": "3.11.2",
-                   "command": "python -m bench --docs docs/benchmarks.md"}
+                   "command": "python -m bench engines --docs docs/benchmarks.md"}
     return docs_section({"environment": environment, "seconds": 600.0}, table, "bench-x.png")
 
 
@@ -23,7 +23,7 @@ def test_a_section_names_the_machine_date_versions_and_plot():
     lines = section.splitlines()
     assert lines[1] == "### Intel(R) Xeon(R) Processor, 2 cores, 2026-12-01"
     assert "onnxruntime 1.31.1" in lines[3] and "attnserve 0.1.0" in lines[3]
-    assert "![python -m bench on Intel(R) Xeon(R) Processor, 2 cores](bench-x.png)" in lines
+    assert "![python -m bench engines on Intel(R) Xeon(R) Processor, 2 cores](bench-x.png)" in lines
     assert "| a | b |" in lines
 
 
