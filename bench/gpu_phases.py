@@ -1,20 +1,7 @@
 """The GPU benchmark's plan (what it measures, and how much of it: the full run or the CPU
-dry run) and its phases that run in this process, one after another, each freeing its
-sessions before the next (`python -m bench gpu`, bench/benchmarks/gpu.py):
-
-* backend: the server's backend at each precision the artifact has, against the backend on
-  the CPU at fp32 on one ragged batch (the hidden state of the embeddings graph, layer 0's
-  maps of the attention graph), and its tokens/s at the fixed shapes, one caller;
-* raw: onnxruntime at its default options on the graph the server serves, fetching the
-  hidden state (what a user calling onnxruntime gets) and the pooled vector alone; the
-  backend with 1, 2 and 4 sessions, a thread each, on one batch; the backend with fixed
-  IO-bound buffers, and with a CUDA graph per shape, each against it without;
-* memory: the peak of each shape on its own, as `attnserve memory-profile` measures it, and
-  the memory model fitted to the peaks, with its error on shapes held out of the fit;
-* torch: our PyTorch model on the device, for a machine whose onnxruntime has no CUDA
-  provider: fp32 on the device against the CPU and fp16 against fp32, tokens/s at the
-  fixed shapes, and torch.cuda.max_memory_allocated against seq_len. It runs after every
-  onnxruntime phase, so torch is never busy beside onnxruntime.
+dry run), and its phases that run in this process (`python -m bench gpu`, whose help lists
+them), one after another, each freeing its sessions before the next; the torch phase runs
+after every onnxruntime phase, so torch is never busy beside onnxruntime.
 """
 
 import copy
@@ -319,6 +306,9 @@ MEMORY_BATCH = max(MEMORY_BATCHES)
 
 
 def torch_phase(checkpoint: str | None, device: str, plan: Plan, inputs: Inputs, budget: Budget) -> dict:
+    """Our PyTorch model on the device, weights from the checkpoint the artifact was exported
+    from: fp32 on the device against the CPU and fp16 against fp32 on one ragged batch,
+    tokens/s at the fixed shapes, and torch.cuda.max_memory_allocated against seq_len."""
     import torch
 
     from attnserve.model import load_checkpoint

@@ -136,32 +136,28 @@ def phase(name: str, wait_s: float, run) -> dict:
     return out
 
 
-def _order(round_: int) -> tuple[str, str]:
-    return ("raw", "served") if round_ % 2 == 0 else ("served", "raw")
+def _workload_row(results: list[dict], tokens: int) -> dict:
+    """One workload's rounds ({run_seconds, latencies} each) as a row."""
+    return workload_row([r["run_seconds"] for r in results], [x for r in results for x in r["latencies"]],
+                        tokens)
 
 
-def _append(runs: dict, latencies: dict, key: str, seconds: float, lat: list[float]) -> None:
-    runs.setdefault(key, []).append(seconds)
-    latencies.setdefault(key, []).extend(lat)
-
-
-def _callers_row(runs: list[float], latencies: list[float], tokens: int, callers: int,
-                 breakdowns: list[dict]) -> dict:
-    row = workload_row(runs, latencies, tokens)
-    row["callers"] = callers
+def _callers_row(results: list[dict], tokens: int, count: int, breakdowns: list[dict]) -> dict:
+    row = _workload_row(results, tokens)
+    row["callers"] = count
     row["server"] = s = Measured.merge(breakdowns)
     row["padded_over_real"] = s["padded_tokens"] / s["real_tokens"] if s["real_tokens"] else None
     row["mean_batch_size"] = s["sequences"] / s["batches"] if s["batches"] else None
     return row
 
 
-def callers(address: str, texts: list[str], count: int, connections: int = 1) -> tuple[float, list[float]]:
+def callers(address: str, texts: list[str], count: int, connections: int = 1) -> dict:
     """`count` callers over `connections` channels, one text a request until all are sent."""
     from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 
     (run,) = load.run(Callers(Grpc(address, channels=connections),
                               [pb.EmbedRequest(texts=[t]) for t in texts], count))
-    return run.seconds, run.latencies
+    return {"run_seconds": run.seconds, "latencies": run.latencies}
 
 
 class Paired:
@@ -228,40 +224,47 @@ class Paired:
             for w in self.workers.values():
                 w.close()
 
+    def alternate(self, raw: dict, served: dict, server, *measured: str) -> tuple[dict, dict]:
+        """Rounds of: a call of every raw side, then of every served side (the order flips
+        every round); what each call returned, by side, and the server's breakdown around
+        each call of the sides `measured` (scraped before and after it, never during it)."""
+        out: dict[str, list] = {key: [] for key in [*raw, *served]}
+        breakdowns: dict[str, list[dict]] = {key: [] for key in measured}
+        for round_ in range(self.rounds):
+            for sides in (raw, served) if round_ % 2 == 0 else (served, raw):
+                for key, call in sides.items():
+                    if key not in breakdowns:
+                        out[key].append(call())
+                        continue
+                    with Measured(server) as m:
+                        out[key].append(call())
+                    breakdowns[key].append(m.summary())
+        return out, breakdowns
+
     def shape(self, shape, clients: dict, http: HttpEmbedder, server, grpc_out: dict) -> None:
-        """One fixed shape: every raw engine and every served API, in alternating blocks."""
+        """One fixed shape: every raw engine and every served API, in blocks of calls."""
         texts, workers, raw = shape.inputs.texts, self.workers, self.raw
         first = workers["server"].call("shape", name=shape.name, calls=1, warmup=1)[0]
+        calls = max(1, min(50, round(self.block_s / max(first, 1e-4))))
         raw_sides = {key: (w, False) for key, w in self.graphs.items()}  # key: (worker, tokenize)
         raw_sides |= {kind: (workers[kind], False) for kind in ("default", "int8") if kind in workers}
         raw_sides["default_texts"] = (workers["default"], True)
         for key, (w, tokenize) in raw_sides.items():
             if key != "opt":
                 w.call("shape", name=shape.name, calls=0, warmup=1, tokenize=tokenize)
-        served_sides = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts),
-                        "grpc_workers": lambda: clients["workers"].embed(texts)}
+        served = {"grpc": lambda: clients["fp32"].embed(texts), "http": lambda: http.embed(texts),
+                  "grpc_workers": lambda: clients["workers"].embed(texts)}
         if "int8" in clients:
-            served_sides["grpc_int8"] = lambda: clients["int8"].embed(texts)
+            served["grpc_int8"] = lambda: clients["int8"].embed(texts)
         rss_before = server.status()["rss"]
-        for call in served_sides.values():
+        for call in served.values():
             call()
-        calls = max(1, min(50, round(self.block_s / max(first, 1e-4))))
-        samples: dict[str, list[float]] = {key: [] for key in [*raw_sides, *served_sides]}
-        breakdowns = []
-        for round_ in range(self.rounds):
-            for side in _order(round_):
-                if side == "raw":
-                    for key, (w, tokenize) in raw_sides.items():
-                        samples[key] += w.call("shape", name=shape.name, calls=calls, tokenize=tokenize)
-                    continue
-                for key, call in served_sides.items():
-                    if key != "grpc":
-                        samples[key].extend(time_calls(call, calls))
-                        continue
-                    with Measured(server) as m:  # the server's own breakdown, for the gRPC rows
-                        samples[key].extend(time_calls(call, calls))
-                    breakdowns.append(m.summary())
-        rows = {key: shape_row(seconds, shape.batch, shape.seq) for key, seconds in samples.items()}
+        samples, breakdowns = self.alternate(
+            {key: lambda w=w, t=t: w.call("shape", name=shape.name, calls=calls, tokenize=t)
+             for key, (w, t) in raw_sides.items()},
+            {key: lambda call=call: time_calls(call, calls) for key, call in served.items()}, server, "grpc")
+        rows = {key: shape_row([x for block in blocks for x in block], shape.batch, shape.seq)
+                for key, blocks in samples.items()}
         for key, out in (("opt", raw["shapes"]), ("plain", raw["plain_shapes"]),
                          ("default", raw["default_shapes"]), ("default_texts", raw["default_texts_shapes"]),
                          ("int8", raw["int8_shapes"]), ("grpc", grpc_out["shapes"]),
@@ -271,83 +274,59 @@ class Paired:
                 out[shape.name] = rows[key]
         # What the fp32 server gives back once idle (its batch loop trims the heap then).
         time.sleep(IDLE_S)
-        grpc_out["shapes"][shape.name].update(server=Measured.merge(breakdowns), rss_before=rss_before,
-                                              rss_after_idle=server.status()["rss"])
+        grpc_out["shapes"][shape.name].update(server=Measured.merge(breakdowns["grpc"]),
+                                              rss_before=rss_before, rss_after_idle=server.status()["rss"])
         log.info("phase=paired shape=%s %s", shape.name, " ".join(
             f"{key}_tokens_per_s={row['tokens_per_s']:.0f}" for key, row in rows.items()))
 
     def mixed(self, server, grpc_out: dict) -> None:
-        """Rounds of: the raw engines on ideal batches (each graph, and onnxruntime at its
-        defaults) and one text at a time, then the server with 1, 8 and 64 concurrent callers."""
-        worker, default, raw = self.workers["server"], self.workers["default"], self.raw
+        """The raw engines on ideal batches (each graph, and onnxruntime at its defaults) and
+        one text at a time, against the server with 1, 8 and 64 concurrent callers."""
+        worker, raw = self.workers["server"], self.raw
         texts, tokens = self.workload.mixed.texts, sum(self.workload.mixed.lengths)
-        runs: dict[str, list[float]] = {}
-        latencies: dict[str, list[float]] = {}
-        breakdowns: dict[int, list[dict]] = {c: [] for c in CONCURRENCY}
-        ideal = [*((f"ideal_{key}", w) for key, w in self.graphs.items()), ("ideal_default", default)]
-        for _, w in ideal:  # warm-up
+        ideal = {f"ideal_{key}": w for key, w in self.graphs.items()}
+        ideal["ideal_default"] = self.workers["default"]
+        for w in ideal.values():  # warm-up
             w.call("mixed", kind="ideal")
         callers(server.address, texts[:64], 8)
-        paired_ratios = []
-        for round_ in range(self.rounds):
-            for side in _order(round_):
-                if side == "raw":
-                    for key, w in ideal:
-                        r = w.call("mixed", kind="ideal")
-                        _append(runs, latencies, key, r["run_seconds"], r["latencies"])
-                        padded = r["padded_tokens"]
-                    r = worker.call("mixed", kind="one")
-                    _append(runs, latencies, "one", r["run_seconds"], r["latencies"])
-                    continue
-                for count in CONCURRENCY:
-                    with Measured(server) as m:
-                        _append(runs, latencies, f"callers_{count}", *callers(server.address, texts, count))
-                    breakdowns[count].append(m.summary())
-            paired_ratios.append(runs["ideal_opt"][-1] / runs["callers_64"][-1])
-        raw["mixed_ideal"] = workload_row(runs["ideal_opt"], latencies["ideal_opt"], tokens) | {
-            "padded_tokens": padded}
+        runs, breakdowns = self.alternate(
+            {**{key: lambda w=w: w.call("mixed", kind="ideal") for key, w in ideal.items()},
+             "one": lambda: worker.call("mixed", kind="one")},
+            {f"callers_{n}": lambda n=n: callers(server.address, texts, n) for n in CONCURRENCY}, server,
+            *(f"callers_{n}" for n in CONCURRENCY))
+        raw["mixed_ideal"] = _workload_row(runs["ideal_opt"], tokens) | {
+            "padded_tokens": runs["ideal_opt"][0]["padded_tokens"]}
         if "ideal_plain" in runs:
-            raw["plain_mixed_ideal"] = workload_row(runs["ideal_plain"], latencies["ideal_plain"], tokens)
-        raw["default_mixed_ideal"] = workload_row(runs["ideal_default"], latencies["ideal_default"], tokens)
-        raw["mixed_one"] = workload_row(runs["one"], latencies["one"], tokens)
-        for count in CONCURRENCY:
-            row = _callers_row(runs[f"callers_{count}"], latencies[f"callers_{count}"], tokens, count,
-                               breakdowns[count])
-            grpc_out["concurrency"][str(count)] = row
+            raw["plain_mixed_ideal"] = _workload_row(runs["ideal_plain"], tokens)
+        raw["default_mixed_ideal"] = _workload_row(runs["ideal_default"], tokens)
+        raw["mixed_one"] = _workload_row(runs["one"], tokens)
+        for n in CONCURRENCY:
+            grpc_out["concurrency"][str(n)] = row = _callers_row(runs[f"callers_{n}"], tokens, n,
+                                                                 breakdowns[f"callers_{n}"])
             log.info("phase=paired callers=%d tokens_per_s=%.0f padded_over_real=%.3f mean_batch=%.1f",
-                     count, row["tokens_per_s"], row["padded_over_real"] or 0, row["mean_batch_size"] or 0)
-        grpc_out["concurrency"]["64"]["paired_ratios_to_raw_ideal"] = paired_ratios
+                     n, row["tokens_per_s"], row["padded_over_real"] or 0, row["mean_batch_size"] or 0)
+        grpc_out["concurrency"]["64"]["paired_ratios_to_raw_ideal"] = [
+            a["run_seconds"] / b["run_seconds"]
+            for a, b in zip(runs["ideal_opt"], runs["callers_64"], strict=True)]
 
     def short(self, server, group, grpc_out: dict) -> None:
         """Short texts: the raw engines on their ideal batches against 64 callers of one text
         each, on one connection; and 64 callers on a connection each, against the server and
         against the server of WORKERS front ends."""
         texts, tokens = self.workload.short.texts, sum(self.workload.short.lengths)
-        sides = {"ideal": self.workers["server"], "ideal_default": self.workers["default"]}
-        for w in sides.values():  # warm-up
+        ideal = {"ideal": self.workers["server"], "ideal_default": self.workers["default"]}
+        for w in ideal.values():  # warm-up
             w.call("mixed", kind="ideal", texts="short")
-        runs: dict[str, list[float]] = {}
-        latencies: dict[str, list[float]] = {}
-        breakdowns = []
-        for round_ in range(self.rounds):
-            for side in _order(round_):
-                if side == "raw":
-                    for key, w in sides.items():
-                        r = w.call("mixed", kind="ideal", texts="short")
-                        _append(runs, latencies, key, r["run_seconds"], r["latencies"])
-                    continue
-                with Measured(server) as m:
-                    _append(runs, latencies, "callers", *callers(server.address, texts, 64))
-                breakdowns.append(m.summary())
-                for key, target in (("connections", server), ("workers", group)):
-                    _append(runs, latencies, key, *callers(target.address, texts, 64, 64))
-        self.raw["short_ideal"] = workload_row(runs["ideal"], latencies["ideal"], tokens)
-        self.raw["default_short_ideal"] = workload_row(runs["ideal_default"], latencies["ideal_default"],
-                                                       tokens)
-        grpc_out["short_callers"] = _callers_row(runs["callers"], latencies["callers"], tokens, 64,
-                                                 breakdowns)
+        runs, breakdowns = self.alternate(
+            {key: lambda w=w: w.call("mixed", kind="ideal", texts="short") for key, w in ideal.items()},
+            {"callers": lambda: callers(server.address, texts, 64),
+             "connections": lambda: callers(server.address, texts, 64, 64),
+             "workers": lambda: callers(group.address, texts, 64, 64)}, server, "callers")
+        self.raw["short_ideal"] = _workload_row(runs["ideal"], tokens)
+        self.raw["default_short_ideal"] = _workload_row(runs["ideal_default"], tokens)
+        grpc_out["short_callers"] = _callers_row(runs["callers"], tokens, 64, breakdowns["callers"])
         for key in ("connections", "workers"):
-            grpc_out[f"short_{key}"] = workload_row(runs[key], latencies[key], tokens)
+            grpc_out[f"short_{key}"] = _workload_row(runs[key], tokens)
         log.info("phase=paired short callers=64 tokens_per_s=%.0f raw_ideal=%.0f "
                  "connections_tokens_per_s=%.0f workers_tokens_per_s=%.0f",
                  grpc_out["short_callers"]["tokens_per_s"], self.raw["short_ideal"]["tokens_per_s"],
