@@ -132,7 +132,7 @@ def parser() -> argparse.ArgumentParser:
     commands = p.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, registered in sorted(BENCHMARKS.items()):
         doc = inspect.getdoc(registered.run) or name
-        sub = commands.add_parser(name, help=doc.split("\n\n")[0].replace("\n", " "), description=doc,
+        sub = commands.add_parser(name, help=doc.splitlines()[0], description=doc,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("--quick", action="store_true",
                          help="the smallest run that proves the command works (its figures mean nothing)")

@@ -48,9 +48,11 @@ IDLE_S = 1.0
                 "processes under 0.15 cores): for shared machines"),
 )
 def engines(args) -> Result:
-    """Every engine on identical token ids, in one run: the server's backend and onnxruntime
-    at its default options (raw), `attnserve serve` over gRPC and HTTP (fp32, int8, two
-    front ends), our PyTorch model and sentence-transformers; then the target verdicts.
+    """Every engine on identical token ids, in one run, and the targets each run meets.
+
+    The server's backend and onnxruntime at its default options (raw), `attnserve serve`
+    over gRPC and HTTP (fp32, int8, two front ends), our PyTorch model and
+    sentence-transformers.
 
     Phases run one after another, never side by side (torch and onnxruntime busy together on
     a few cores slow each other 3-4x):

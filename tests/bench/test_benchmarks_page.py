@@ -1,10 +1,14 @@
 """`python -m bench engines --docs docs/benchmarks.md`: a run's section is headed by its machine and
 date, replaces the same machine's earlier run in place, goes first below the marker for a
-machine not yet in the page, and leaves the page's own prose as it was."""
+machine not yet in the page, and leaves the page's own prose as it was. Every benchmark the
+pages name is one `python -m bench` runs."""
+
+import re
 
 import pytest
 
 from bench.report import RUNS_MARKER, docs_section, update_page
+from bench.runner import BENCHMARKS, parser
 from tests.harness import REPO
 
 PAGE = f"# Benchmarks\n\nHow to read these.\n\n{RUNS_MARKER}\n\n### An older machine, by hand\n\nIts table.\n"
@@ -50,3 +54,14 @@ def test_the_benchmarks_page_takes_a_rerun_of_its_machine_in_place():
     assert rerun.count("### Intel(R) Xeon(R) Processor, 2 cores") == 1
     assert "| rerun |" in rerun and "### Intel(R) Xeon(R) Processor, 2 cores, 2027-01-02" in rerun
     assert rerun.endswith(page[page.index("### AMD EPYC"):])
+
+
+def test_every_benchmark_the_pages_and_the_code_name_is_one_the_runner_has():
+    parser()  # imports every benchmark
+    files = [REPO / "README.md", REPO / "Makefile", REPO / "bench" / "gpu_bench.sh",
+             *(REPO / "docs").glob("*.md"), *(REPO / "server").rglob("*.py"), *REPO.glob("*.py")]
+    texts = {path: path.read_text() for path in files}
+    named = {name for text in texts.values() for name in re.findall(r"-m\s+bench\s+([a-z][a-z0-9-]*)", text)}
+    assert [path for path, text in texts.items() if re.search(r"-m\s+bench\.", text)] == []
+    assert {"engines", "gpu", "workers", "fairness", "memory-load", "rerank", "chunking"} <= named
+    assert named <= set(BENCHMARKS), sorted(named - set(BENCHMARKS))
