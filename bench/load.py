@@ -146,7 +146,7 @@ def run(*groups: Callers, warm: bool = True, pool: ProcessPoolExecutor | None = 
     start_at = time.time() + 1.0
     parts = []
     for group in groups:
-        n = min(group.processes, group.callers)
+        n = min(group.processes, group.callers, len(group.requests) if not group.seconds else group.callers)
         parts.append([pool.submit(_in_process, replace(
             group, callers=group.callers // n + (k < group.callers % n),
             requests=group.requests if group.seconds else group.requests[k::n]), warm, start_at)

@@ -114,14 +114,20 @@ def engines(args) -> Result:
     result["rows"] = rows = build_rows(result)
     result["targets"] = verdicts = targets(result, rows)
     if args.docs:
-        plot_file = None
-        if importlib.util.find_spec("matplotlib"):
-            plot_file = f"bench-{slug(machine(result['environment']))}.png"
-            plot(result, rows, args.docs.parent / plot_file)
-        key, section = docs_section(result, markdown(result, rows, verdicts, tree=False), plot_file)
-        args.docs.write_text(update_page(args.docs.read_text(), key, section))
-        log.info("event=docs_written page=%s machine=%r", args.docs, key)
+        write_docs(args.docs, result)
     return Result(markdown(result, rows, verdicts), result, lambda path: plot(result, rows, path))
+
+
+def write_docs(page: Path, result: dict) -> None:
+    """The run's section of `page` (docs/benchmarks.md), and its plot beside the page."""
+    plot_file = None
+    if importlib.util.find_spec("matplotlib"):
+        plot_file = f"bench-{slug(machine(result['environment']))}.png"
+        plot(result, result["rows"], page.parent / plot_file)
+    key, section = docs_section(result, markdown(result, result["rows"], result["targets"], tree=False),
+                                plot_file)
+    page.write_text(update_page(page.read_text(), key, section))
+    log.info("event=docs_written page=%s machine=%r", page, key)
 
 
 def phase(name: str, wait_s: float, run) -> dict:
