@@ -146,7 +146,8 @@ def run(*groups: Callers, warm: bool = True, pool: ProcessPoolExecutor | None = 
     start_at = time.time() + 1.0
     parts = []
     for group in groups:
-        n = min(group.processes, group.callers, len(group.requests) if not group.seconds else group.callers)
+        # Never more processes than callers, nor (each request sent once) than requests.
+        n = min(group.processes, group.callers, group.callers if group.seconds else len(group.requests))
         parts.append([pool.submit(_in_process, replace(
             group, callers=group.callers // n + (k < group.callers % n),
             requests=group.requests if group.seconds else group.requests[k::n]), warm, start_at)
@@ -188,7 +189,8 @@ async def _caller(group: Callers, call, k: int, pending, run: Run) -> None:
     next_start = time.perf_counter()
     deadline = next_start + group.seconds if group.seconds else None
     for request in pending:  # shared by the group's callers
-        await asyncio.sleep(max(0.0, next_start - time.perf_counter()))
+        if next_start > time.perf_counter():
+            await asyncio.sleep(next_start - time.perf_counter())
         if deadline is not None and time.perf_counter() >= deadline:
             return
         started = time.perf_counter()
