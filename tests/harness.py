@@ -51,11 +51,12 @@ class ServerProcess:
     so they win. ATTNSERVE_* variables of the caller's environment are not passed on (a
     stray one would change the server under test); `env` adds variables, those included.
     `start_new_session`: the server leads a process group of its own, which a signal can reach
-    as a whole (as Ctrl-C or systemd does). `stop()` it, or use it as a context manager."""
+    as a whole (as Ctrl-C or systemd does). `command`: the `attnserve` to run (another
+    checkout's, say). `stop()` it, or use it as a context manager."""
 
     def __init__(self, artifact: Path, *flags: str, env: dict[str, str] | None = None,
                  log_path: Path | None = None, start_timeout_s: float = START_TIMEOUT_S,
-                 start_new_session: bool = False):
+                 start_new_session: bool = False, command: list[str] = ATTNSERVE):
         self.workdir = Path(tempfile.mkdtemp(prefix="attnserve-"))
         self.log_path = log_path or self.workdir / "serve.log"
         self.ready_path = self.workdir / "ready.json"
@@ -65,7 +66,7 @@ class ServerProcess:
         # it (seen in CI: "address already in use"); then the start is tried again on
         # other ports.
         for attempt in range(PORT_ATTEMPTS):
-            self.args = [*ATTNSERVE, "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
+            self.args = [*command, "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
                          "--port", "0", "--metrics-host", "127.0.0.1",
                          "--metrics-port", str(free_port()), "--http-port", str(free_port()),
                          "--device", "cpu",
