@@ -1,7 +1,7 @@
 """The two kinds of onnxruntime engine a benchmark row stands for.
 
 A row for attnserve's runtime runs the server's own backend
-(`attnserve.server.runtime.backends.create_backend`, with a `Strategy` where the row
+(`attnserve.server.runtime.backend.create_backend`, with a `Strategy` where the row
 isolates one setting, or on `unfused(artifact)`), so it measures what `attnserve serve`
 runs. A row for what a user would pick instead runs `default_session`, onnxruntime's
 `InferenceSession(path)` with its default options: the one session bench/ opens itself.
@@ -20,7 +20,7 @@ def default_session(path: Path, device: str):
     so the reference never runs on the CPU unnoticed."""
     import onnxruntime as ort
 
-    from attnserve.server.runtime.ort_backend import CPU, CUDA, preload_cuda_libraries
+    from attnserve.server.runtime.onnx import CPU, CUDA, preload_cuda_libraries
 
     if device != "cuda":
         return ort.InferenceSession(str(path), providers=[CPU])

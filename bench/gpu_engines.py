@@ -19,8 +19,7 @@ import time
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Artifact, pooled_output
-from attnserve.server.runtime.backend import Strategy
-from attnserve.server.runtime.backends import create_backend, place
+from attnserve.server.runtime.backend import Strategy, create_backend, place
 from bench.engines import default_session
 from bench.gpu_plan import CONCURRENT_SHAPE, PARITY_ROWS, PRECISIONS, Inputs, Plan
 from bench.measure import Budget, shape_row, time_calls
@@ -171,7 +170,7 @@ def bound(artifact: Artifact, device: str, precision: str, plan: Plan, batches: 
     """The pooled vector through fixed IO-bound buffers, against the backend without them
     (one lane each): `io_binding` alone (CUDA), then the backend's --cuda-graphs strategy
     (a graph per shape on CUDA; on the CPU the buffers alone)."""
-    from attnserve.server.runtime.ort_backend import BoundRunner
+    from attnserve.server.runtime.onnx import BoundRunner
 
     plain = create_backend(artifact, device, precision, 0, ONE_LANE)
     shapes = plan.one_caller_shapes[:2]

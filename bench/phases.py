@@ -89,7 +89,7 @@ class RawEngine:
 
     def __init__(self, spec: dict):
         from attnserve.artifact import load_artifact
-        from attnserve.server.runtime.backends import create_backend
+        from attnserve.server.runtime.backend import create_backend
         from bench.engines import default_session, unfused
 
         self.workload = Workload.load(spec["workload"])
@@ -200,7 +200,7 @@ def phase_memory(spec: dict) -> dict:
     A fresh process because memory a previous call freed stays resident (malloc keeps it)
     and would hide the next call's cost."""
     from attnserve.artifact import load_artifact
-    from attnserve.server.runtime.backends import create_backend
+    from attnserve.server.runtime.backend import create_backend
 
     workload = Workload.load(spec["workload"])
     artifact = load_artifact(spec["artifact"])

@@ -7,13 +7,13 @@ import logging
 import signal
 
 from attnserve.server.config import ServeConfig
-from attnserve.server.doors.ports import Ports
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import Offload
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.registry import load_models, load_tokenizers, log_default_prompts
 from attnserve.server.engine.runner import Runners
-from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.metrics import Metrics
+from attnserve.server.ports import Ports
 from attnserve.server.startup import write_ready_file
 
 log = logging.getLogger("attnserve.server")

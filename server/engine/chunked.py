@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnserve.server.engine.chunking import Chunks, best_windows, default_overlap, windows
+from attnserve.server.engine.chunk_cuts import Chunks, best_windows, default_overlap, windows
 from attnserve.server.engine.requests import Chunking, ChunkingMode, FieldNames
 from attnserve.server.engine.tokenize import TextTokens
 from attnserve.server.errors import InvalidArgument

@@ -24,8 +24,7 @@ from attnserve.server.memory.ledger import Totals
 from attnserve.server.memory.model import MemoryModels, load_memory_model
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
-from attnserve.server.runtime.backend import Backend, Strategy
-from attnserve.server.runtime.backends import create_backend
+from attnserve.server.runtime.backend import Backend, Strategy, create_backend
 
 log = logging.getLogger("attnserve.server")
 

@@ -117,7 +117,7 @@ class Group:
                CONFIG_ENV: config_to_json(self.front_config)}
         with signals.starting_a_child():
             return subprocess.Popen(
-                [sys.executable, "-m", "attnserve.server.workers.front_process",
+                [sys.executable, "-m", "attnserve.server.workers.front_end",
                  str(self.shared.fd), index, self.address, *map(str, fds)],
                 pass_fds=(self.shared.fd, *fds), env=env)
 

@@ -18,7 +18,7 @@ from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
-from attnserve.server.runtime.ort_backend import OrtBackend
+from attnserve.server.runtime.onnx import OrtBackend
 from bench.harness import ServerProcess
 
 CLS, SEP = 101, 102

@@ -2,7 +2,7 @@
 
 A second backend is one module and one registration: the test's own backend below (an
 embedding table looked up in numpy, of an artifact whose manifest says runtime "lookup")
-registers with server/runtime/backends.py and is then built, placed, warmed and run by the
+registers with server/runtime/backend.py and is then built, placed, warmed and run by the
 server's own runners, queues, batch loops and data plane, exactly as onnxruntime's is.
 Two such models share one memory budget: a batch of one waits for the other's batch in
 flight when both would not fit, and runs as soon as that one ends."""
@@ -27,18 +27,17 @@ from attnserve.artifact import (
     write_manifest,
 )
 from attnserve.server.config import ModelSource, ServeConfig
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import Offload
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.registry import load_models
 from attnserve.server.engine.requests import EmbedRequest, ResponseSize
 from attnserve.server.engine.runner import Runners
-from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import load_tokenizer
 from attnserve.server.errors import NotFound
 from attnserve.server.memory.model import EMBEDDINGS, model_key, save_entries
 from attnserve.server.metrics import Metrics
-from attnserve.server.runtime import backends
-from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy
+from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy, register
 from bench.harness import minilm_dir
 
 HIDDEN, HEADS, LAYERS, VOCAB = 8, 2, 1, 30522
@@ -103,7 +102,7 @@ class LookupKind:
         return LookupBackend(artifact.directory)
 
 
-backends.register("lookup", LookupKind())
+register("lookup", LookupKind())
 
 
 def lookup_artifact(directory: Path, name: str, seed: int) -> Path:

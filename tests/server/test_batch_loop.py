@@ -25,7 +25,7 @@ from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY
-from attnserve.server.runtime.ort_backend import OrtBackend
+from attnserve.server.runtime.onnx import OrtBackend
 
 WAIT_S = 30  # bound on any wait: a broken loop fails the test instead of hanging it
 # a + b·batch·seq bytes: a batch's predicted memory is its padded tokens plus 1000.

@@ -26,7 +26,7 @@ from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Strategy
-from attnserve.server.runtime.ort_backend import OrtBackend
+from attnserve.server.runtime.onnx import OrtBackend
 from attnserve.server.runtime.shapes import ShapeBuckets
 from bench.harness import ATTNSERVE, REPO, ServerProcess, sample
 

@@ -22,10 +22,10 @@ from tokenizers import Tokenizer
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
-from attnserve.server.doors.grpc_encoder_pack import AttentionPlan, EmbedPlan, embed_response_bytes, tensor
-from attnserve.server.doors.grpc_wire import MAX_NESTED_BYTES, TooLarge, TooMany, decode_in_slices
 from attnserve.server.engine.tokenize import TextTokenizer, TooLong
 from attnserve.server.errors import ResourceExhausted
+from attnserve.server.grpc.encoder_pack import AttentionPlan, EmbedPlan, embed_response_bytes, tensor
+from attnserve.server.grpc.wire import MAX_NESTED_BYTES, TooLarge, TooMany, decode_in_slices
 from attnserve.server.memory.ledger import PER_CONNECTION_SHARE, Ledger
 from bench.harness import minilm_dir
 

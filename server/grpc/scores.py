@@ -4,7 +4,6 @@ their requests, and their responses, sized before any work is done for them."""
 import numpy as np
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server.doors.grpc_wire import field_bytes, varint_bytes
 from attnserve.server.engine.requests import (
     Reranked,
     RerankRequest,
@@ -14,6 +13,7 @@ from attnserve.server.engine.requests import (
     ScoreRequest,
 )
 from attnserve.server.errors import InvalidArgument
+from attnserve.server.grpc.wire import field_bytes, varint_bytes
 
 SCORE_MODES = {pb.SCORE_MODE_COSINE: ScoreMode.COSINE, pb.SCORE_MODE_MAXSIM: ScoreMode.MAXSIM}
 RERANK_ADVICE = "set top_n, leave return_texts unset, or send fewer texts"

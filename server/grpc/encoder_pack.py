@@ -9,9 +9,9 @@ import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server.doors.grpc_wire import field_bytes, varint_bytes
-from attnserve.server.doors.quantized import EmbeddingType, quantize
+from attnserve.server.engine.quantize import EmbeddingType, quantize
 from attnserve.server.engine.requests import ChunkedText, Chunking, Embedded
+from attnserve.server.grpc.wire import field_bytes, varint_bytes
 from attnserve.server.runtime.backend import Outputs, SequenceResult
 
 POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}

@@ -20,18 +20,18 @@ import numpy as np
 
 from attnserve.artifact import TOKENIZER
 from attnserve.server.config import ServeConfig, config_from_json
-from attnserve.server.doors.ports import Ports
 from attnserve.server.engine import timings
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import RECEIVE_S, SUBMIT_S, Offload
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.queue import Limits, check_room
 from attnserve.server.engine.registry import load_models, load_tokenizers
-from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.errors import Unavailable
 from attnserve.server.logs import setup_logging
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.metrics import Metrics
+from attnserve.server.ports import Ports
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel, encode

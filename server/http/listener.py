@@ -1,16 +1,25 @@
-"""A request body that breaks HTTP/1.1's framing (a chunk size that is not hex or does not
+"""One aiohttp application on one port, with the limits every port of the server keeps:
+a connection has a header timeout (from its opening, or from its last answer: an idle
+keep-alive connection closes after it too), a request line and header of at most 8 KiB,
+bodies never inflated, a deep listen backlog so a burst of connections queues in the
+kernel instead of being dropped, and a body whose chunked framing breaks ended at once.
+
+A request body that breaks HTTP/1.1's framing (a chunk size that is not hex or does not
 fit in 64 bits, a malformed chunk extension, trailer or chunk end) ends that request's
 body at once, with the parser's reason, so its route answers 400 in its own error shape
-and the connection closes after the answer, as nginx does.
-
-aiohttp's parser raises such an error to the connection, which queues a 400 of its own
-behind the request being read and leaves that request's body open: its route waits for
-bytes that will never come, until the body timeout. And when the head and the bad body
-arrive in one read, the request never reaches its route at all. So each connection's
-parser is wrapped to hand the error to the body it belongs to, and a read that holds a
-request's head and the start of its body is fed to the parser as two."""
+and the connection closes after the answer, as nginx does. aiohttp's parser raises such
+an error to the connection, which queues a 400 of its own behind the request being read
+and leaves that request's body open: its route waits for bytes that will never come,
+until the body timeout. And when the head and the bad body arrive in one read, the
+request never reaches its route at all. So each connection's parser is wrapped to hand
+the error to the body it belongs to, and a read that holds a request's head and the start
+of its body is fed to the parser as two. aiohttp offers no public hook for either: the
+wrapping reaches into its request handler (`_parser`) and server (`_kwargs`,
+`_make_server`), which is why pyproject.toml pins aiohttp to the releases it is tested on
+(tests/server/http/test_listener.py fails when a release breaks it)."""
 
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -110,3 +119,37 @@ class FramedAppRunner(web.AppRunner):
         made = await super()._make_server()
         return FramedServer(made.request_handler, request_factory=made.request_factory,
                             handler_cancellation=made.handler_cancellation, **made._kwargs)
+
+LISTEN_BACKLOG = 1024
+# After the request queue has drained, answers already computed get this long to be sent.
+SEND_GRACE_S = 1.0
+MAX_LINE_BYTES = 8190
+
+
+class Listener:
+    """One aiohttp application on one port."""
+
+    def __init__(self, app: web.Application, header_timeout_s: float = 75.0):
+        # handler_cancellation: a caller that hangs up cancels its handler, which frees its
+        # place in the queue as a cancelled gRPC call does. No access log: one line per
+        # request is the metrics' job. aiohttp's keep-alive timer runs from a connection's
+        # opening and from each answer, until the next request's headers are in: the
+        # header timeout.
+        self.runner = FramedAppRunner(app, handler_cancellation=True, access_log=None,
+                                      shutdown_timeout=SEND_GRACE_S, auto_decompress=False,
+                                      keepalive_timeout=header_timeout_s,
+                                      max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES)
+        self.port = 0
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+                    reuse_port: bool = False) -> int:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=ssl_context,
+                           reuse_port=reuse_port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening, let answers in progress finish within SEND_GRACE_S, close."""
+        await self.runner.cleanup()

@@ -2,8 +2,8 @@
 way: each model's one version, its metadata and the model repository index (Triton's
 extension), from the data plane's models."""
 
-from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.served_model import ServedModel
+from attnserve.server.engine.model import ServedModel
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.errors import NotFound, quote
 
 MODEL_VERSION = "1"

@@ -33,8 +33,8 @@ from attnserve.artifact import (
     pooled_output,
 )
 from attnserve.server.engine import timings
+from attnserve.server.engine.chunk_cuts import cut
 from attnserve.server.engine.chunked import TextPlan, window_overlap
-from attnserve.server.engine.chunking import cut
 from attnserve.server.engine.offload import (
     CHUNK_S,
     COPY_BYTE_S,

@@ -11,8 +11,8 @@ server's."""
 import asyncio
 from collections.abc import Callable
 
+from attnserve.server.engine.model import NOT_SERVING, ServedModel
 from attnserve.server.engine.offload import Offload
-from attnserve.server.engine.served_model import NOT_SERVING, ServedModel
 from attnserve.server.errors import NotFound, Unavailable, quote
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.ledger import Holds, trim_after

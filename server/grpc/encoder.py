@@ -7,8 +7,22 @@ import dataclasses
 from attnserve.artifact import EMBEDDER, RERANKER, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
-from attnserve.server.doors.grpc_encoder_pack import (
+from attnserve.server.engine.model import ServedModel
+from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
+from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.quantize import EmbeddingType, ranges_of
+from attnserve.server.engine.requests import (
+    Chunking,
+    ChunkingMode,
+    EmbedRequest,
+    ResponseSize,
+    TokenizeRequest,
+    TruncationDirection,
+)
+from attnserve.server.engine.tokenize import Encoded
+from attnserve.server.errors import InvalidArgument
+from attnserve.server.grpc.calls import answer, call_holds, deadline_of
+from attnserve.server.grpc.encoder_pack import (
     CHUNKED_ADVICE,
     DTYPES,
     EMBED_ADVICE,
@@ -22,27 +36,13 @@ from attnserve.server.doors.grpc_encoder_pack import (
     outputs_for,
     pooled_name,
 )
-from attnserve.server.doors.grpc_scores import (
+from attnserve.server.grpc.scores import (
     rerank_request,
     rerank_response,
     score_request,
     score_response,
 )
-from attnserve.server.doors.grpc_wire import field_bytes
-from attnserve.server.doors.quantized import EmbeddingType, ranges_of
-from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
-from attnserve.server.engine.requests import (
-    Chunking,
-    ChunkingMode,
-    EmbedRequest,
-    ResponseSize,
-    TokenizeRequest,
-    TruncationDirection,
-)
-from attnserve.server.engine.served_model import ServedModel
-from attnserve.server.engine.tokenize import Encoded
-from attnserve.server.errors import InvalidArgument
+from attnserve.server.grpc.wire import field_bytes
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 

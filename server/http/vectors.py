@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve.artifact import Manifest
-from attnserve.server.doors.quantized import NAMES, EmbeddingType, quantize, ranges_of
+from attnserve.server.engine.quantize import NAMES, EmbeddingType, quantize, ranges_of
 from attnserve.server.errors import InvalidArgument, quote
 
 ENCODINGS = ("float", "base64")

@@ -21,22 +21,22 @@ from pathlib import Path
 
 from aiohttp import web
 
+from attnserve.server.call import ApiKeys, CallRecord
 from attnserve.server.config import ServeConfig
-from attnserve.server.doors.cors import Cors
-from attnserve.server.doors.docs_page import DocsPage
-from attnserve.server.doors.front import ApiKeys, CallRecord
-from attnserve.server.doors.http_calls import HttpCalls
-from attnserve.server.doors.http_kserve import KServeHttp
-from attnserve.server.doors.http_openai import OpenAIEmbeddings
-from attnserve.server.doors.http_openai import refusal as openai_refusal
-from attnserve.server.doors.http_rerank import RerankHttp
-from attnserve.server.doors.http_tei import TeiHttp
-from attnserve.server.doors.http_tei_scores import TeiScores
-from attnserve.server.doors.openapi import openapi_document
-from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.served_model import NOT_SERVING
+from attnserve.server.engine.model import NOT_SERVING
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.errors import NotFound, RequestError, Unauthenticated
-from attnserve.server.listener import Listener
+from attnserve.server.http.calls import HttpCalls
+from attnserve.server.http.cohere import RerankHttp
+from attnserve.server.http.cors import Cors
+from attnserve.server.http.docs_page import DocsPage
+from attnserve.server.http.kserve import KServeHttp
+from attnserve.server.http.listener import Listener
+from attnserve.server.http.openai import OpenAIEmbeddings
+from attnserve.server.http.openai import refusal as openai_refusal
+from attnserve.server.http.openapi import openapi_document
+from attnserve.server.http.tei import TeiHttp
+from attnserve.server.http.tei_scores import TeiScores
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
 from attnserve.server.tracing import Tracing

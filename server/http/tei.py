@@ -32,19 +32,10 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import HIDDEN_OUTPUT, RERANKER, pooled_output
-from attnserve.server.doors.front import SERVER_VERSION
-from attnserve.server.doors.http_calls import (
-    JSON_FLOAT_BYTES,
-    SEQUENCE_FORMS,
-    HttpCalls,
-    SequenceNames,
-    known_fields,
-    sequences,
-    token_ids,
-)
-from attnserve.server.doors.tei import Empty, refusal
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.call import SERVER_VERSION
+from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S, TOKEN_S
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import (
     DecodeRequest,
     EmbedRequest,
@@ -53,9 +44,18 @@ from attnserve.server.engine.requests import (
     TokenizeRequest,
     TruncationDirection,
 )
-from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.errors import InvalidArgument, quote
+from attnserve.server.http.calls import (
+    JSON_FLOAT_BYTES,
+    SEQUENCE_FORMS,
+    HttpCalls,
+    SequenceNames,
+    known_fields,
+    sequences,
+    token_ids,
+)
+from attnserve.server.http.tei_shape import Empty, refusal
 from attnserve.server.memory.ledger import Holds
 
 EMBED_FIELDS = ("inputs", "truncate", "truncation_direction", "prompt_name", "normalize",

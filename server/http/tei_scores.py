@@ -14,10 +14,8 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import EMBEDDER, RERANKER
-from attnserve.server.doors.http_calls import JSON_CHAR_BYTES, HttpCalls
-from attnserve.server.doors.tei import refusal
-from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import RESULT_S
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import (
     RerankRequest,
     ResponseSize,
@@ -25,6 +23,8 @@ from attnserve.server.engine.requests import (
     ScoreRequest,
 )
 from attnserve.server.errors import InvalidArgument, quote
+from attnserve.server.http.calls import JSON_CHAR_BYTES, HttpCalls
+from attnserve.server.http.tei_shape import refusal
 from attnserve.server.memory.ledger import Holds
 
 # A result's JSON around its text: {"index":N,"score":F,"text":""}, and a score's text.

@@ -1,6 +1,6 @@
-"""What every gRPC call shares: its record and status (server/doors/front.py), the API
+"""What every gRPC call shares: its record and status (server/call.py), the API
 key, its request decoded off the event loop with its memory held until the answer is
-sent, and its request id, timings and trace (server/doors/call_context.py): the id and
+sent, and its request id, timings and trace (server/call.py): the id and
 TEI's timings go back in the trailing metadata (`x-request-id`, `x-total-time`, ...)."""
 
 import asyncio
@@ -18,10 +18,18 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from attnserve.server.doors import call_context
-from attnserve.server.doors.front import CANCELLED, ApiKeys, CallRecord
-from attnserve.server.doors.grpc_wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.call import (
+    CANCELLED,
+    REQUEST_ID,
+    TRACEPARENT,
+    ApiKeys,
+    Call,
+    CallRecord,
+    begin_call,
+    current_call,
+    finish_call,
+)
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.queue import DEADLINE_SLACK_S
 from attnserve.server.errors import (
     InvalidArgument,
@@ -29,6 +37,7 @@ from attnserve.server.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from attnserve.server.grpc.wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 from attnserve.server.tracing import Tracing
@@ -61,7 +70,7 @@ def status_of(err: RequestError) -> grpc.Status:
 
 def trailers(status: grpc.Status) -> tuple:
     """A refusal's trailing metadata: its details, and the call's id and timings."""
-    call = call_context.current()
+    call = current_call()
     return tuple(status.trailing_metadata) + (() if call is None else tuple(call.metadata()))
 
 
@@ -191,7 +200,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         async def refuse(err: RequestError, context) -> None:
             self.metrics.answered(rpc, err.code.name, 0.0)
-            call = call_context.current()
+            call = current_call()
             if call is not None:
                 call.code = err.code.name
             status = status_of(err)
@@ -235,18 +244,18 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         method = details.method
         tracing = None if method.startswith(UNTRACED_METHODS) else self.tracing
 
-        def begin(context) -> call_context.Call:
+        def begin(context) -> Call:
             metadata = dict(pair for pair in context.invocation_metadata() or ()
                             if isinstance(pair[1], str))
-            return call_context.begin(method.lstrip("/"), metadata.get(call_context.REQUEST_ID),
-                                      metadata.get(call_context.TRACEPARENT), tracing)
+            return begin_call(method.lstrip("/"), metadata.get(REQUEST_ID),
+                                      metadata.get(TRACEPARENT), tracing)
 
-        def end(call: call_context.Call, context, answered: bool) -> None:
+        def end(call: Call, context, answered: bool) -> None:
             """`answered`: the call returned (a refusal has sent its trailers already)."""
             if answered:
                 context.set_trailing_metadata(tuple(call.metadata()))
             service, _, name = method.lstrip("/").rpartition("/")
-            call_context.end(call, tracing, {"rpc.system": "grpc", "rpc.service": service,
+            finish_call(call, tracing, {"rpc.system": "grpc", "rpc.service": service,
                                              "rpc.method": name})
 
         if refused is not None:

@@ -1,4 +1,4 @@
-"""What every HTTP route shares: its call record and status (server/doors/front.py), the
+"""What every HTTP route shares: its call record and status (server/call.py), the
 body read within its limits and time and held in the memory ledger only as its bytes
 arrive, JSON counted before it is parsed and parsed off the event loop, a body's fields
 checked by name, texts or token ids read from a JSON field, and errors turned into HTTP
@@ -8,7 +8,7 @@ The cheap limits come first: the content type and encoding and the declared leng
 checked before any byte of the body is read, and a JSON body's entries are counted
 before it is parsed.
 
-Every request is a call (server/doors/call_context.py) from the moment it reaches the app:
+Every request is a call (server/call.py) from the moment it reaches the app:
 every answer, refusals and unmatched routes included, carries its X-Request-Id and TEI's
 timing headers, and with --otlp-endpoint the call is traced."""
 
@@ -20,10 +20,16 @@ from typing import TypeVar
 import orjson
 from aiohttp import web
 
-from attnserve.server.doors import call_context
-from attnserve.server.doors.front import CANCELLED, CallRecord
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.call import (
+    CANCELLED,
+    REQUEST_ID,
+    TRACEPARENT,
+    CallRecord,
+    begin_call,
+    finish_call,
+)
 from attnserve.server.engine.offload import JSON_BYTE_S
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.errors import (
     Code,
     InvalidArgument,
@@ -31,7 +37,7 @@ from attnserve.server.errors import (
     TooLarge,
     quote,
 )
-from attnserve.server.http_framing import MalformedBody
+from attnserve.server.http.listener import MalformedBody
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 from attnserve.server.tracing import Tracing
@@ -63,7 +69,7 @@ SEQUENCE_FORMS = "a string, a list of strings, a list of token ids or a list of 
 # Routes of probes and tools, never traced.
 UNTRACED_PATHS = ("/health", "/v2/health/", "/openapi.json")
 _CALL = "attnserve.call"
-"""the request's key for its call_context.Call"""
+"""the request's key for its Call"""
 
 
 class UnsupportedMediaType(RequestError):
@@ -197,9 +203,9 @@ class HttpCalls:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         tracing = None if request.path.startswith(UNTRACED_PATHS) else self.tracing
-        call = call_context.begin(f"{request.method} {route}",
-                                  request.headers.get(call_context.REQUEST_ID),
-                                  request.headers.get(call_context.TRACEPARENT), tracing)
+        call = begin_call(f"{request.method} {route}",
+                                  request.headers.get(REQUEST_ID),
+                                  request.headers.get(TRACEPARENT), tracing)
         request[_CALL] = call
         status = None
         try:
@@ -207,7 +213,7 @@ class HttpCalls:
             status = response.status
             return response
         finally:
-            call_context.end(call, tracing, {"http.request.method": request.method,
+            finish_call(call, tracing, {"http.request.method": request.method,
                                              "http.route": route}
                              | ({} if status is None else {"http.response.status_code": status}))
 

@@ -13,19 +13,19 @@ import numpy as np
 
 from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
-from attnserve.server.doors.front import SERVER_NAME, SERVER_VERSION
-from attnserve.server.doors.grpc_calls import answer, call_holds, deadline_of
-from attnserve.server.doors.grpc_wire import field_bytes
-from attnserve.server.doors.kserve import (
+from attnserve.server.call import SERVER_NAME, SERVER_VERSION
+from attnserve.server.engine.offload import COPY_BYTE_S
+from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.errors import InvalidArgument
+from attnserve.server.grpc.calls import answer, call_holds, deadline_of
+from attnserve.server.grpc.wire import field_bytes
+from attnserve.server.kserve import (
     MODEL_VERSION,
     find_model,
     model_metadata,
     repository_index,
 )
-from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.offload import COPY_BYTE_S
-from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
-from attnserve.server.errors import InvalidArgument
 from attnserve.server.metrics import Metrics
 
 INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"

@@ -33,16 +33,9 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import pooled_output
-from attnserve.server.doors.http_calls import (
-    SEQUENCE_FORMS,
-    HttpCalls,
-    SequenceNames,
-    known_fields,
-    sequences,
-)
-from attnserve.server.doors.http_vectors import VectorFormat
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
@@ -51,8 +44,15 @@ from attnserve.server.engine.requests import (
     ResponseSize,
     TruncationDirection,
 )
-from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.errors import InvalidArgument, RequestError, quote
+from attnserve.server.http.calls import (
+    SEQUENCE_FORMS,
+    HttpCalls,
+    SequenceNames,
+    known_fields,
+    sequences,
+)
+from attnserve.server.http.vectors import VectorFormat
 from attnserve.server.memory.ledger import Holds
 
 RPC = "http:/v1/embeddings"

@@ -19,11 +19,11 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import RERANKER
-from attnserve.server.doors.http_calls import JSON_CHAR_BYTES, HttpCalls
-from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import RESULT_S
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import RerankRequest, ResponseSize
 from attnserve.server.errors import InvalidArgument, RequestError, quote
+from attnserve.server.http.calls import JSON_CHAR_BYTES, HttpCalls
 from attnserve.server.memory.ledger import Holds
 
 # A result's JSON around its document: {"index":N,"relevance_score":F,"document":{"text":""}}.

@@ -11,13 +11,13 @@ from grpc_reflection.v1alpha import reflection
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
 from attnserve.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+from attnserve.server.call import ApiKeys
 from attnserve.server.config import ServeConfig
-from attnserve.server.doors.front import ApiKeys
-from attnserve.server.doors.grpc_calls import DecodeRequests, QuietHungUpCalls
-from attnserve.server.doors.grpc_encoder import EncoderService
-from attnserve.server.doors.grpc_kserve import KServeService
-from attnserve.server.doors.http_server import HttpServers
-from attnserve.server.engine.data_plane import DataPlane
+from attnserve.server.engine.plane import DataPlane
+from attnserve.server.grpc.calls import DecodeRequests, QuietHungUpCalls
+from attnserve.server.grpc.encoder import EncoderService
+from attnserve.server.grpc.kserve import KServeService
+from attnserve.server.http.server import HttpServers
 from attnserve.server.metrics import Metrics, answered_by_code
 from attnserve.server.startup import PortInUse
 from attnserve.server.tracing import tracing_for

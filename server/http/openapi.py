@@ -9,10 +9,10 @@ the test suite checks the running server against it (schemathesis)."""
 import orjson
 
 from attnserve.artifact import RERANKER
-from attnserve.server.doors.docs_page import FILES
-from attnserve.server.doors.front import SERVER_VERSION
-from attnserve.server.doors.http_openai import INFINITY_DEFAULT_MODEL
+from attnserve.server.call import SERVER_VERSION
 from attnserve.server.engine.requests import ModelInfo
+from attnserve.server.http.docs_page import FILES
+from attnserve.server.http.openai import INFINITY_DEFAULT_MODEL
 
 _ERROR = {"type": "object", "required": ["error"],
           "properties": {"error": {"type": "string"}}}

@@ -15,19 +15,19 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from attnserve.server.doors.front import SERVER_NAME, SERVER_VERSION
-from attnserve.server.doors.http_calls import JSON_FLOAT_BYTES, HttpCalls
-from attnserve.server.doors.kserve import (
+from attnserve.server.call import SERVER_NAME, SERVER_VERSION
+from attnserve.server.engine.model import ServedModel
+from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
+from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.errors import InvalidArgument, RequestError, quote
+from attnserve.server.http.calls import JSON_FLOAT_BYTES, HttpCalls
+from attnserve.server.kserve import (
     MODEL_VERSION,
     find_model,
     model_metadata,
     repository_index,
 )
-from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
-from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
-from attnserve.server.engine.served_model import ServedModel
-from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.memory.ledger import Holds
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
