@@ -1,10 +1,15 @@
 """What both Open Inference Protocol doors (KServe v2 over gRPC and over REST) say the same
 way: each model's one version, its metadata and the model repository index (Triton's
-extension), from the data plane's models."""
+extension), from the data plane's models; and the input tensors they take, checked for
+what the protocol says of them before the engine runs them as raw tensors
+(server/engine/tensors.py)."""
+
+from collections.abc import Sequence
 
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.errors import NotFound, quote
+from attnserve.server.engine.requests import InputTensor
+from attnserve.server.errors import InvalidArgument, NotFound, quote
 
 MODEL_VERSION = "1"
 
@@ -34,9 +39,28 @@ def repository_index(plane: DataPlane, ready_only: bool) -> list[dict]:
     """Every model: name, version, state (READY or UNAVAILABLE) and reason."""
     index = []
     for model in plane.models.values():
-        ready = model.ready()
+        ready = model.serving()
         if ready or not ready_only:
             index.append({"name": model.name, "version": MODEL_VERSION,
                           "state": "READY" if ready else "UNAVAILABLE",
                           "reason": "" if ready else "warming up or draining"})
     return index
+
+
+def input_tensor(index: int, name: str, datatype: str, shape: Sequence[int],
+                 data: bytes | Sequence[int]) -> InputTensor:
+    """Input `index`, INT64 [batch ≥ 1, seq ≥ 1], its data (little-endian bytes, or the
+    values, row-major) filling its shape exactly: checked without reading the data."""
+    field = f"inputs[{index}] ({name})"
+    if datatype != "INT64":
+        raise InvalidArgument(field, f"datatype {quote(datatype)}, expected INT64")
+    if len(shape) != 2 or min(shape) < 1:
+        raise InvalidArgument(field, f"shape {list(shape[:8])}, expected [batch ≥ 1, seq ≥ 1]")
+    count = shape[0] * shape[1]
+    raw = isinstance(data, bytes | bytearray | memoryview)
+    given = len(data) // 8 if raw else len(data)
+    if given != count or (raw and len(data) % 8):
+        what = f"{len(data)} raw bytes" if raw else f"{given} values"
+        raise InvalidArgument(field, f"{what}, shape {list(shape)} INT64 needs "
+                              f"{count * 8 if raw else count}{' bytes' if raw else ''}")
+    return InputTensor(name, (shape[0], shape[1]), data)

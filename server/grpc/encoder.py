@@ -1,12 +1,16 @@
 """attnserve.v1.EncoderService, the gRPC door of our own API: texts or token ids in,
-embeddings and attention maps out; texts ranked against a query (Rerank, Score); through
-the data plane."""
+embeddings and attention maps out (their responses packed by encoder_pack.py); texts
+ranked against a query (Rerank, Score), their requests and responses sized before any
+work is done for them; through the data plane."""
 
 import dataclasses
+
+import numpy as np
 
 from attnserve.artifact import EMBEDDER, RERANKER, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server.engine import embed, pairs
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.plane import DataPlane
@@ -15,7 +19,13 @@ from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
     EmbedRequest,
+    Fields,
+    Reranked,
+    RerankRequest,
     ResponseSize,
+    Scored,
+    ScoreMode,
+    ScoreRequest,
     TokenizeRequest,
     TruncationDirection,
 )
@@ -36,13 +46,7 @@ from attnserve.server.grpc.encoder_pack import (
     outputs_for,
     pooled_name,
 )
-from attnserve.server.grpc.scores import (
-    rerank_request,
-    rerank_response,
-    score_request,
-    score_response,
-)
-from attnserve.server.grpc.wire import field_bytes
+from attnserve.server.grpc.wire import field_bytes, varint_bytes
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 
@@ -55,29 +59,16 @@ DIRECTIONS = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: TruncationDirection.RIGHT,
               pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT}
 
 
-class TextNames:
-    sequences = "texts"
-    chunking = "chunking"
-
-    def sequence(self, index: int) -> str:
-        return f"texts[{index}]"
-
-    def token(self, index: int, position: int) -> str:
-        return f"texts[{index}]"
-
-
-class IdNames:
-    sequences = "token_ids"
-    chunking = "chunking"
-
-    def sequence(self, index: int) -> str:
-        return f"token_ids[{index}]"
-
-    def token(self, index: int, position: int) -> str:
-        return f"token_ids[{index}].ids[{position}]"
-
-
-TEXTS, IDS = TextNames(), IdNames()
+TEXTS = Fields("texts", token_at="{sequence}")
+IDS = Fields("token_ids", token_at="{sequence}.ids[{position}]")
+SCORE_MODES = {pb.SCORE_MODE_COSINE: ScoreMode.COSINE, pb.SCORE_MODE_MAXSIM: ScoreMode.MAXSIM}
+RERANK_ADVICE = "set top_n, leave return_texts unset, or send fewer texts"
+SCORE_ADVICE = "send fewer texts"
+# One result's index (a uint32) and score (a float), each with its one-byte tag, and the
+# text's tag and length prefix (at the largest, 5 bytes).
+RESULT_BYTES = (1 + 5) + (1 + 4) + (1 + 5)
+# A UTF-8 character takes at most this many bytes.
+UTF8_MAX = 4
 
 
 class IdLists:
@@ -188,7 +179,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         self.least_tokenization = {name: _tokenization(m.tokenizer.empty).ByteSize()
                                    for name, m in plane.models.items()}
 
-    async def embed(self, request: pb.EmbedRequest, holds: Holds,
+    async def _embed(self, request: pb.EmbedRequest, holds: Holds,
                     deadline: float | None) -> pb.EmbedResponse:
         model = self.plane.model(request.model)
         manifest = model.manifest
@@ -197,7 +188,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                            else (embed_response_bytes, EMBED_ADVICE))
         size = ResponseSize(lambda counts: measure(plan, counts, manifest, model.name),
                             self.max_message_bytes, advice)
-        embedded = await model.embed(EmbedRequest(
+        embedded = await embed.embed(model, EmbedRequest(
             names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
             token_ids=IdLists(request.token_ids), truncate=request.truncate,
             truncation_direction=direction(request.truncation_direction),
@@ -212,7 +203,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
 
     async def Embed(self, request, context):
         return await answer(self.metrics, "Embed", context,
-                            lambda: self.embed(request, call_holds(), deadline_of(context)))
+                            lambda: self._embed(request, call_holds(), deadline_of(context)))
 
     async def EmbedStream(self, request_iterator, context):
         holds = call_holds()
@@ -222,7 +213,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             before = holds.total
             try:
                 yield await answer(self.metrics, "EmbedStream", context,
-                                   lambda request=request: self.embed(
+                                   lambda request=request: self._embed(
                                        request, holds, deadline_of(context)))
             finally:
                 holds.give_back(holds.total - before)
@@ -235,7 +226,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                                 TOKENIZE_ADVICE)
             size.check(None, at_least=True)
             holds = call_holds()
-            encoded = await model.tokenize(
+            encoded = await embed.tokenize(model,
                 TokenizeRequest(TEXTS, request.texts, request.truncate,
                                 direction(request.truncation_direction), request.prompt_name),
                 holds)
@@ -268,19 +259,20 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
     async def Rerank(self, request, context):
         async def handle():
             model = self.plane.model(request.model, kind=RERANKER)
-            reranked = await model.rerank(rerank_request(request, model.name, self.max_message_bytes),
-                                          call_holds(), deadline_of(context))
+            reranked = await pairs.rerank(model, _rerank_request(request, model.name,
+                                                           self.max_message_bytes),
+                                    call_holds(), deadline_of(context))
             return await model.pack(len(reranked.order) * RESULT_S
                                     + reranked.response_bytes * COPY_BYTE_S,
-                                    rerank_response, reranked, request, model.name)
+                                    _rerank_response, reranked, request, model.name)
         return await answer(self.metrics, "Rerank", context, handle)
 
     async def Score(self, request, context):
         async def handle():
             model = self.plane.model(request.model, kind=EMBEDDER)
-            scored = await model.score(score_request(request, model.name, self.max_message_bytes),
-                                       call_holds(), deadline_of(context))
-            return await model.pack(len(scored.scores) * RESULT_S, score_response, scored,
+            scored = await pairs.score(model, _score_request(request, model.name, self.max_message_bytes),
+                                 call_holds(), deadline_of(context))
+            return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored,
                                     model.name)
         return await answer(self.metrics, "Score", context, handle)
 
@@ -295,3 +287,47 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
             prompts=info.prompts, default_prompt_name=info.default_prompt_name or "",
             matryoshka_dims=info.matryoshka_dims)
+
+
+def _head_bytes(model: str) -> int:
+    """model and total_tokens, at the largest"""
+    return field_bytes(len(model.encode())) + 1 + varint_bytes((1 << 63) - 1)
+
+
+def _rerank_request(request: pb.RerankRequest, model: str, limit: int) -> RerankRequest:
+    texts = request.texts
+
+    def measure(indexes: np.ndarray) -> int:
+        total = _head_bytes(model) + len(indexes) * field_bytes(RESULT_BYTES)
+        if request.return_texts:
+            total += UTF8_MAX * sum(len(texts[i]) for i in indexes.tolist())
+        return total
+
+    return RerankRequest(TEXTS, ResponseSize(measure, limit, RERANK_ADVICE), request.query, texts,
+                         request.top_n if request.HasField("top_n") else None,
+                         request.raw_scores, request.truncate)
+
+
+def _rerank_response(reranked: Reranked, request: pb.RerankRequest, model: str) -> pb.RerankResponse:
+    response = pb.RerankResponse(model=model, total_tokens=reranked.total_tokens)
+    texts = request.texts
+    for index, score in zip(reranked.order.tolist(), reranked.scores.tolist(), strict=True):
+        response.results.append(pb.RerankResult(
+            index=index, score=score, text=texts[index] if request.return_texts else ""))
+    return response
+
+
+def _score_request(request: pb.ScoreRequest, model: str, limit: int) -> ScoreRequest:
+    if request.mode not in SCORE_MODES:
+        what = (pb.ScoreMode.Name(request.mode) if request.mode in pb.ScoreMode.values()
+                else f"unknown value {request.mode}")
+        raise InvalidArgument("mode", f"{what}; name one: SCORE_MODE_COSINE or SCORE_MODE_MAXSIM")
+    size = ResponseSize(lambda lengths: _head_bytes(model) + field_bytes(4 * len(lengths)),
+                        limit, SCORE_ADVICE)
+    return ScoreRequest(TEXTS, size, request.query, request.texts, SCORE_MODES[request.mode],
+                        request.truncate)
+
+
+def _score_response(scored: Scored, model: str) -> pb.ScoreResponse:
+    return pb.ScoreResponse(scores=scored.scores.tolist(), model=model,
+                            total_tokens=scored.total_tokens)

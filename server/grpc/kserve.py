@@ -14,15 +14,17 @@ import numpy as np
 from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
 from attnserve.server.call import SERVER_NAME, SERVER_VERSION
+from attnserve.server.engine import tensors
 from attnserve.server.engine.offload import COPY_BYTE_S
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRequest
 from attnserve.server.errors import InvalidArgument
 from attnserve.server.grpc.calls import answer, call_holds, deadline_of
 from attnserve.server.grpc.wire import field_bytes
 from attnserve.server.kserve import (
     MODEL_VERSION,
     find_model,
+    input_tensor,
     model_metadata,
     repository_index,
 )
@@ -44,12 +46,12 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.plane.ready())
+        return pb.ServerReadyResponse(ready=self.plane.serving())
 
     async def ModelReady(self, request, context):
         async def handle():
             model = find_model(self.plane, request.name, request.version, "name", "version")
-            return pb.ModelReadyResponse(ready=model.ready())
+            return pb.ModelReadyResponse(ready=model.serving())
         return await answer(self.metrics, "ModelReady", context, handle)
 
     async def ServerMetadata(self, request, context):
@@ -91,18 +93,19 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         if raw and len(raw) != len(request.inputs):
             raise InvalidArgument("raw_input_contents", f"{len(raw)} entries for "
                                   f"{len(request.inputs)} inputs")
-        return [InputTensor(t.name, t.datatype, t.shape, raw[i] if raw else t.contents.int64_contents)
+        return [input_tensor(i, t.name, t.datatype, t.shape,
+                             raw[i] if raw else t.contents.int64_contents)
                 for i, t in enumerate(request.inputs)]
 
     async def ModelInfer(self, request, context):
         async def handle():
             model = self._model(request.model_name, request.model_version)
-            inferred = await model.infer(
-                InferRequest(self._inputs(request), [o.name for o in request.outputs],
-                             self._size(request, model.name)), call_holds(), deadline_of(context))
-            nbytes = sum(array.nbytes for _, array in inferred.outputs)
+            outputs = await tensors.run(model, TensorRequest(
+                self._inputs(request), [o.name for o in request.outputs],
+                self._size(request, model.name)), call_holds(), deadline_of(context))
+            nbytes = sum(array.nbytes for _, array in outputs)
             return await model.pack(nbytes * COPY_BYTE_S, self._response, model.name, request.id,
-                                    inferred.outputs)
+                                    outputs)
         return await answer(self.metrics, "ModelInfer", context, handle)
 
     def _response(self, model: str, request_id: str, outputs) -> pb.ModelInferResponse:

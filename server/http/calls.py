@@ -30,6 +30,7 @@ from attnserve.server.call import (
 )
 from attnserve.server.engine.offload import JSON_BYTE_S
 from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.requests import Fields
 from attnserve.server.errors import (
     Code,
     InvalidArgument,
@@ -104,24 +105,6 @@ def known_fields(body, known: tuple[str, ...]) -> dict:
     return body
 
 
-class SequenceNames:
-    """The names of a JSON field of texts or token ids and of its parts, as the route's
-    callers know them (`input`, `input[3]`, `input[3][5]`); a lone string or id list is
-    the field itself."""
-
-    chunking = "chunking"
-
-    def __init__(self, field: str, single: bool):
-        self.sequences = field
-        self.single = single
-
-    def sequence(self, index: int) -> str:
-        return self.sequences if self.single else f"{self.sequences}[{index}]"
-
-    def token(self, index: int, position: int) -> str:
-        return f"{self.sequence(index)}[{position}]"
-
-
 def token_ids(value, field: str, empty: type[InvalidArgument] = InvalidArgument) -> list[int]:
     """One JSON list of token ids; `empty`: the error for an empty one."""
     if not isinstance(value, list):
@@ -135,7 +118,7 @@ def token_ids(value, field: str, empty: type[InvalidArgument] = InvalidArgument)
 
 
 def sequences(value, field: str, empty: type[InvalidArgument] = InvalidArgument,
-              ids: bool = True) -> tuple[dict, SequenceNames]:
+              ids: bool = True) -> tuple[dict, Fields]:
     """EmbedRequest's texts or token_ids from a JSON field holding a string, a list of
     strings, a list of token ids or a list of lists of token ids (texts alone without
     `ids`), and their names; `empty`: the error for an empty string or list."""
@@ -143,12 +126,12 @@ def sequences(value, field: str, empty: type[InvalidArgument] = InvalidArgument,
     if isinstance(value, str):
         if not value:
             raise empty(field, "an empty string; send text")
-        return {"texts": [value]}, SequenceNames(field, True)
+        return {"texts": [value]}, Fields(field, single=True)
     if not isinstance(value, list):
         raise InvalidArgument(field, f"{quote(value)}; expected {forms}")
     if not value:
         raise empty(field, f"an empty list; expected {forms}, not empty")
-    first, names = value[0], SequenceNames(field, False)
+    first, names = value[0], Fields(field)
     if isinstance(first, str):
         for i, text in enumerate(value):
             if not isinstance(text, str):
@@ -161,7 +144,7 @@ def sequences(value, field: str, empty: type[InvalidArgument] = InvalidArgument,
         return {"token_ids": [token_ids(entry, f"{field}[{i}]", empty)
                               for i, entry in enumerate(value)]}, names
     if ids and type(first) is int:
-        return {"token_ids": [token_ids(value, field, empty)]}, SequenceNames(field, True)
+        return {"token_ids": [token_ids(value, field, empty)]}, Fields(field, single=True)
     raise InvalidArgument(field, f"expected {forms}; {field}[0] is {quote(first)}")
 
 
@@ -293,7 +276,7 @@ class HttpCalls:
                         convert: Callable[[object], T]) -> T:
         """A JSON route's body as `convert` reads it, once the server is ready and the body
         is JSON."""
-        self.plane.check_ready()
+        self.plane.check_serving()
         self.check_type(request, ("application/json",))
         return await self.json(await self.body(request, holds), convert)
 
@@ -322,7 +305,7 @@ class HttpCalls:
                 if isinstance(error, RequestTimeout | TooLarge) or request.content.exception():
                     response.force_close()  # the rest of the body is not worth reading
                 stalled = isinstance(error, RequestTimeout)
-            if not self.plane.ready():
+            if not self.plane.serving():
                 response.force_close()  # a draining server sends keep-alive clients elsewhere
             await response.prepare(request)
             await response.write_eof()

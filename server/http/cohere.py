@@ -19,9 +19,10 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import RERANKER
+from attnserve.server.engine import pairs
 from attnserve.server.engine.offload import RESULT_S
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.engine.requests import RerankRequest, ResponseSize
+from attnserve.server.engine.requests import Fields, RerankRequest, ResponseSize
 from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.http.calls import JSON_CHAR_BYTES, HttpCalls
 from attnserve.server.memory.ledger import Holds
@@ -31,16 +32,7 @@ RESULT_BYTES = 96
 ADVICE = "set top_n, leave return_documents unset, or send fewer documents"
 
 
-class Names:
-    query = "query"
-    sequences = "documents"
-    top_n = "top_n"
-
-    def sequence(self, index: int) -> str:
-        return f"documents[{index}]"
-
-
-NAMES = Names()
+NAMES = Fields("documents")
 
 
 def _optional_int(body: dict, name: str) -> int | None:
@@ -121,7 +113,7 @@ class RerankHttp:
             return 256 + len(model.name) * JSON_CHAR_BYTES + len(indexes) * RESULT_BYTES \
                 + JSON_CHAR_BYTES * text
 
-        reranked = await model.rerank(RerankRequest(
+        reranked = await pairs.rerank(model, RerankRequest(
             NAMES, ResponseSize(measure, self.max_response_bytes, ADVICE), parsed.query, texts,
             parsed.top_n, truncate=parsed.truncate, max_text_tokens=parsed.max_tokens_per_doc),
             holds, None)

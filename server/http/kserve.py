@@ -16,15 +16,17 @@ import orjson
 from aiohttp import web
 
 from attnserve.server.call import SERVER_NAME, SERVER_VERSION
+from attnserve.server.engine import tensors
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.engine.requests import InferRequest, InputTensor, ResponseSize
+from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRequest
 from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.http.calls import JSON_FLOAT_BYTES, HttpCalls
 from attnserve.server.kserve import (
     MODEL_VERSION,
     find_model,
+    input_tensor,
     model_metadata,
     repository_index,
 )
@@ -154,7 +156,7 @@ class InferCall:
                                           f"{quote(size)}; {len(binary) - offset} binary bytes "
                                           "are left")
                 data, offset = binary[offset:offset + size], offset + size
-            tensors.append(InputTensor(name, datatype, shape, data))
+            tensors.append(input_tensor(i, name, datatype, shape, data))
         if offset != len(binary):
             raise InvalidArgument("body", f"{len(binary) - offset} binary bytes after the inputs "
                                   "that binary_data_size accounts for")
@@ -219,7 +221,7 @@ class KServeHttp:
         return _health("live", True)
 
     async def ready(self, request: web.Request) -> web.Response:
-        return _health("ready", self.plane.ready())
+        return _health("ready", self.plane.serving())
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return web.json_response({"name": SERVER_NAME, "version": SERVER_VERSION,
@@ -233,7 +235,7 @@ class KServeHttp:
     async def model_ready(self, request: web.Request) -> web.StreamResponse:
         async def handle(holds: Holds) -> web.Response:
             model = self._model(request)
-            return _health("ready", model.ready(), name=model.name)
+            return _health("ready", model.serving(), name=model.name)
         return await self.calls.answer("http:/v2/ready", request, handle, refusal)
 
     async def repository_index(self, request: web.Request) -> web.StreamResponse:
@@ -251,7 +253,7 @@ class KServeHttp:
         return await self.calls.answer("http:/v2/repository/index", request, handle, refusal)
 
     async def _infer(self, request: web.Request, holds: Holds) -> web.Response:
-        self.plane.check_ready()
+        self.plane.check_serving()
         model = self._model(request)
         self.calls.check_type(request, ("application/json", "application/octet-stream"),
                               optional=True)
@@ -267,14 +269,13 @@ class KServeHttp:
                 raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
             header, binary = body[:int(length)], body[int(length):]
         call = await self.calls.json(header, lambda parsed: InferCall(parsed, binary))
-        inferred = await model.infer(
-            InferRequest(call.inputs, call.outputs, call.size(self.max_response_bytes)), holds,
-            call.deadline)
-        values = sum(array.size for _, array in inferred.outputs)
-        binary_only = all(call.travels_binary(name) for name, _ in inferred.outputs)
+        outputs = await tensors.run(model, TensorRequest(
+            call.inputs, call.outputs, call.size(self.max_response_bytes)), holds, call.deadline)
+        values = sum(array.size for _, array in outputs)
+        binary_only = all(call.travels_binary(name) for name, _ in outputs)
         payload, header_length = await model.pack(
             values * (4 * COPY_BYTE_S if binary_only else FLOAT_TEXT_S), call.respond,
-            model.name, inferred.outputs)
+            model.name, outputs)
         if header_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, content_type="application/octet-stream",

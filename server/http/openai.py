@@ -33,6 +33,7 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import pooled_output
+from attnserve.server.engine import embed
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.plane import DataPlane
@@ -41,6 +42,7 @@ from attnserve.server.engine.requests import (
     ChunkingMode,
     Embedded,
     EmbedRequest,
+    Fields,
     ResponseSize,
     TruncationDirection,
 )
@@ -48,7 +50,6 @@ from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.http.calls import (
     SEQUENCE_FORMS,
     HttpCalls,
-    SequenceNames,
     known_fields,
     sequences,
 )
@@ -125,7 +126,7 @@ class Parsed:
     chunking: Chunking | None
     inputs: dict
     """EmbedRequest's texts or token_ids"""
-    names: SequenceNames
+    names: Fields
 
 
 def parse(body) -> Parsed:
@@ -231,7 +232,7 @@ class OpenAIEmbeddings:
         """`read`: the body's parser; `more()`: the answer's fields beside OpenAI's."""
         parsed = await self.calls.json_body(request, holds, read)
         model = self.plane.model(parsed.model)
-        embedded = await model.embed(self.request(parsed, model), holds, None)
+        embedded = await embed.embed(model, self.request(parsed, model), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
         hidden = model.manifest.hidden_size
         ranges = parsed.vectors.ranges(model.manifest, model.name, pooled(model), parsed.dimensions)

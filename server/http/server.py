@@ -121,7 +121,7 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
 
     async def health(request: web.Request) -> web.Response:
         """Also TEI's (GET / too): 503 carries TEI's error and error_type beside status."""
-        if plane.ready():
+        if plane.serving():
             return web.json_response({"status": "serving"})
         return web.json_response({"status": "not_serving", "error": NOT_SERVING,
                                   "error_type": "Unhealthy"}, status=503)

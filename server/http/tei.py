@@ -33,12 +33,14 @@ from aiohttp import web
 
 from attnserve.artifact import HIDDEN_OUTPUT, RERANKER, pooled_output
 from attnserve.server.call import SERVER_VERSION
+from attnserve.server.engine import embed
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import (
     DecodeRequest,
     EmbedRequest,
+    Fields,
     ModelInfo,
     ResponseSize,
     TokenizeRequest,
@@ -50,7 +52,6 @@ from attnserve.server.http.calls import (
     JSON_FLOAT_BYTES,
     SEQUENCE_FORMS,
     HttpCalls,
-    SequenceNames,
     known_fields,
     sequences,
     token_ids,
@@ -102,7 +103,7 @@ def _prompt_name(body: dict) -> str | None:
 class EmbedBody:
     inputs: dict
     """EmbedRequest's texts or token_ids"""
-    names: SequenceNames
+    names: Fields
     truncate: bool
     direction: TruncationDirection
     prompt_name: str | None
@@ -111,7 +112,7 @@ class EmbedBody:
     """0: the model's hidden size"""
 
 
-def _inputs(body: dict) -> tuple[dict, SequenceNames]:
+def _inputs(body: dict) -> tuple[dict, Fields]:
     if "inputs" not in body:
         raise InvalidArgument("inputs", f"required: {SEQUENCE_FORMS}")
     return sequences(body["inputs"], "inputs", Empty)
@@ -138,7 +139,7 @@ def parse_embed_all(body) -> EmbedBody:
 @dataclass(frozen=True)
 class TokenizeBody:
     texts: list[str]
-    names: SequenceNames
+    names: Fields
     special_tokens: bool
     truncate: bool
     prompt_name: str | None
@@ -160,9 +161,9 @@ def parse_decode(body) -> DecodeRequest:
     value = body["ids"]
     if isinstance(value, list) and value and isinstance(value[0], list):
         ids = [token_ids(entry, f"ids[{i}]", Empty) for i, entry in enumerate(value)]
-        names = SequenceNames("ids", False)
+        names = Fields("ids")
     else:
-        ids, names = [token_ids(value, "ids", Empty)], SequenceNames("ids", True)
+        ids, names = [token_ids(value, "ids", Empty)], Fields("ids", single=True)
     return DecodeRequest(names, ids, _flag(body, "skip_special_tokens", True))
 
 
@@ -223,7 +224,7 @@ class TeiHttp:
         model = self.plane.model(None)
         size = body.dimensions or model.manifest.hidden_size
         pooled = pooled_output(model.manifest.default_pooling, body.normalize)
-        embedded = await model.embed(EmbedRequest(
+        embedded = await embed.embed(model, EmbedRequest(
             names=body.names, size=self._size(LIST_BYTES + size * JSON_FLOAT_BYTES, 0),
             truncate=body.truncate, truncation_direction=body.direction,
             prompt_name=body.prompt_name, outputs=frozenset({pooled}),
@@ -236,7 +237,7 @@ class TeiHttp:
         body = await self.calls.json_body(request, holds, parse_embed_all)
         model = self.plane.model(None)
         hidden = model.manifest.hidden_size
-        embedded = await model.embed(EmbedRequest(
+        embedded = await embed.embed(model, EmbedRequest(
             names=body.names, size=self._size(LIST_BYTES, LIST_BYTES + hidden * JSON_FLOAT_BYTES),
             truncate=body.truncate, truncation_direction=body.direction,
             prompt_name=body.prompt_name, outputs=frozenset({HIDDEN_OUTPUT}), **body.inputs),
@@ -282,7 +283,7 @@ class TeiHttp:
         count = len(body.texts)
         ResponseSize(lambda _: count * (LIST_BYTES + least * TOKEN_BYTES), self.max_response_bytes,
                      ADVICE).check(None, at_least=True)
-        encoded = await model.tokenize(TokenizeRequest(
+        encoded = await embed.tokenize(model, TokenizeRequest(
             body.names, body.texts, body.truncate, prompt_name=body.prompt_name,
             special_tokens=body.special_tokens), holds)
         prompt = model.prompt(body.prompt_name)
@@ -294,7 +295,7 @@ class TeiHttp:
     async def _decode(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, parse_decode)
         model = self.plane.model(None)
-        texts = await model.decode(body, holds)
+        texts = await embed.decode(model, body, holds)
         payload = await model.pack(sum(map(len, texts)) * COPY_BYTE_S, self._checked, model, holds,
                                    texts)
         return web.Response(body=payload, content_type="application/json")

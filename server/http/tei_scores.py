@@ -14,9 +14,11 @@ import orjson
 from aiohttp import web
 
 from attnserve.artifact import EMBEDDER, RERANKER
+from attnserve.server.engine import pairs
 from attnserve.server.engine.offload import RESULT_S
 from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import (
+    Fields,
     RerankRequest,
     ResponseSize,
     ScoreMode,
@@ -33,18 +35,8 @@ SCORE_BYTES = 16
 ADVICE = "send fewer texts, or leave return_text unset"
 
 
-@dataclass(frozen=True)
-class Names:
-    query: str
-    sequences: str
-    top_n: str = "top_n"
-
-    def sequence(self, index: int) -> str:
-        return f"{self.sequences}[{index}]"
-
-
-RERANK = Names("query", "texts")
-SIMILARITY = Names("inputs.source_sentence", "inputs.sentences")
+RERANK = Fields("texts")
+SIMILARITY = Fields("inputs.sentences", query="inputs.source_sentence")
 
 
 def _dict(value, field: str) -> dict:
@@ -67,7 +59,7 @@ def _string(value, field: str) -> str:
     return value
 
 
-def _strings(value, names: Names) -> list[str]:
+def _strings(value, names: Fields) -> list[str]:
     if not isinstance(value, list):
         raise InvalidArgument(names.sequences, "required, a list of strings" if value is None
                               else f"{quote(value)}; expected a list of strings")
@@ -133,7 +125,7 @@ class TeiScores:
             text = sum(len(texts[i]) for i in indexes.tolist()) if parsed.return_text else 0
             return 64 + len(indexes) * RESULT_BYTES + JSON_CHAR_BYTES * text
 
-        reranked = await model.rerank(RerankRequest(
+        reranked = await pairs.rerank(model, RerankRequest(
             RERANK, ResponseSize(measure, self.max_response_bytes, ADVICE), parsed.query, texts,
             raw_scores=parsed.raw_scores, truncate=parsed.truncate), holds, None)
 
@@ -150,7 +142,7 @@ class TeiScores:
         model = self.plane.model(parsed.model, kind=EMBEDDER)
         size = ResponseSize(lambda lengths: 64 + len(lengths) * SCORE_BYTES,
                             self.max_response_bytes, "send fewer sentences")
-        scored = await model.score(ScoreRequest(SIMILARITY, size, parsed.source, parsed.sentences,
+        scored = await pairs.score(model, ScoreRequest(SIMILARITY, size, parsed.source, parsed.sentences,
                                                 ScoreMode.COSINE, parsed.truncate), holds, None)
         payload = await model.pack(len(scored.scores) * RESULT_S, orjson.dumps,
                                    scored.scores.tolist())

@@ -21,18 +21,18 @@ import numpy as np
 from attnserve.artifact import TOKENIZER
 from attnserve.server.config import ServeConfig, config_from_json
 from attnserve.server.engine import timings
-from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import RECEIVE_S, SUBMIT_S, Offload
-from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.plane import build_plane
 from attnserve.server.engine.queue import Limits, check_room
 from attnserve.server.engine.registry import load_models, load_tokenizers
+from attnserve.server.engine.requests import Submission
 from attnserve.server.errors import Unavailable
 from attnserve.server.logs import setup_logging
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.metrics import Metrics
 from attnserve.server.ports import Ports
-from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
+from attnserve.server.runtime.backend import SequenceResult
 from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel, encode
 from attnserve.server.workers.shared import (
@@ -75,17 +75,14 @@ class RemoteEngine:
         mine = [tokens for index, tokens in self.releasing.values() if index == model]
         return len(mine), sum(mine)
 
-    async def submit(self, scheduler: "RemoteScheduler", sequences: list[np.ndarray],
-                     lengths: np.ndarray, layers: tuple[int, ...], deadline: float | None,
-                     outputs: Outputs, alone: float, spans: list[np.ndarray] | None,
-                     segments: np.ndarray | None) -> list[SequenceResult]:
+    async def submit(self, scheduler: "RemoteScheduler",
+                     submission: Submission) -> list[SequenceResult]:
         # A large request's message is made, and its answer unpacked, off the event loop
         # (87,381 sequences: 0.1 s and 0.33 s), which health checks would otherwise wait for.
         # Cancelled while it is made, nothing has gone to the engine and nothing is undone.
-        job = next(self.jobs)
-        frame = await self.offload.request(len(lengths) * SUBMIT_S, lambda: encode(*messages.submit(
-            job, scheduler.index, sequences, lengths, layers, deadline, outputs, alone, spans,
-            segments)))
+        job, lengths = next(self.jobs), submission.lengths
+        frame = await self.offload.request(len(lengths) * SUBMIT_S, lambda: encode(
+            *messages.submit(job, scheduler.index, submission)))
         future = asyncio.get_running_loop().create_future()
         self.waiting[job] = (future, timings.current())
         self.idle.clear()
@@ -151,16 +148,9 @@ class RemoteScheduler:
         check_room(self.limits, bool(fields.draining), fields.queue_requests[self.index] - requests,
                    fields.queue_tokens[self.index] - released, tokens, at_least)
 
-    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
-                     deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None,
-                     segments: np.ndarray | None = None) -> list[SequenceResult]:
-        if lengths is None:
-            lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
-        self.admit(int(lengths.sum()))
-        return await self.engine.submit(self, sequences, lengths, layers, deadline, outputs,
-                                        alone, spans, segments)
+    async def submit(self, submission: Submission) -> list[SequenceResult]:
+        self.admit(int(submission.lengths.sum()))
+        return await self.engine.submit(self, submission)
 
 
 class FrontProcess:
@@ -189,19 +179,16 @@ class FrontProcess:
         limits = Limits.of(config, facts.budget)
         budget = MemoryBudget(facts.budget, facts.responses_in_budget,
                               totals=SharedTotals(self.shared, self.index))
-        models = []
-        for i, (named, tokenizer, placement) in enumerate(zip(self.named, self.tokenizers,
-                                                              facts.models, strict=True)):
+        runs = []
+        for i, (named, placement) in enumerate(zip(self.named, facts.models, strict=True)):
             manifest = named.artifact.manifest
             memory = budget.for_model(named.name, load_memory_model(
                 named.artifact.directory, manifest, placement.provider, placement.precision),
                 manifest.num_heads, manifest.hidden_size)
-            scheduler = RemoteScheduler(self.remote, i, limits, manifest.num_heads,
-                                        manifest.hidden_size)
-            models.append(ServedModel(named.name, named.artifact, tokenizer, scheduler, memory,
-                                      placement, offload, self.metrics, self.serving,
-                                      config.max_chunking_chars, named.default_prompt))
-        plane = DataPlane(models, budget, offload, self.metrics, self.serving)
+            runs.append((RemoteScheduler(self.remote, i, limits, manifest.num_heads,
+                                         manifest.hidden_size), memory, placement))
+        plane = build_plane(config, self.named, self.tokenizers, runs, budget, offload,
+                            self.metrics, self.serving)
         await self.ports.start(plane, offload.requests_pool, shared_ports=True, metrics_port=False)
         self.shared.fields.worker_up[self.index] = 1
         log.info("event=front_end_up worker=%d port=%d http_port=%d", self.index, self.ports.port,
@@ -269,7 +256,7 @@ def main() -> int:
     front = FrontProcess(config, shared, -1 if index == STANDBY else int(index),
                          b"\0" + address.encode())
     if index == STANDBY:
-        shared.fields.standby_ready = os.getpid()
+        shared.fields.standby_waiting_pid = os.getpid()
         front.index = assignment(int(sys.argv[4]))
         log.info("event=standby_takes_over worker=%d", front.index)
     asyncio.run(front.run())

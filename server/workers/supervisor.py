@@ -139,7 +139,7 @@ class Group:
         """The standby is loaded and waiting (or has died: the group serves without one)."""
         process = self.standby[0] if self.standby is not None else None
         return (process is None or process.poll() is not None
-                or self.shared.fields.standby_ready == process.pid)
+                or self.shared.fields.standby_waiting_pid == process.pid)
 
     def _standby_wanted(self) -> bool:
         """No standby waits (the last took a dead front end's place, or died): start

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from attnserve.artifact import load_artifact
 from attnserve.server.engine.batch_loop import MAX_PADDING_RATIO
 from attnserve.server.engine.queue import Limits, State
+from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.runner import ModelRunner
 from attnserve.server.errors import RequestError
 from attnserve.server.memory.budget import MemoryBudget
@@ -91,7 +92,7 @@ def assembled(backend, budget: int = 1 << 40, **caps) -> ModelRunner:
 
 def submit(core: ModelRunner, lengths: list[int], layers: tuple[int, ...] = ()) -> asyncio.Task:
     sequences = [np.arange(1000, 1000 + n, dtype=np.int64) for n in lengths]
-    return asyncio.get_running_loop().create_task(core.queue.submit(sequences, layers))
+    return asyncio.get_running_loop().create_task(core.queue.submit(Submission(sequences, layers=layers)))
 
 
 def sample(core: ModelRunner, name: str, **labels) -> float:
