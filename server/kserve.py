@@ -1,10 +1,13 @@
 """What both Open Inference Protocol doors (KServe v2 over gRPC and over REST) say the same
 way: each model's one version, its metadata and the model repository index (Triton's
-extension), from the data plane's models; and the input tensors they take, checked for
-what the protocol says of them before the engine runs them as raw tensors
-(server/engine/tensors.py)."""
+extension), from the data plane's models, as Structs both doors answer with; and the
+input tensors they take, checked for what the protocol says of them before the engine
+runs them as raw tensors (server/engine/tensors.py)."""
 
 from collections.abc import Sequence
+from typing import Literal
+
+from msgspec import Struct
 
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.plane import DataPlane
@@ -27,23 +30,45 @@ def find_model(plane: DataPlane, name: str, version: str | None, name_field: str
     return model
 
 
-def model_metadata(model: ServedModel) -> dict:
-    """name, versions, platform, inputs and outputs ({name, datatype, shape})."""
+class TensorMetadata(Struct):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadata(Struct):
+    """The model's tensors."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class RepositoryModel(Struct):
+    name: str
+    version: str
+    state: Literal["READY", "UNAVAILABLE"]
+    reason: str
+
+
+def model_metadata(model: ServedModel) -> ModelMetadata:
     info = model.model_info()
-    return {"name": info.model, "versions": [MODEL_VERSION], "platform": info.platform,
-            **{kind: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-                      for t in getattr(info, kind)] for kind in ("inputs", "outputs")}}
+    inputs, outputs = ([TensorMetadata(t.name, t.datatype, list(t.shape)) for t in tensors]
+                       for tensors in (info.inputs, info.outputs))
+    return ModelMetadata(info.model, [MODEL_VERSION], info.platform, inputs, outputs)
 
 
-def repository_index(plane: DataPlane, ready_only: bool) -> list[dict]:
-    """Every model: name, version, state (READY or UNAVAILABLE) and reason."""
+def repository_index(plane: DataPlane, ready_only: bool) -> list[RepositoryModel]:
+    """Every model (with `ready_only`, every model serving), with its state."""
     index = []
     for model in plane.models.values():
         ready = model.serving()
         if ready or not ready_only:
-            index.append({"name": model.name, "version": MODEL_VERSION,
-                          "state": "READY" if ready else "UNAVAILABLE",
-                          "reason": "" if ready else "warming up or draining"})
+            index.append(RepositoryModel(model.name, MODEL_VERSION,
+                                         "READY" if ready else "UNAVAILABLE",
+                                         "" if ready else "warming up or draining"))
     return index
 
 

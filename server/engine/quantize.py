@@ -44,9 +44,6 @@ class EmbeddingType(enum.Enum):
         return -(-hidden // 8) if self in (EmbeddingType.BINARY, EmbeddingType.UBINARY) else hidden
 
 
-NAMES = ", ".join(t.value for t in EmbeddingType)
-
-
 def ranges_of(manifest: Manifest, model: str, pooled: str, kind: EmbeddingType,
               field: str, dimensions: int = 0) -> np.ndarray | None:
     """float32 [2, hidden]: the ranges `kind` quantizes the pooled output `pooled` over

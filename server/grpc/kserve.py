@@ -9,6 +9,7 @@ seq, seq]); a reranker's: logits ([batch, labels]). Positions past a row's lengt
 zeros: no computed padding reaches the caller.
 """
 
+import msgspec
 import numpy as np
 
 from attnserve.server._proto.inference import grpc_service_pb2 as pb
@@ -61,17 +62,15 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         async def handle():
             meta = model_metadata(find_model(self.plane, request.name, request.version, "name",
                                              "version"))
-            tensor = pb.ModelMetadataResponse.TensorMetadata
-            return pb.ModelMetadataResponse(
-                name=meta["name"], versions=meta["versions"], platform=meta["platform"],
-                **{kind: [tensor(**t) for t in meta[kind]] for kind in ("inputs", "outputs")})
+            return pb.ModelMetadataResponse(**msgspec.to_builtins(meta))
         return await answer(self.metrics, "ModelMetadata", context, handle)
 
     async def RepositoryIndex(self, request, context):
         async def handle():
             entry = pb.RepositoryIndexResponse.ModelIndex
             return pb.RepositoryIndexResponse(models=[
-                entry(**e) for e in repository_index(self.plane, request.ready)])
+                entry(**msgspec.structs.asdict(e))
+                for e in repository_index(self.plane, request.ready)])
         return await answer(self.metrics, "RepositoryIndex", context, handle)
 
     def _size(self, request: pb.ModelInferRequest, model: str) -> ResponseSize:

@@ -1,8 +1,8 @@
 """What every HTTP route shares: its call record and status (server/call.py), the
 body read within its limits and time and held in the memory ledger only as its bytes
-arrive, JSON counted before it is parsed and parsed off the event loop, a body's fields
-checked by name, texts or token ids read from a JSON field, and errors turned into HTTP
-statuses in the route's own error shape.
+arrive, JSON counted before it is decoded and decoded off the event loop (as its schema,
+server/http/schemas.py), and errors turned into HTTP statuses in the route's own error
+shape.
 
 The cheap limits come first: the content type and encoding and the declared length are
 checked before any byte of the body is read, and a JSON body's entries are counted
@@ -17,7 +17,6 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import orjson
 from aiohttp import web
 
 from attnserve.server.call import (
@@ -30,19 +29,19 @@ from attnserve.server.call import (
 )
 from attnserve.server.engine.offload import JSON_BYTE_S
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.engine.requests import Fields
 from attnserve.server.errors import (
     Code,
     InvalidArgument,
     RequestError,
     TooLarge,
-    quote,
 )
 from attnserve.server.http.listener import MalformedBody
+from attnserve.server.http.schemas import decode
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 from attnserve.server.tracing import Tracing
 
+S = TypeVar("S")
 T = TypeVar("T")
 
 HTTP_STATUS = {
@@ -66,7 +65,6 @@ CROSS_SITE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipar
 JSON_FLOAT_BYTES = 16
 # A character of text as JSON: at most six bytes (a \\u escape of four hex digits).
 JSON_CHAR_BYTES = 6
-SEQUENCE_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 # Routes of probes and tools, never traced.
 UNTRACED_PATHS = ("/health", "/v2/health/", "/openapi.json")
 _CALL = "attnserve.call"
@@ -93,59 +91,6 @@ def http_status(err: RequestError) -> int:
     if isinstance(err, TooLarge):
         return 413
     return HTTP_STATUS.get(err.code, 500)
-
-
-def known_fields(body, known: tuple[str, ...]) -> dict:
-    """A JSON body that must be an object of these fields and no others."""
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", "expected a JSON object")
-    for name in body:
-        if name not in known:
-            raise InvalidArgument(name[:64], f"unknown field; known: {', '.join(known)}")
-    return body
-
-
-def token_ids(value, field: str, empty: type[InvalidArgument] = InvalidArgument) -> list[int]:
-    """One JSON list of token ids; `empty`: the error for an empty one."""
-    if not isinstance(value, list):
-        raise InvalidArgument(field, f"{quote(value)}; expected a list of token ids")
-    if not value:
-        raise empty(field, "an empty list; send at least one token id")
-    for j, token in enumerate(value):
-        if type(token) is not int:  # bool is an int to Python, not to JSON
-            raise InvalidArgument(f"{field}[{j}]", f"{quote(token)} is not a token id (an integer)")
-    return value
-
-
-def sequences(value, field: str, empty: type[InvalidArgument] = InvalidArgument,
-              ids: bool = True) -> tuple[dict, Fields]:
-    """EmbedRequest's texts or token_ids from a JSON field holding a string, a list of
-    strings, a list of token ids or a list of lists of token ids (texts alone without
-    `ids`), and their names; `empty`: the error for an empty string or list."""
-    forms = SEQUENCE_FORMS if ids else "a string or a list of strings"
-    if isinstance(value, str):
-        if not value:
-            raise empty(field, "an empty string; send text")
-        return {"texts": [value]}, Fields(field, single=True)
-    if not isinstance(value, list):
-        raise InvalidArgument(field, f"{quote(value)}; expected {forms}")
-    if not value:
-        raise empty(field, f"an empty list; expected {forms}, not empty")
-    first, names = value[0], Fields(field)
-    if isinstance(first, str):
-        for i, text in enumerate(value):
-            if not isinstance(text, str):
-                raise InvalidArgument(f"{field}[{i}]", f"{quote(text)}; expected a string, as "
-                                      f"{field}[0] is")
-            if not text:
-                raise empty(f"{field}[{i}]", "an empty string; send text")
-        return {"texts": value}, names
-    if ids and isinstance(first, list):
-        return {"token_ids": [token_ids(entry, f"{field}[{i}]", empty)
-                              for i, entry in enumerate(value)]}, names
-    if ids and type(first) is int:
-        return {"token_ids": [token_ids(value, field, empty)]}, Fields(field, single=True)
-    raise InvalidArgument(field, f"expected {forms}; {field}[0] is {quote(first)}")
 
 
 def json_entries(body: bytes, limit: int) -> int:
@@ -256,29 +201,25 @@ class HttpCalls:
             raise InvalidArgument("body", err.message) from err
         return b"".join(chunks)
 
-    async def json(self, body: bytes, convert: Callable[[object], T]) -> T:
-        """`convert(the parsed JSON)`, on a thread when the body is big. Its entries are
-        counted first, so a body with more than any request may carry is refused before
-        it is parsed."""
-        def work() -> T:
+    async def json(self, body: bytes, schema: type[S], then: Callable[[S], T] | None = None) -> T:
+        """The body decoded as `schema` (and handed to `then`), on a thread when the body is
+        big. Its entries are counted first, so a body with more than any request may carry
+        is refused before it is decoded."""
+        def work():
             entries = json_entries(body, self.max_json_entries)
             if entries > self.max_json_entries:
                 raise TooLarge(f"body: more than {self.max_json_entries} JSON values "
                                f"({entries} counted); send fewer entries per request")
-            try:
-                parsed = orjson.loads(body)
-            except orjson.JSONDecodeError as err:
-                raise InvalidArgument("body", f"not valid JSON ({err})") from err
-            return convert(parsed)
+            decoded = decode(body, schema)
+            return decoded if then is None else then(decoded)
         return await self.plane.offload.request(len(body) * JSON_BYTE_S, work)
 
-    async def json_body(self, request: web.Request, holds: Holds,
-                        convert: Callable[[object], T]) -> T:
-        """A JSON route's body as `convert` reads it, once the server is ready and the body
-        is JSON."""
+    async def json_body(self, request: web.Request, holds: Holds, schema: type[S]) -> S:
+        """A JSON route's body, decoded as `schema`, once the server serves and the body is
+        JSON."""
         self.plane.check_serving()
         self.check_type(request, ("application/json",))
-        return await self.json(await self.body(request, holds), convert)
+        return await self.json(await self.body(request, holds), schema)
 
     async def answer(self, rpc: str, request: web.Request,
                      handler: Callable[[Holds], Awaitable[web.StreamResponse]],

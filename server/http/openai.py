@@ -1,11 +1,12 @@
 """POST /v1/embeddings as OpenAI defines it, through the data plane: the JSON body becomes an
 EmbedRequest for vectors of the model's pooling, normalised (as OpenAI's are), and the result
 becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
-come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}, a field the
-route does not know among them. `model` names one of the server's models, as GET
-/v1/models lists them; without it, the server's default (its first) answers, as TEI's,
-Infinity's and vLLM's do. Infinity serves the same API without /v1 (POST /embeddings,
-GET /models), with a few fields of its own both ways: those routes are here too, on the
+come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}, and a field the
+route does not know is refused, as OpenAI's API refuses it. `model` names one of the
+server's models, as GET /v1/models lists them; without it, the server's default (its
+first) answers, as TEI's, Infinity's and vLLM's do. Infinity serves the same API without
+/v1 (POST /embeddings, GET /models), with a few fields of its own both ways and, as its
+pydantic models, no refusal of fields it does not know: those routes are here too, on the
 same code.
 
 Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
@@ -21,47 +22,43 @@ each with OpenAI's fields and `input_index` (the text it is a chunk of), `start`
 fields it does not know (`model_extra`) and sends this one as `extra_body`. `usage`
 counts the tokens run through the model, every window's or chunk's. `embedding_types`
 (Cohere's) and `embedding_dtype` choose how the vectors are written
-(server/doors/http_vectors.py)."""
+(server/http/vectors.py)."""
 
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
-import orjson
 from aiohttp import web
 
 from attnserve.artifact import pooled_output
 from attnserve.server.engine import embed
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
-from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
     Embedded,
     EmbedRequest,
-    Fields,
     ResponseSize,
     TruncationDirection,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
-from attnserve.server.http.calls import (
-    SEQUENCE_FORMS,
-    HttpCalls,
-    known_fields,
+from attnserve.server.http.door import Door, encode, json_response
+from attnserve.server.http.schemas import (
+    Embedding,
+    EmbeddingList,
+    Embeddings,
+    InfinityEmbeddings,
+    Model,
+    ModelList,
+    OpenAIError,
+    OpenAIErrorDetail,
+    Usage,
     sequences,
 )
 from attnserve.server.http.vectors import VectorFormat
 from attnserve.server.memory.ledger import Holds
 
-RPC = "http:/v1/embeddings"
-INFINITY_RPC = "http:/embeddings"
-FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "truncate",
-          "truncation_direction", "prompt_name", "chunking", "embedding_types", "embedding_dtype")
-# Infinity's body: OpenAI's, and the inputs' modality.
-INFINITY_FIELDS = (*FIELDS, "modality")
 # The model Infinity's clients name when they name none.
 INFINITY_DEFAULT_MODEL = "default/not-specified"
 # Infinity's model objects say who owns them as a constant its own client insists on.
@@ -73,10 +70,6 @@ CHUNK_ITEM_BYTES = 128
 ADVICE = "send fewer inputs per request, or use encoding_format=base64"
 OWNED_BY = "attnserve"
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
-CHUNKING_MODES = {"late": ChunkingMode.LATE, "isolated": ChunkingMode.ISOLATED}
-CHUNKING_FIELDS = ("max_tokens", "mode", "window_overlap")
-# TEI's names, which its own clients write "Left" and "Right".
-DIRECTIONS = {"left": TruncationDirection.LEFT, "right": TruncationDirection.RIGHT}
 # HTTP status -> OpenAI's error `type` and `code`.
 ERROR_KINDS = {
     400: ("invalid_request_error", None),
@@ -92,196 +85,111 @@ ERROR_KINDS = {
 }
 
 
-def _chunking(value) -> Chunking:
-    if not isinstance(value, dict):
-        raise InvalidArgument("chunking", f"{quote(value)}; expected an object with max_tokens "
-                              "and, optionally, mode and window_overlap")
-    for name in value:
-        if name not in CHUNKING_FIELDS:
-            raise InvalidArgument("chunking", f"unknown field {quote(name)}; known: "
-                                  f"{', '.join(CHUNKING_FIELDS)}")
-    numbers = {}
-    for name, default in (("max_tokens", None), ("window_overlap", 0)):
-        number = value.get(name, default)
-        if type(number) is not int:  # bool is an int to Python, not to JSON
-            raise InvalidArgument(f"chunking.{name}", f"{quote(number)}; expected an integer")
-        numbers[name] = number
-    mode = value.get("mode", "late")
-    if not isinstance(mode, str) or mode not in CHUNKING_MODES:
-        raise InvalidArgument("chunking.mode", f"{quote(mode)}; expected 'late' or 'isolated'")
-    return Chunking(numbers["max_tokens"], CHUNKING_MODES[mode], numbers["window_overlap"])
-
-
-@dataclass(frozen=True)
-class Parsed:
-    """A body's fields, read and checked but for what depends on the model it names."""
-
-    model: str | None
-    vectors: VectorFormat
-    dimensions: int
-    """0: the model's size"""
-    truncate: bool
-    truncation_direction: TruncationDirection
-    prompt_name: str | None
-    chunking: Chunking | None
-    inputs: dict
-    """EmbedRequest's texts or token_ids"""
-    names: Fields
-
-
-def parse(body) -> Parsed:
-    known_fields(body, FIELDS)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidArgument("model", f"{quote(model)}; expected a string")
-    vectors = VectorFormat.parse(body)
-    dimensions = body.get("dimensions")
-    if dimensions is not None and (type(dimensions) is not int or dimensions < 1):
-        raise InvalidArgument("dimensions", f"{quote(dimensions)}; expected a positive integer")
-    truncate = body.get("truncate", False)
-    if not isinstance(truncate, bool):
-        raise InvalidArgument("truncate", f"{quote(truncate)}; expected true or false")
-    side = body.get("truncation_direction") or "right"
-    if not isinstance(side, str) or side.lower() not in DIRECTIONS:
-        raise InvalidArgument("truncation_direction", f"{quote(side)}; expected 'left' or 'right'")
-    prompt_name = body.get("prompt_name")
-    if prompt_name is not None and not isinstance(prompt_name, str):
-        raise InvalidArgument("prompt_name", f"{quote(prompt_name)}; expected a string")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidArgument("user", f"{quote(user)}; expected a string")
-    if "input" not in body:
-        raise InvalidArgument("input", f"required: {SEQUENCE_FORMS}")
-    chunking = None if body.get("chunking") is None else _chunking(body["chunking"])
-    inputs, names = sequences(body["input"], "input")
-    return Parsed(model, vectors, dimensions or 0, truncate, DIRECTIONS[side.lower()],
-                  prompt_name, chunking, inputs, names)
-
-
-def parse_infinity(body) -> Parsed:
-    """Infinity's body: OpenAI's, with text as its only modality, its name for no model,
-    and dimensions 0 for the model's own size."""
-    known_fields(body, INFINITY_FIELDS)
-    modality = body.get("modality", "text")
-    if modality != "text":
-        raise InvalidArgument("modality", f"{quote(modality)}; this server embeds text only")
-    # Infinity's ways of saying "not set", each of its own type (dimensions false is no 0).
-    unset = {"modality": "text", "model": INFINITY_DEFAULT_MODEL, "dimensions": 0}
-    return parse({name: value for name, value in body.items() if name not in unset
-                  or type(value) is not type(unset[name]) or value != unset[name]})
-
-
-class OpenAIEmbeddings:
+class OpenAIDoor(Door):
     """POST /v1/embeddings, and the models listed as OpenAI lists them: GET /v1/models and
     GET /v1/models/{model}; Infinity's POST /embeddings and GET /models, OpenAI's without
     /v1, their bodies Infinity's (the answer's `id` and `created`, each model's `backend`,
     `capabilities` and `stats`)."""
 
-    def __init__(self, calls: HttpCalls, plane: DataPlane, max_response_bytes: int):
-        self.calls = calls
-        self.plane = plane
-        self.max_response_bytes = max_response_bytes
+    def __init__(self, *args):
+        super().__init__(*args)
         self.created = int(time.time())
         """when the models were loaded: OpenAI's `created` of each model"""
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/v1/embeddings", self.handle), web.get("/v1/models", self.list_models),
-                web.get("/v1/models/{model:.+}", self.get_model),
-                web.post("/embeddings", self.infinity_embeddings),
-                web.get("/models", self.infinity_models)]
+        return [self.route("POST", "/v1/embeddings", self.embeddings),
+                self.route("GET", "/v1/models", self.list_models),
+                self.route("GET", "/v1/models/{model:.+}", self.get_model,
+                           "http:/v1/models/{model}"),
+                self.route("POST", "/embeddings", self.infinity_embeddings),
+                self.route("GET", "/models", self.infinity_models)]
 
-    def request(self, parsed: Parsed, model: ServedModel) -> EmbedRequest:
-        """The model's request for a parsed body: the response's size depends on the model."""
-        hidden = model.manifest.hidden_size
-        item = ITEM_BYTES + parsed.vectors.vector_bytes(hidden)
+    @staticmethod
+    def refusal(err: RequestError, status: int) -> web.Response:
+        kind, code = ERROR_KINDS.get(status, ("server_error", None))
+        return json_response(OpenAIError(OpenAIErrorDetail(err.message, kind, err.field, code)),
+                             status)
+
+    def _request(self, body: Embeddings, model: ServedModel, vectors: VectorFormat) -> EmbedRequest:
+        """The model's request for a body: the response's size depends on the model."""
+        item = ITEM_BYTES + vectors.vector_bytes(model.manifest.hidden_size)
         head = 256 + len(model.name.encode()) * 6
-        if parsed.chunking is None:
+        if body.chunking is None:
             size = ResponseSize(lambda lengths: head + len(lengths) * item,
                                 self.max_response_bytes, ADVICE)
+            chunking = None
         else:
             size = ResponseSize(lambda counts: head + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
                                 self.max_response_bytes, CHUNKED_ADVICE)
-        return EmbedRequest(names=parsed.names, size=size, truncate=parsed.truncate,
-                            truncation_direction=parsed.truncation_direction,
-                            prompt_name=parsed.prompt_name, outputs=frozenset({pooled(model)}),
-                            dimensions=parsed.dimensions, chunking=parsed.chunking,
-                            normalize=True, **parsed.inputs)
+            chunking = Chunking(body.chunking.max_tokens, ChunkingMode(body.chunking.mode),
+                                body.chunking.window_overlap)
+        inputs, names = sequences(body.input, "input")
+        return EmbedRequest(names=names, size=size, truncate=body.truncate,
+                            truncation_direction=TruncationDirection(
+                                (body.truncation_direction or "right").lower()),
+                            prompt_name=body.prompt_name, outputs=frozenset({pooled(model)}),
+                            dimensions=body.dimensions or 0, chunking=chunking, normalize=True,
+                            **inputs)
 
-    def body(self, model: ServedModel, embedded: Embedded, vectors: VectorFormat, ranges: dict,
-             more: dict) -> bytes:
-        """`more`: fields beside OpenAI's."""
+    def _answer(self, model: ServedModel, embedded: Embedded, vectors: VectorFormat,
+                ranges: dict, infinity: bool) -> bytes:
         name = pooled(model)
         pooled_vectors = [result.pooled[name] for result in embedded.results]
         pooled_vectors += [vector for text in embedded.chunked for vector in text.vectors]
         fields = iter(vectors.fields(np.stack(pooled_vectors), ranges) if pooled_vectors else ())
-        data = [{"object": "embedding", "index": index, **next(fields)}
+        data = [Embedding("embedding", index, *next(fields))
                 for index in range(len(embedded.results))]
         for text_index, text in enumerate(embedded.chunked):
             for (start, end), count in zip(text.spans.tolist(), text.token_counts.tolist(),
                                            strict=True):
-                data.append({"object": "embedding", "index": len(data), **next(fields),
-                             "input_index": text_index, "start": start, "end": end,
-                             "num_tokens": count})
+                data.append(Embedding("embedding", len(data), *next(fields), text_index, start, end,
+                                      count))
         tokens = embedded.total_tokens
-        return orjson.dumps({"object": "list", "data": data, "model": model.name,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, **more},
-                            option=orjson.OPT_SERIALIZE_NUMPY)
+        return encode(EmbeddingList(
+            "list", data, model.name, Usage(tokens, tokens),
+            *((f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
 
-    async def _embed(self, request: web.Request, holds: Holds, read=parse,
-                     more: Callable[[], dict] = dict) -> web.Response:
-        """`read`: the body's parser; `more()`: the answer's fields beside OpenAI's."""
-        parsed = await self.calls.json_body(request, holds, read)
-        model = self.plane.model(parsed.model)
-        embedded = await embed.embed(model, self.request(parsed, model), holds, None)
+    async def embeddings(self, request: web.Request, holds: Holds,
+                         schema: type[Embeddings] = Embeddings) -> web.Response:
+        body = await self.calls.json_body(request, holds, schema)
+        infinity = schema is InfinityEmbeddings
+        if infinity:
+            if body.modality != "text":
+                raise InvalidArgument("modality", f"{quote(body.modality)}; this server embeds "
+                                      "text only")
+            body.model = None if body.model == INFINITY_DEFAULT_MODEL else body.model
+        model = self.plane.model(body.model)
+        vectors = VectorFormat.of(body)
+        embedded = await embed.embed(model, self._request(body, model, vectors), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
         hidden = model.manifest.hidden_size
-        ranges = parsed.vectors.ranges(model.manifest, model.name, pooled(model), parsed.dimensions)
-        payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self.body,
-                                   model, embedded, parsed.vectors, ranges, more())
+        ranges = vectors.ranges(model.manifest, model.name, pooled(model), body.dimensions or 0)
+        payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self._answer,
+                                   model, embedded, vectors, ranges, infinity)
         return web.Response(body=payload, content_type="application/json")
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        return await self.calls.answer(RPC, request, lambda holds: self._embed(request, holds),
-                                       refusal)
+    async def infinity_embeddings(self, request: web.Request, holds: Holds) -> web.Response:
+        return await self.embeddings(request, holds, InfinityEmbeddings)
 
-    async def infinity_embeddings(self, request: web.Request) -> web.StreamResponse:
-        def more() -> dict:
-            return {"id": f"attnserve-{uuid.uuid4()}", "created": int(time.time())}
-        return await self.calls.answer(
-            INFINITY_RPC, request, lambda holds: self._embed(request, holds, parse_infinity, more),
-            refusal)
+    def _model(self, model: ServedModel, infinity: bool = False) -> Model:
+        if not infinity:
+            return Model(model.name, "model", self.created, OWNED_BY)
+        return Model(model.name, "model", self.created, INFINITY_OWNER, model.placement.platform,
+                     ["embed"], {})
 
-    async def infinity_models(self, request: web.Request) -> web.StreamResponse:
-        async def handle(holds: Holds) -> web.Response:
-            return web.json_response({"object": "list", "data": [
-                {**self._model_object(m), "owned_by": INFINITY_OWNER,
-                 "backend": m.placement.platform, "capabilities": ["embed"], "stats": {}}
-                for m in self.plane.models.values()]})
-        return await self.calls.answer("http:/models", request, handle, refusal)
+    async def list_models(self, request: web.Request, holds: Holds,
+                          infinity: bool = False) -> web.Response:
+        return json_response(ModelList("list", [self._model(m, infinity)
+                                                for m in self.plane.models.values()]))
 
-    def _model_object(self, model: ServedModel) -> dict:
-        return {"id": model.name, "object": "model", "created": self.created,
-                "owned_by": OWNED_BY}
+    async def infinity_models(self, request: web.Request, holds: Holds) -> web.Response:
+        return await self.list_models(request, holds, infinity=True)
 
-    async def list_models(self, request: web.Request) -> web.StreamResponse:
-        async def handle(holds: Holds) -> web.Response:
-            return web.json_response({"object": "list", "data": [
-                self._model_object(m) for m in self.plane.models.values()]})
-        return await self.calls.answer("http:/v1/models", request, handle, refusal)
-
-    async def get_model(self, request: web.Request) -> web.StreamResponse:
-        async def handle(holds: Holds) -> web.Response:
-            name = request.match_info["model"]
-            return web.json_response(self._model_object(self.plane.model(name)))
-        return await self.calls.answer("http:/v1/models/{model}", request, handle, refusal)
+    async def get_model(self, request: web.Request, holds: Holds) -> web.Response:
+        return json_response(self._model(self.plane.model(request.match_info["model"])))
 
 
 def pooled(model: ServedModel) -> str:
     """The vector OpenAI's door answers with: the model's own pooling, normalised."""
     return pooled_output(model.manifest.default_pooling, True)
 
-
-def refusal(err: RequestError, status: int) -> web.Response:
-    kind, code = ERROR_KINDS.get(status, ("server_error", None))
-    return web.json_response({"error": {"message": err.message, "type": kind, "param": err.field,
-                                        "code": code}}, status=status)

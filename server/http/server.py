@@ -1,15 +1,14 @@
 """The HTTP side of the server, on aiohttp: the HTTP port (OpenAI /v1/embeddings and
 Infinity's routes, KServe v2 REST, TEI's routes, Cohere's and Jina's /v1/rerank, GET
 /health for load balancers, /openapi.json and its page /docs, CORS) on the gRPC server's
-own event loop,
-and the metrics port (GET /metrics) on a thread and event loop of its own, so a burst of
+own event loop, and the metrics port (GET /metrics) on a thread and event loop of its own, so a burst of
 scrapes never delays a health probe or a call.
 
 What the port takes is bounded before any route runs: a connection has
 --http-header-timeout-seconds to send a request's headers (from its opening, or from its
 last answer: an idle keep-alive connection closes after it too), a request line and
 header of at most 8 KiB, a body never inflated (Content-Encoding is refused, see
-http_calls.py). Unmatched routes and methods answer in the protocol's error shape, and a
+calls.py). Unmatched routes and methods answer in the protocol's error shape, and a
 malformed request is logged at INFO, not as a traceback at ERROR. Each port listens with
 a deep backlog, so a burst of connections queues in the kernel instead of being dropped."""
 
@@ -27,16 +26,16 @@ from attnserve.server.engine.model import NOT_SERVING
 from attnserve.server.engine.plane import DataPlane
 from attnserve.server.errors import NotFound, RequestError, Unauthenticated
 from attnserve.server.http.calls import HttpCalls
-from attnserve.server.http.cohere import RerankHttp
+from attnserve.server.http.cohere import CohereDoor
 from attnserve.server.http.cors import Cors
 from attnserve.server.http.docs_page import DocsPage
-from attnserve.server.http.kserve import KServeHttp
+from attnserve.server.http.door import Door, json_response
+from attnserve.server.http.kserve import KServeDoor
 from attnserve.server.http.listener import Listener
-from attnserve.server.http.openai import OpenAIEmbeddings
-from attnserve.server.http.openai import refusal as openai_refusal
+from attnserve.server.http.openai import OpenAIDoor
 from attnserve.server.http.openapi import openapi_document
-from attnserve.server.http.tei import TeiHttp
-from attnserve.server.http.tei_scores import TeiScores
+from attnserve.server.http.schemas import Health
+from attnserve.server.http.tei import TeiDoor
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
 from attnserve.server.tracing import Tracing
@@ -79,26 +78,21 @@ def _open(request: web.Request) -> bool:
         request.path == "/" and request.method in ("GET", "HEAD"))
 
 
-def _json_error(err: RequestError, status: int) -> web.Response:
-    return web.json_response({"error": err.message}, status=status)
-
-
-def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmbeddings,
-            kserve: KServeHttp, cors: Cors, document: bytes, *doors) -> web.Application:
-    """The port's routes: OpenAI's, KServe's, the /docs page's and each of `doors`'
-    (`.routes()`, whose refusals outside a route, as 401 and 405, come in the door's
-    `.refusal` shape)."""
+def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, doors: list[Door], cors: Cors,
+            document: bytes) -> web.Application:
+    """The port's routes: health, the API's description and its page, and each door's,
+    whose refusals outside a route (401, 405) come in the door's shape; outside every
+    door's routes, OpenAI's under /v1/, else {"error": ...}."""
     metrics = calls.metrics
-    shapes = ({route.path: openai_refusal for route in openai.routes()}
-              | {route.path: door.refusal for door in doors for route in door.routes()})
+    routes = [(door, route) for door in doors for route in door.routes()]
+    shapes = {route.path: door.refusal for door, route in routes}
 
     @web.middleware
     async def front(request: web.Request, handler: Callable[[web.Request], Awaitable]):
         """API keys before any route; unmatched routes and methods in the protocol's error
-        shape (OpenAI's under /v1 and on its routes, each door's on its routes, else
-        {"error": ...})."""
+        shape."""
         render = shapes.get(request.path) or (
-            openai_refusal if request.path.startswith("/v1/") else _json_error)
+            OpenAIDoor.refusal if request.path.startswith("/v1/") else Door.refusal)
         try:
             if not _open(request):
                 keys.check(request.headers.get("Authorization"))
@@ -122,9 +116,8 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
     async def health(request: web.Request) -> web.Response:
         """Also TEI's (GET / too): 503 carries TEI's error and error_type beside status."""
         if plane.serving():
-            return web.json_response({"status": "serving"})
-        return web.json_response({"status": "not_serving", "error": NOT_SERVING,
-                                  "error_type": "Unhealthy"}, status=503)
+            return json_response(Health("serving"))
+        return json_response(Health("not_serving", NOT_SERVING, "Unhealthy"), 503)
 
     async def openapi(request: web.Request) -> web.Response:
         return web.Response(body=document, content_type="application/json")
@@ -133,8 +126,8 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, openai: OpenAIEmb
     app.on_response_prepare.append(calls.call_headers)
     app.on_response_prepare.append(cors.mark)
     app.add_routes([web.get("/health", health), web.get("/", health),
-                    web.get("/openapi.json", openapi), *openai.routes(), *kserve.routes(),
-                    *(route for door in doors for route in door.routes()), *DocsPage().routes()])
+                    web.get("/openapi.json", openapi), *DocsPage().routes(),
+                    *(route for _, route in routes)])
     return app
 
 
@@ -146,18 +139,15 @@ class HttpServers:
         self.config = config
         self.calls = HttpCalls(plane, metrics, config.http_max_body_bytes,
                                config.http_body_timeout_seconds, max_entries, tracing)
-        openai = OpenAIEmbeddings(self.calls, plane, config.max_message_bytes)
-        kserve = KServeHttp(self.calls, plane, config.max_message_bytes)
-        scores = TeiScores(self.calls, plane, config.max_message_bytes)
-        doors = [TeiHttp(self.calls, plane, config.max_message_bytes, config.max_queue_requests,
-                         config.max_batch_tokens, config.max_batch_size, max_entries,
-                         scores.rerank),
-                 scores, RerankHttp(self.calls, plane, config.max_message_bytes)]
-        self.api = Listener(api_app(self.calls, plane, keys, openai, kserve,
-                                    Cors(config.cors_allow_origin),
-                                    openapi_document([m.model_info() for m in plane.models.values()]),
-                                    *doors),
-                            config.http_header_timeout_seconds)
+        door = (self.calls, plane, config.max_message_bytes)
+        limits = {"max_concurrent_requests": config.max_queue_requests,
+                  "max_batch_tokens": config.max_batch_tokens,
+                  "max_batch_requests": config.max_batch_size, "max_client_batch_size": max_entries}
+        doors = [OpenAIDoor(*door), TeiDoor(*door, limits=limits), CohereDoor(*door),
+                 KServeDoor(*door)]
+        self.document = openapi_document([m.model_info() for m in plane.models.values()])
+        self.api = Listener(api_app(self.calls, plane, keys, doors, Cors(config.cors_allow_origin),
+                                    self.document), config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)
                         if metrics_port and config.metrics_port else None)
         logging.getLogger("aiohttp.server").addFilter(QuietMalformedRequests())

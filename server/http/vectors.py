@@ -13,13 +13,14 @@ import base64
 from dataclasses import dataclass
 
 import numpy as np
+from msgspec import UNSET
 
 from attnserve.artifact import Manifest
-from attnserve.server.engine.quantize import NAMES, EmbeddingType, quantize, ranges_of
+from attnserve.server.engine.quantize import EmbeddingType, quantize, ranges_of
 from attnserve.server.errors import InvalidArgument, quote
+from attnserve.server.http.door import numbers
+from attnserve.server.http.schemas import Embeddings
 
-ENCODINGS = ("float", "base64")
-DTYPES = ("float32", "float16")
 # The most one value takes in the body: a float32 as orjson's shortest repr
 # (-1.1754944e-38) and a comma; an int8 ("-128,"), a uint8 ("255,"); any value's bytes as
 # base64 (4 characters for 3 bytes) at 2 characters a byte.
@@ -36,20 +37,18 @@ class VectorFormat:
     float16: bool = False
 
     @classmethod
-    def parse(cls, body: dict) -> "VectorFormat":
+    def of(cls, body: Embeddings) -> "VectorFormat":
         """From a request body's encoding_format, embedding_dtype and embedding_types."""
-        encoding = body.get("encoding_format") or "float"
-        if encoding not in ENCODINGS:
-            raise InvalidArgument("encoding_format", f"{quote(encoding)}; expected 'float' or "
-                                  "'base64'")
-        dtype = body.get("embedding_dtype") or "float32"
-        if dtype not in DTYPES:
-            raise InvalidArgument("embedding_dtype", f"{quote(dtype)}; expected 'float32' or "
-                                  "'float16'")
-        if dtype == "float16" and encoding != "base64":
+        base64, float16 = body.encoding_format == "base64", body.embedding_dtype == "float16"
+        if float16 and not base64:
             raise InvalidArgument("embedding_dtype", "float16 travels as base64 only: set "
                                   "encoding_format to 'base64'")
-        return cls(_types(body.get("embedding_types")), encoding == "base64", dtype == "float16")
+        kinds: list[EmbeddingType] = []
+        for i, name in enumerate(body.embedding_types or ()):
+            if EmbeddingType(name) in kinds:
+                raise InvalidArgument(f"embedding_types[{i}]", f"{quote(name)} is listed twice")
+            kinds.append(EmbeddingType(name))
+        return cls(tuple(kinds), base64, float16)
 
     def value_bytes(self, kind: EmbeddingType) -> float:
         if self.base64:
@@ -72,37 +71,17 @@ class VectorFormat:
 
     def _encoded(self, vector: np.ndarray, kind: EmbeddingType):
         if not self.base64:
-            return vector
+            return numbers(vector)
         if kind is EmbeddingType.FLOAT:
             vector = vector.astype("<f2" if self.float16 else "<f4")
         return base64.b64encode(vector.tobytes()).decode()
 
-    def fields(self, vectors: np.ndarray, ranges: dict[EmbeddingType, np.ndarray]) -> list[dict]:
+    def fields(self, vectors: np.ndarray, ranges: dict[EmbeddingType, np.ndarray]) -> list[tuple]:
         """Each float32 vector of `vectors` [n, hidden] as its item's `embedding` and, with
-        embedding types, `embeddings`."""
+        embedding types, `embeddings` (UNSET without)."""
         if not self.types:
-            return [{"embedding": self._encoded(v, EmbeddingType.FLOAT)} for v in vectors]
+            return [(self._encoded(v, EmbeddingType.FLOAT), UNSET) for v in vectors]
         typed = {kind: quantize(vectors, kind, ranges.get(kind)) for kind in self.types}
-        empty = "" if self.base64 else []
-        return [{"embedding": empty,
-                 "embeddings": {kind.value: self._encoded(typed[kind][i], kind) for kind in self.types}}
+        empty = numbers(np.zeros(0, np.float32)) if not self.base64 else ""
+        return [(empty, {kind.value: self._encoded(typed[kind][i], kind) for kind in self.types})
                 for i in range(len(vectors))]
-
-
-def _types(value) -> tuple[EmbeddingType, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not value:
-        raise InvalidArgument("embedding_types", f"{quote(value)}; expected a non-empty list of "
-                              f"{NAMES}")
-    kinds: list[EmbeddingType] = []
-    for i, name in enumerate(value[:len(EmbeddingType) + 1]):
-        try:
-            kind = EmbeddingType(name)
-        except ValueError:
-            raise InvalidArgument(f"embedding_types[{i}]", f"{quote(name)} is not an embedding "
-                                  f"type; expected one of {NAMES}") from None
-        if kind in kinds:
-            raise InvalidArgument(f"embedding_types[{i}]", f"{quote(name)} is listed twice")
-        kinds.append(kind)
-    return tuple(kinds)
