@@ -37,7 +37,7 @@ from attnserve.server.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
-from attnserve.server.grpc.wire import INLINE_BYTES, TooLarge, TooMany, decode_in_slices
+from attnserve.server.grpc.wire import INLINE_BYTES, NestedTooLarge, TooManyEntries, decode_in_slices
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 from attnserve.server.tracing import Tracing
@@ -128,7 +128,7 @@ class Undecoded:
     def decode(self, cls: type[Message], max_entries: int) -> Message | Undecodable:
         try:
             return decode_in_slices(cls, self.data, max_entries)
-        except (TooMany, TooLarge) as err:
+        except (TooManyEntries, NestedTooLarge) as err:
             raise ResourceExhausted(f"request: {err}; send fewer or smaller entries per "
                                     "request") from err
         except (DecodeError, ValueError) as err:

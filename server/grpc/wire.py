@@ -31,17 +31,15 @@ MAX_NESTED_BYTES = 2 << 20
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
-class TooMany(ValueError):
+class TooManyEntries(ValueError):
     def __init__(self, field_name: str, count: int, limit: int):
         super().__init__(f"{field_name}: more than {limit} entries ({count} counted so far)")
-        self.field_name, self.count, self.limit = field_name, count, limit
 
 
-class TooLarge(ValueError):
+class NestedTooLarge(ValueError):
     def __init__(self, field_name: str, length: int, limit: int):
         super().__init__(f"{field_name}: one entry of {length} bytes, over the {limit}-byte "
                          "limit on one nested message")
-        self.field_name, self.length, self.limit = field_name, length, limit
 
 
 @dataclass
@@ -74,11 +72,11 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 def _check_counts(counts: list[int], others: dict[int, int], limit: int, name) -> None:
     for number, count in [*enumerate(counts), *others.items()]:
         if count > limit:
-            raise TooMany(name(number), count, limit)
+            raise TooManyEntries(name(number), count, limit)
 
 
 def layout(data: bytes, max_entries: int, name=str, slice_bytes: int = SLICE_BYTES) -> Layout:
-    """Walk `data`'s top-level fields; raises TooMany as soon as one field has more than
+    """Walk `data`'s top-level fields; raises TooManyEntries as soon as one field has more than
     `max_entries` entries (checked at each cut, so at most a slice past it), DecodeError
     for bytes that are not a message. `name(number)` names a field in errors."""
     n, i, mark = len(data), 0, slice_bytes
@@ -127,7 +125,7 @@ def layout(data: bytes, max_entries: int, name=str, slice_bytes: int = SLICE_BYT
 
 
 def decode_in_slices(cls: type[Message], data: bytes, max_entries: int) -> Message:
-    """`cls.FromString(data)`, a slice at a time, refusing (TooMany, TooLarge) a payload
+    """`cls.FromString(data)`, a slice at a time, refusing (TooManyEntries, NestedTooLarge) a payload
     with more entries in one field than `max_entries`, or a nested message larger than
     MAX_NESTED_BYTES, before parsing any of it."""
     fields = cls.DESCRIPTOR.fields_by_number
@@ -140,7 +138,7 @@ def decode_in_slices(cls: type[Message], data: bytes, max_entries: int) -> Messa
         nested = fields.get(number)
         if (nested is not None and nested.type == FieldDescriptor.TYPE_MESSAGE
                 and length > MAX_NESTED_BYTES):
-            raise TooLarge(name(number), length, MAX_NESTED_BYTES)
+            raise NestedTooLarge(name(number), length, MAX_NESTED_BYTES)
     message = cls()
     view = memoryview(data)
     for start, end in itertools.pairwise(shape.cuts):
