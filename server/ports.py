@@ -1,58 +1,26 @@
-"""The doors on their ports: attnserve.v1 and KServe over gRPC, beside grpc.health.v1 and
-reflection, and the HTTP port (with the metrics port where this process serves it), all
-of them through one data plane."""
+"""The doors on their ports: the gRPC port (server/grpc/server.py) and the HTTP port, with
+the metrics port where this process serves it (server/http/server.py), all of them
+through one data plane, one set of API keys and one tracing."""
 
 import asyncio
-import logging
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from attnserve.server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
-from attnserve.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from attnserve.server.call import ApiKeys
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.grpc.calls import DecodeRequests, QuietHungUpCalls
-from attnserve.server.grpc.encoder import EncoderService
-from attnserve.server.grpc.kserve import KServeService
+from attnserve.server.grpc.server import GrpcServer
 from attnserve.server.http.server import HttpServers
 from attnserve.server.metrics import Metrics, answered_by_code
 from attnserve.server.startup import PortInUse
 from attnserve.server.tracing import tracing_for
 
-SERVICES = (
-    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
-    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-)
-MAX_CONCURRENT_STREAMS = 1000
-
-
-def credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
-    if config.tls_cert is None and config.tls_key is None:
-        if config.tls_client_ca is not None:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        return None
-    if config.tls_cert is None or config.tls_key is None:
-        raise ValueError("--tls-cert and --tls-key go together")
-    chain = [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
-    if config.tls_client_ca is None:
-        return grpc.ssl_server_credentials(chain)
-    return grpc.ssl_server_credentials(chain, root_certificates=config.tls_client_ca.read_bytes(),
-                                       require_client_auth=True)
-
 
 class Ports:
-    """The doors on their ports: attnserve.v1 and KServe over gRPC, beside grpc.health.v1
-    and reflection, and the HTTP port; all of them through one data plane."""
-
     def __init__(self, config: ServeConfig, metrics: Metrics):
         self.config, self.metrics = config, metrics
-        self.credentials = credentials(config)
         self.keys = ApiKeys(config.api_key, config.api_key_file)
-        self.health = health.aio.HealthServicer()
         self.tracing = tracing_for(config.otlp_endpoint)
+        self.grpc = GrpcServer(config, metrics, self.keys, self.tracing)
+        self.credentials = self.grpc.credentials
         self.port = self.http_port = self.metrics_port = 0
 
     async def start(self, plane: DataPlane, requests_pool, shared_ports: bool = False,
@@ -60,62 +28,22 @@ class Ports:
         """Bind and start every port. `shared_ports`: the ports are shared with the other
         front ends of one server (SO_REUSEPORT); otherwise a port in use fails the start."""
         config = self.config
-        options = [("grpc.max_send_message_length", config.max_message_bytes),
-                   ("grpc.max_receive_message_length", config.max_message_bytes),
-                   # Calls one connection may have open at once, each with its state
-                   # and a request of up to --max-message-bytes (whose bytes the memory
-                   # ledger then holds, a connection its share). Far above what callers
-                   # open: grpc's Python client does not wait for a free stream, a call
-                   # past the limit fails UNAVAILABLE (a burst of 300 on one channel
-                   # lost 185 of them at a limit of 100).
-                   ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
-                   # grpc shares a port with any process that asks by default; a server
-                   # shares its ports only with its own front ends.
-                   ("grpc.so_reuseport", 1 if shared_ports else 0)]
-        if config.max_connection_age_seconds:
-            # A connection past its age gets GOAWAY; calls on it may still finish.
-            options += [("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
-                        ("grpc.max_connection_age_grace_ms", int(config.drain_seconds * 1000))]
         # No request carries more entries in one field than the queue holds tokens.
         max_entries = config.max_queue_tokens
-        decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries, self.keys,
-                                self.tracing)
-        self.grpc = grpc.aio.server(interceptors=[decode], options=options)
-        logging.getLogger("grpc._cython.cygrpc").addFilter(QuietHungUpCalls())
-        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
-            EncoderService(plane, self.metrics, config.max_message_bytes), self.grpc)
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeService(plane, self.metrics, config.max_message_bytes), self.grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         self.http = HttpServers(config, plane, self.metrics, self.keys, max_entries, metrics_port,
                                 self.tracing)
-        await self.set_health(False)
-        address = f"{config.host}:{config.port}"
-        try:
-            self.port = (self.grpc.add_secure_port(address, self.credentials) if self.credentials
-                         else self.grpc.add_insecure_port(address))
-        except RuntimeError as err:  # grpc: "Failed to bind to address ..."
-            raise PortInUse("--port", address) from err
+        self.port = await self.grpc.start(plane, requests_pool, max_entries, shared_ports)
         try:
             self.http_port, self.metrics_port = await self.http.start(shared_ports)
         except OSError as err:
             raise PortInUse("--http-port or --metrics-port", f"{config.host}:{config.http_port} "
                             f"or {config.metrics_host}:{config.metrics_port}") from err
-        await self.grpc.start()
 
     async def set_health(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", *SERVICES):
-            await self.health.set(name, status)
+        await self.grpc.set_health(serving)
 
     async def stop(self) -> None:
-        # Give answered requests a moment to reach their callers, then close. Calls still
-        # waiting inside gRPC for a handler at this instant were never accepted; gRPC
-        # cancels them (CANCELLED); the HTTP ports close likewise.
-        await asyncio.gather(self.grpc.stop(grace=1.0), self.http.stop())
+        await asyncio.gather(self.grpc.stop(), self.http.stop())
         if self.tracing is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 

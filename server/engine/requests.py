@@ -82,7 +82,7 @@ class TruncationDirection(enum.Enum):
 
 @dataclass(frozen=True)
 class Chunking:
-    """One vector per chunk of each text (server/engine/chunking.py)."""
+    """One vector per chunk of each text (server/engine/chunked.py)."""
 
     max_tokens: int
     """the most tokens in one chunk, special tokens aside"""

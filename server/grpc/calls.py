@@ -120,7 +120,7 @@ class Received:
 
 class Undecoded:
     """A request too big to parse on the event loop, as it came: parsed on a thread, in
-    slices (server/doors/grpc_wire.py), once its memory is held."""
+    slices (server/grpc/wire.py), once its memory is held."""
 
     def __init__(self, data: bytes):
         self.data = data
@@ -155,7 +155,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
     gets INVALID_ARGUMENT, instead of grpc's UNKNOWN and a traceback in the log. Each
     request's bytes (but a small one's), as received, parsed and copied, are taken from
     the ledger first (RESOURCE_EXHAUSTED at once when they do not fit, or when its
-    connection holds its share). A big one (over grpc_wire.INLINE_BYTES) is then parsed
+    connection holds its share). A big one (over wire.INLINE_BYTES) is then parsed
     on `pool` a slice at a time, refused by its entry counts before any of it is parsed.
     The call's Holds (`call_holds()`) are released when gRPC reports the call over: for a
     unary call, once the response has been written to the caller."""

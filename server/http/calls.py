@@ -190,7 +190,7 @@ class HttpCalls:
                     held = self.plane.hold_request(holds, received, held)
                     chunks.append(chunk)
                 # A broken chunked framing ends the body and may wake the last read as its
-                # end (server/http_framing.py): its error says it is not.
+                # end (server/http/listener.py): its error says it is not.
                 if (broken := request.content.exception()) is not None:
                     raise broken
         except TimeoutError as err:

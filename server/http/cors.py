@@ -9,7 +9,7 @@ Only GET and POST are allowed, with the headers the routes read (Authorization,
 Content-Type, and KServe's binary Inference-Header-Content-Length); cookies never ride
 along (no Access-Control-Allow-Credentials), so `*` cannot lend a visitor's session to
 another site. A body of a type a page may post without a preflight is refused by every
-route anyway (http_calls.py)."""
+route anyway (calls.py)."""
 
 from collections.abc import Awaitable, Callable
 

@@ -1,6 +1,6 @@
 """How a JSON door writes its vectors, as the request asks: OpenAI's `encoding_format`
 (`float`: numbers; `base64`: the little-endian bytes), `embedding_dtype` (`float16`
-halves a base64 float vector), and Cohere's `embedding_types` (server/doors/quantized.py).
+halves a base64 float vector), and Cohere's `embedding_types` (server/engine/quantize.py).
 
 Without `embedding_types` a vector is OpenAI's `embedding`. With them, an item carries
 Cohere's `embeddings` object for its one input, {"float": [...], "int8": [...], ...} in the

@@ -1,4 +1,4 @@
-"""Chunk boundaries, windows and span pooling (server/engine/chunking.py, chunked.py), on
+"""Chunk boundaries, windows and span pooling (server/engine/chunk_cuts.py, chunked.py), on
 the real tokenizer, no server: chunks cover the text in order with only whitespace
 between them, end where the text's sentences and words end, and each lies whole in the
 window that gives it the most context; a whole text tokenized in pieces is the text
