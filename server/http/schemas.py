@@ -31,7 +31,7 @@ Vector = Annotated[Raw, Meta(extra_json_schema={"oneOf": [
 Sequences = str | list[str | int | list[int]]
 """a text, a list of texts, a list of token ids or a list of lists of them"""
 Side = Literal["right", "left", "Right", "Left"]
-"""which end a cut keeps: a text's start (right) or its end (left), TEI's names"""
+"""which end a cut keeps: a text's start (right) or its end (left), in TEI's names"""
 Nested = Annotated[list, Meta(description="the values, flat (row-major) or nested as `shape`")]
 
 
@@ -146,23 +146,19 @@ class OpenAIError(Struct):
 
 # --- text-embeddings-inference -------------------------------------------------------------
 
-class TeiEmbed(Struct):
+class TeiEmbedAll(Struct):
     inputs: Annotated[Sequences, Meta(extra_json_schema={"example": "attention is all you need"})]
     truncate: Annotated[bool | None, Meta(description=(
         "cut inputs longer than the model's positions instead of refusing them (auto_truncate "
         "is false)"))] = None
-    truncation_direction: Literal["Right", "right", "Left", "left"] = "Right"
+    truncation_direction: Side = "Right"
     prompt_name: Annotated[str | None, Meta(description=(
         "one of the model's prompts, put before each text; null: its default prompt"))] = None
+
+
+class TeiEmbed(TeiEmbedAll):
     normalize: bool = True
     dimensions: Positive | None = None
-
-
-class TeiEmbedAll(Struct):
-    inputs: Annotated[Sequences, Meta(extra_json_schema={"example": "attention is all you need"})]
-    truncate: bool | None = None
-    truncation_direction: Literal["Right", "right", "Left", "left"] = "Right"
-    prompt_name: str | None = None
 
 
 class TeiTokenize(Struct):
@@ -184,7 +180,7 @@ class TeiRerank(Struct):
     query: str
     texts: list[str]
     truncate: bool | None = None
-    truncation_direction: Literal["Right", "right", "Left", "left"] = "Right"
+    truncation_direction: Side = "Right"
     raw_scores: bool = False
     return_text: bool = False
     model: Annotated[str | None, Meta(description="an extension: a reranker; omitted: the "
@@ -198,7 +194,7 @@ class SimilarityInputs(Struct):
 
 class SimilarityParameters(Struct):
     truncate: bool | None = None
-    truncation_direction: Literal["Right", "right", "Left", "left"] = "Right"
+    truncation_direction: Side = "Right"
     prompt_name: str | None = None
 
 

@@ -28,16 +28,14 @@ from attnserve.artifact import (
 )
 from attnserve.server.config import ModelSource, ServeConfig
 from attnserve.server.engine.embed import embed
-from attnserve.server.engine.offload import Offload
-from attnserve.server.engine.plane import DataPlane, build_plane
-from attnserve.server.engine.registry import load_models, load_tokenizers
+from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import EmbedRequest, Fields, ResponseSize
 from attnserve.server.engine.runner import Runners
 from attnserve.server.errors import NotFound
 from attnserve.server.memory.model import EMBEDDINGS, model_key, save_entries
-from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy, register
 from bench.harness import minilm_dir
+from tests.server.reliability import assembled
 
 HIDDEN, HEADS, LAYERS, VOCAB = 8, 2, 1, 30522
 TABLE = "table.npy"
@@ -136,15 +134,8 @@ def artifacts(tmp_path_factory) -> list[Path]:
 
 def assemble(artifacts: list[Path], budget: int) -> tuple[DataPlane, Runners]:
     """What server/app.py assembles, in this process, on the lookup backend."""
-    config = ServeConfig(artifact=tuple(ModelSource(path) for path in artifacts), device="cpu",
-                         memory_budget_bytes=budget)
-    named = load_models(config)
-    metrics = Metrics(512)
-    runners = Runners(config, named, metrics)
-    plane = build_plane(config, named, load_tokenizers(named),
-                        [(r.queue, r.memory, r.backend.placement) for r in runners.models],
-                        runners.budget, Offload(), metrics, lambda: runners.warm)
-    return plane, runners
+    return assembled(ServeConfig(artifact=tuple(ModelSource(path) for path in artifacts),
+                                 device="cpu", memory_budget_bytes=budget))
 
 
 def test_a_second_backend_serves_through_the_seam_alone(artifacts):

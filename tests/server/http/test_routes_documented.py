@@ -7,24 +7,15 @@ import pytest
 
 from attnserve.server.call import ApiKeys
 from attnserve.server.config import ModelSource, ServeConfig
-from attnserve.server.engine.offload import Offload
-from attnserve.server.engine.plane import build_plane
-from attnserve.server.engine.registry import load_models, load_tokenizers
-from attnserve.server.engine.runner import Runners
 from attnserve.server.http.server import HttpServers
-from attnserve.server.metrics import Metrics
+from tests.server.reliability import assembled
 
 
 @pytest.fixture(scope="module")
 def http(tiny_artifact) -> HttpServers:
     config = ServeConfig(artifact=(ModelSource(tiny_artifact),), device="cpu")
-    named = load_models(config)
-    metrics = Metrics(512)
-    runners = Runners(config, named, metrics)
-    plane = build_plane(config, named, load_tokenizers(named),
-                        [(r.queue, r.memory, r.backend.placement) for r in runners.models],
-                        runners.budget, Offload(), metrics, lambda: runners.warm)
-    return HttpServers(config, plane, metrics, ApiKeys(None, None), 1024, metrics_port=False)
+    plane, _ = assembled(config)
+    return HttpServers(config, plane, plane.metrics, ApiKeys(None, None), 1024, metrics_port=False)
 
 
 def test_every_route_served_is_documented_and_no_other(http):
