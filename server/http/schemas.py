@@ -480,8 +480,7 @@ def sequences(value: Sequences, field: str, empty: type[InvalidArgument] = Inval
             raise empty(field, "an empty string; send text")
         return {"texts": [value]}, Fields(field, single=True)
     if not value:
-        raise empty(field, "an empty list; expected a string or a list of strings"
-                    + (", of token ids or of lists of them" if ids else "") + ", not empty")
+        raise empty(field, "an empty list; expected one that is not empty")
     first = value[0]
     kind = type(first)
     if not ids and kind is not str:
