@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Artifact, pooled_output
-from attnserve.server.runtime.backend import Strategy
-from attnserve.server.runtime.backends import create_backend, place
+from attnserve.server.runtime.backend import Strategy, create_backend, place
 from bench.measure import Budget, Reps, shape_row, time_calls
 from bench.raw import default_session
 from bench.workloads import SHAPES, TextMaker, Texts, mixed_lengths, padded_batch, shape_name

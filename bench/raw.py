@@ -48,7 +48,7 @@ def default_session(path: Path, device: str):
     so the reference never runs on the CPU unnoticed."""
     import onnxruntime as ort
 
-    from attnserve.server.runtime.ort_backend import CPU, CUDA, preload_cuda_libraries
+    from attnserve.server.runtime.onnx import CPU, CUDA, preload_cuda_libraries
 
     if device != "cuda":
         return ort.InferenceSession(str(path), providers=[CPU])
@@ -99,7 +99,7 @@ class RawEngine:
     as a user's script would)."""
 
     def __init__(self, spec: Engine):
-        from attnserve.server.runtime.backends import create_backend
+        from attnserve.server.runtime.backend import create_backend
 
         self.workload, self.artifact = spec.workload, load_artifact(spec.artifact)
         manifest = self.artifact.manifest
@@ -202,7 +202,7 @@ def attention_memory(artifact: Path, workload: Workload, threads: int, layers: l
     rise of the resident high-water mark over the resident set before it (the server's
     probe)."""
     from attnserve.server.memory.probe import MemoryProbe
-    from attnserve.server.runtime.backends import create_backend
+    from attnserve.server.runtime.backend import create_backend
 
     loaded = load_artifact(artifact)
     backend = create_backend(loaded, "cpu", "fp32", threads)

@@ -117,7 +117,7 @@ class Group:
                CONFIG_ENV: config_to_json(self.front_config)}
         with signals.starting_a_child():
             return subprocess.Popen(
-                [sys.executable, "-m", "attnserve.server.workers.front_process",
+                [sys.executable, "-m", "attnserve.server.workers.front_end",
                  str(self.shared.fd), index, self.address, *map(str, fds)],
                 pass_fds=(self.shared.fd, *fds), env=env)
 
@@ -139,7 +139,7 @@ class Group:
         """The standby is loaded and waiting (or has died: the group serves without one)."""
         process = self.standby[0] if self.standby is not None else None
         return (process is None or process.poll() is not None
-                or self.shared.fields.standby_ready == process.pid)
+                or self.shared.fields.standby_waiting_pid == process.pid)
 
     def _standby_wanted(self) -> bool:
         """No standby waits (the last took a dead front end's place, or died): start

@@ -12,7 +12,7 @@ import pytest
 from attnserve.client import EncoderClient
 from attnserve.embed import token_texts
 from attnserve.server.engine import tokenize
-from attnserve.server.engine.chunking import cut
+from attnserve.server.engine.chunk_cuts import cut
 from attnserve.server.engine.tokenize import TextTokenizer
 from tests.conftest import export
 from tests.families import FAMILIES, make_checkpoint
