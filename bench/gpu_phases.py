@@ -220,7 +220,7 @@ def bound(artifact: Artifact, device: str, precision: str, plan: Plan, batches: 
     """The pooled vector through fixed IO-bound buffers, against the backend without them
     (one lane each): `io_binding` alone (CUDA), then the backend's --cuda-graphs strategy
     (a graph per shape on CUDA; on the CPU the buffers alone)."""
-    from attnserve.server.runtime.ort_backend import BoundRunner
+    from attnserve.server.runtime.onnx import BoundRunner
 
     plain = create_backend(artifact, device, precision, 0, ONE_LANE)
     shapes = plan.one_caller_shapes[:2]
