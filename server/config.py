@@ -92,6 +92,9 @@ class ServeConfig:
     max_wait_ms: float = 0.0
     max_queue_requests: int = 1024
     max_queue_tokens: int = 262144
+    bulk_batch_ms: float = 20.0
+    priority_aging_ms: float = 1000.0
+    interactive_window_ms: float = 1000.0
     max_chunking_chars: int = 1 << 20
     default_prompt_name: str | None = None
     memory_budget_bytes: int = 0
@@ -133,7 +136,8 @@ class ServeConfig:
         for name in ("http_header_timeout_seconds", "http_body_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be more than 0")
-        for name in ("max_wait_ms", "memory_budget_bytes", "drain_seconds",
+        for name in ("max_wait_ms", "bulk_batch_ms", "priority_aging_ms", "interactive_window_ms",
+                     "memory_budget_bytes", "drain_seconds",
                      "max_connection_age_seconds", "intra_op_threads", "metrics_port", "port",
                      "http_port", "sessions"):
             if getattr(self, name) < 0:
@@ -220,6 +224,19 @@ _HELP = {
                    "once (batches still form from what queues while one runs)",
     "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED",
     "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED",
+    "bulk_batch_ms": "while interactive work is arriving (--interactive-window-ms), a batch of "
+                     "bulk work holds only the sequences whose predicted time (the artifact's "
+                     "time model, else the batches run so far) stays within this, so an "
+                     "interactive request waits at most about this long behind the batch "
+                     "running when it arrives; 0: bulk batches are never cut",
+    "priority_aging_ms": "bulk work counts as having arrived this much later than it did when "
+                         "the next batch's class is chosen: interactive work goes first unless "
+                         "the oldest bulk sequence arrived more than this before the oldest "
+                         "interactive one, so bulk work never waits more than this longer than "
+                         "in one queue",
+    "interactive_window_ms": "interactive work counts as arriving while some waits and for this "
+                             "long after an interactive request last arrived (bulk batches are "
+                             "cut meanwhile: --bulk-batch-ms)",
     "max_chunking_chars": "longest text (in Unicode code points) a request with chunking may "
                           "carry; a longer one gets INVALID_ARGUMENT naming it. A chunked text "
                           "is tokenized whole and costs what its windows or chunks cost "

@@ -16,7 +16,7 @@ from attnserve.server.engine.served_model import NOT_SERVING, ServedModel
 from attnserve.server.errors import NotFound, Unavailable, quote
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.ledger import Holds, trim_after
-from attnserve.server.metrics import Metrics, routed_to
+from attnserve.server.metrics import Metrics
 
 # A NOT_FOUND lists at most this many of the models served.
 NAMES_LISTED = 16
@@ -51,7 +51,7 @@ class DataPlane:
         if model is None:
             raise NotFound(f"{field}: unknown model {quote(name)}; this server serves "
                            f"{self.served()}", field)
-        routed_to(model.name)
+        self.metrics.routed_to(model.name)
         return model
 
     def served(self) -> str:

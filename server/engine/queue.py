@@ -1,21 +1,35 @@
-"""The request queue: admission, the waiting sequences indexed by length, and what leaves
-it (a batch starting, a deadline passing, a caller going away).
+"""The request queue: admission, the waiting sequences of each priority class indexed by
+length, which class the next batch comes from, and what leaves the queue (a batch
+starting, a deadline passing, a caller going away).
 
-Requests queue as sequences of token ids. Admission refuses at once (RESOURCE_EXHAUSTED)
-what would not be served: past the bounds on queued requests or tokens (`admit`, also
-asked before a request's sequences are read, with a lower bound of its tokens); the
+Requests queue as sequences of token ids, in the lane of their call's class
+(server/priority.py). Admission refuses at once (RESOURCE_EXHAUSTED) what would not be
+served: past the bounds on queued requests or tokens of every class together (`admit`,
+also asked before a request's sequences are read, with a lower bound of its tokens); the
 engine has already checked the request against the memory budget (server/memory/
-budget.py) and holds its response in the ledger. The batch loop forms batches from the
-length index (`oldest`, `neighbours`) and `take`s them out of it; a taken sequence still
-waits, counted against the bounds and free to leave at once, until the inference thread
-`claim`s its batch to run it.
+budget.py) and holds its response in the ledger. The batch loop forms each batch around
+the sequence `first` names, from its lane's length index (`neighbours`), and `take`s them
+out of it; a taken sequence still waits, counted against the bounds and free to leave at
+once, until the inference thread `claim`s its batch to run it, and until then a batch of
+a class that `first` now ranks below another can be `put_back`.
+
+The rule between classes (`first`): each batch grows from the oldest sequence of the
+highest class waiting, except that a lower class counts its sequences as having arrived
+--priority-aging-ms later than they did (a class's handicap): the batch grows from the
+sequence whose arrival plus its class's handicap is the earliest, the higher class on a
+tie. An interactive sequence therefore goes before every bulk sequence that arrived less
+than the aging time before it, and a bulk sequence is never passed by interactive work
+that arrived more than the aging time after it: bulk work waits at most the aging time
+longer than it would in one queue.
 """
 
 import asyncio
 import bisect
 import enum
+import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
@@ -32,6 +46,7 @@ from attnserve.server.errors import (
 )
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.metrics import Metrics
+from attnserve.server.priority import CLASSES, DEFAULT, Priority
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 
 # A caller's own deadline cancels its call from the caller's side, which reaches the server
@@ -53,12 +68,21 @@ class Limits:
     max_queue_tokens: int
     memory_budget_bytes: int
     max_wait_s: float
+    aging_s: float
+    """a lower class's handicap (`RequestQueue.first`)"""
+    interactive_window_s: float
+    """interactive work is arriving while some waits, or arrived this recently"""
+    bulk_batch_s: float
+    """while interactive work is arriving, the most a batch of a lower class may be
+    predicted to take (0: no cut)"""
 
     @classmethod
     def of(cls, config: ServeConfig, budget: int) -> "Limits":
         """The server's settings, with the memory budget it resolved (`budget`)."""
         return cls(config.max_batch_size, config.max_batch_tokens, config.max_queue_requests,
-                   config.max_queue_tokens, budget, config.max_wait_ms / 1000)
+                   config.max_queue_tokens, budget, config.max_wait_ms / 1000,
+                   config.priority_aging_ms / 1000, config.interactive_window_ms / 1000,
+                   config.bulk_batch_ms / 1000)
 
 
 def check_room(limits: Limits, draining: bool, requests: int, waiting: int, tokens: int,
@@ -111,6 +135,7 @@ class Job:
     """(the first of its batches' starts, the last of their ends), on the monotonic clock"""
     segments: np.ndarray | None = None
     """per sequence, where its second segment starts (`submit`)"""
+    priority: Priority = DEFAULT
 
     def batch_ran(self, start: float, end: float, size: int, rows: int, seq: int) -> None:
         """One of its batches ran, from `start` to `end`: `size` sequences padded to
@@ -157,6 +182,30 @@ class Waiting:
         return None if segments is None else int(segments[self.index])
 
 
+class Lane:
+    """One class's queued sequences, oldest first, as ordered dicts used as sets, and the
+    same sequences indexed by (layers, length) -> oldest first: forming a batch, taking it
+    out and dropping a request cost the same however long the queue is (with a list
+    scanned and sorted per batch, one request of 50k tiny texts would take a minute and
+    stall the event loop). Ordered dicts, so a batch put back goes back to the front."""
+
+    def __init__(self, handicap: float):
+        self.handicap = handicap
+        """seconds added to its sequences' arrival when classes are compared"""
+        self.index: OrderedDict[Waiting, None] = OrderedDict()
+        self.by_length: dict[tuple[int, ...], dict[int, OrderedDict[Waiting, None]]] = {}
+        self.jobs = 0
+        """requests with sequences waiting (queued or taken)"""
+        self.arrived = -math.inf
+        """when its latest request arrived, on the monotonic clock"""
+
+    def oldest(self) -> Waiting | None:
+        return next(iter(self.index), None)
+
+    def key(self, w: Waiting) -> float:
+        return w.job.enqueued + self.handicap
+
+
 class RequestQueue:
     def __init__(self, model: str, limits: Limits, memory: ModelMemory, metrics: Metrics):
         """One model's queue."""
@@ -166,13 +215,9 @@ class RequestQueue:
         self.limits = limits
         self.memory = memory
         self.metrics = metrics
-        # The queue, oldest first, as insertion-ordered dicts used as sets, and the same
-        # sequences indexed by (layers, length) -> oldest first: forming a batch, taking
-        # it out and dropping a request cost the same however long the queue is (with a
-        # list scanned and sorted per batch, one request of 50k tiny texts would take a
-        # minute and stall the event loop).
-        self.index: dict[Waiting, None] = {}
-        self.by_length: dict[tuple[int, ...], dict[int, dict[Waiting, None]]] = {}
+        self.lanes = {p: Lane(0.0 if rank == 0 else limits.aging_s)
+                      for rank, p in enumerate(CLASSES)}
+        """each class's, highest first"""
         self.jobs: dict[Job, None] = {}
         """jobs with sequences waiting (queued or taken)"""
         self.waiting_tokens = 0
@@ -204,7 +249,8 @@ class RequestQueue:
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
                      alone: float = 0.0, lengths: np.ndarray | None = None,
                      spans: list[np.ndarray] | None = None,
-                     segments: np.ndarray | None = None) -> list[SequenceResult]:
+                     segments: np.ndarray | None = None,
+                     priority: Priority = DEFAULT) -> list[SequenceResult]:
         """Queue a request's sequences and wait for their results, in order. `outputs`:
         the graph outputs the results must carry; `alone`: the peak of its largest batch
         run alone (ModelMemory.check), kept free while it waits; `lengths`: the
@@ -214,19 +260,22 @@ class RequestQueue:
         (which need not name the token embeddings the means are taken from): a request
         of many long sequences keeps a few vectors of each, not every batch output it
         ran in; `segments`: per sequence, the position where its second segment (token
-        type 1) starts, its length for none (a reranker's pairs: the text's side). A big
-        request is queued a slice at a time, so the event loop serves other calls in
-        between."""
+        type 1) starts, its length for none (a reranker's pairs: the text's side);
+        `priority`: its call's class. A big request is queued a slice at a time, so the
+        event loop serves other calls in between."""
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         tokens = int(lengths.sum())
         self.admit(tokens)
         job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
                   alone=alone, outputs=outputs, spans=spans, segments=segments,
-                  times=timings.current())
+                  times=timings.current(), priority=priority)
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None
+        lane = self.lanes[priority]
+        lane.jobs += 1
+        lane.arrived = job.enqueued
         self.waiting_tokens += tokens
         self._counted()
         self.unanswered_jobs += 1
@@ -250,13 +299,14 @@ class RequestQueue:
             raise
 
     def _enqueue(self, job: Job, start: int, lengths: list[int]) -> None:
-        by_length = self.by_length.setdefault(job.layers, {})
+        lane = self.lanes[job.priority]
+        by_length = lane.by_length.setdefault(job.layers, {})
         observe = self.metrics.sequence_length.labels(self.model).observe
         for i, length in enumerate(lengths, start):
             w = Waiting(job, i, length)
             job.items.append(w)
-            self.index[w] = None
-            by_length.setdefault(length, {})[w] = None
+            lane.index[w] = None
+            by_length.setdefault(length, OrderedDict())[w] = None
             observe(length)
         job.queued += len(lengths)
         self.changed.set()
@@ -275,17 +325,39 @@ class RequestQueue:
     def _keep_free(self) -> None:
         self.memory.keep_free(max((job.alone for job in self.jobs), default=0.0))
 
-    # --- the length index, for the batch loop ------------------------------------------
+    # --- the classes and the length index, for the batch loop ---------------------------
 
-    def oldest(self) -> Waiting | None:
-        return next(iter(self.index), None)
+    def first(self) -> Waiting | None:
+        """The sequence the next batch grows from: of each class's oldest, the one whose
+        arrival plus its class's handicap is the earliest, the higher class on a tie (the
+        module's docstring)."""
+        best, best_key = None, math.inf
+        for lane in self.lanes.values():
+            w = lane.oldest()
+            if w is not None and lane.key(w) < best_key:
+                best, best_key = w, lane.key(w)
+        return best
+
+    def key(self, w: Waiting) -> float:
+        """When `w` counts as having arrived, comparing classes: `first` takes the lowest."""
+        return self.lanes[w.job.priority].key(w)
+
+    def top_arriving(self, now: float) -> bool:
+        """Whether work of the highest class is arriving: some of it waits, or a request of
+        it arrived within --interactive-window-ms."""
+        lane = self.lanes[CLASSES[0]]
+        return bool(lane.index) or now - lane.arrived <= self.limits.interactive_window_s
+
+    def depths(self) -> dict[Priority, int]:
+        """Requests with sequences waiting, by class."""
+        return {p: lane.jobs for p, lane in self.lanes.items()}
 
     def neighbours(self, oldest: Waiting, reach: int) -> list[Waiting]:
-        """The queued sequences with oldest's layers sorted by length, cut to `reach`
-        either side of oldest. Within each length the older sequences sit nearer to
-        oldest, so a batch growing from it takes them first; oldest comes first among its
-        own length, being the oldest of all."""
-        lengths = self.by_length[oldest.job.layers]
+        """The queued sequences of oldest's class with its layers, sorted by length, cut to
+        `reach` either side of oldest. Within each length the older sequences sit nearer
+        to oldest, so a batch growing from it takes them first; oldest comes first among
+        its own length, being the oldest of its class."""
+        lengths = self.lanes[oldest.job.priority].by_length[oldest.job.layers]
         keys = sorted(lengths)
         at = bisect.bisect_left(keys, oldest.length)
         # Nearest length first and, within a length, oldest first: reversed below, the
@@ -302,13 +374,34 @@ class RequestQueue:
 
     def claim(self, items: list[Waiting]) -> list[Waiting]:
         """On the inference thread, as a batch starts: the sequences still to run (the
-        rest were dropped while the batch waited). Call `started` with them next, on the
-        event loop."""
+        rest were dropped, or put back, while the batch waited). Call `started` with them
+        next, on the event loop."""
         with self.claim_lock:
             claimed = [w for w in items if w.state is State.TAKEN]
             for w in claimed:
                 w.state = State.CLAIMED
         return claimed
+
+    def put_back(self, items: list[Waiting]) -> bool:
+        """A formed batch's sequences back in their lane, at its front in the order they
+        arrived (they were next in line), unless the inference thread has started it:
+        whether it put them back. `items` (the batch's own list) is emptied meanwhile, so
+        a `claim` of it later finds nothing to run."""
+        with self.claim_lock:
+            if any(w.state is State.CLAIMED for w in items):
+                return False
+            taken = [w for w in items if w.state is State.TAKEN]
+            items.clear()
+            for w in taken:
+                w.state = State.QUEUED
+        for w in sorted(taken, key=lambda w: (w.job.enqueued, w.index), reverse=True):
+            lane = self.lanes[w.job.priority]
+            lane.index[w] = None
+            lane.index.move_to_end(w, last=False)
+            same = lane.by_length.setdefault(w.job.layers, {}).setdefault(w.length, OrderedDict())
+            same[w] = None
+            same.move_to_end(w, last=False)
+        return True
 
     def started(self, items: list[Waiting]) -> None:
         self._leave(items)
@@ -316,14 +409,15 @@ class RequestQueue:
     # --- leaving ---------------------------------------------------------------------
 
     def _unindex(self, w: Waiting) -> None:
-        del self.index[w]
-        lengths = self.by_length[w.job.layers]
+        lane = self.lanes[w.job.priority]
+        del lane.index[w]
+        lengths = lane.by_length[w.job.layers]
         same = lengths[w.length]
         del same[w]
         if not same:
             del lengths[w.length]
             if not lengths:
-                del self.by_length[w.job.layers]
+                del lane.by_length[w.job.layers]
 
     def _leave(self, items: list[Waiting]) -> None:
         for w in items:
@@ -337,10 +431,13 @@ class RequestQueue:
     def _forget(self, job: Job) -> None:
         """A job none of whose sequences waits any longer."""
         del self.jobs[job]
+        self.lanes[job.priority].jobs -= 1
         # Break the cycle job -> items -> job, so the batch outputs its results are views
         # of are freed once the caller is answered, not at the next garbage collection.
         job.items = []
-        self.metrics.stage_duration.labels(self.model, "queue").observe(time.monotonic() - job.enqueued)
+        waited = time.monotonic() - job.enqueued
+        self.metrics.stage_duration.labels(self.model, "queue").observe(waited)
+        self.metrics.queue_wait.labels(self.model, job.priority.value).observe(waited)
         self._keep_free()
 
     def drop(self, job: Job, reason: str, error: RequestError | None) -> None:
@@ -374,7 +471,7 @@ class RequestQueue:
                 w.state = State.DROPPED
         mine = queued + taken
         if mine:
-            self.metrics.dropped.labels(self.model, reason).inc(len(mine))
+            self.metrics.dropped.labels(self.model, reason, mine[0].job.priority.value).inc(len(mine))
             self._leave(mine)
             self.changed.set()
 

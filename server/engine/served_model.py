@@ -86,6 +86,7 @@ from attnserve.server.errors import InvalidArgument, Unavailable, quote
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
+from attnserve.server.priority import DEFAULT, Priority, of_call
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, Placement, SequenceResult
 
 ALL_ATTENTIONS = "attentions"
@@ -114,7 +115,8 @@ class Scheduler(Protocol):
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
                      alone: float = 0.0, lengths: np.ndarray | None = None,
                      spans: list[np.ndarray] | None = None,
-                     segments: np.ndarray | None = None) -> list[SequenceResult]:
+                     segments: np.ndarray | None = None,
+                     priority: Priority = DEFAULT) -> list[SequenceResult]:
         ...
 
 
@@ -243,7 +245,7 @@ class ServedModel:
         if (times := timings.current()) is not None:
             times.compute_tokens += int(lengths.sum())
         return await self.scheduler.submit(sequences, layers, deadline, outputs, alone, lengths,
-                                           spans, segments)
+                                           spans, segments, priority=of_call())
 
     # --- embed ------------------------------------------------------------------------
 

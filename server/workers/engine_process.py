@@ -26,6 +26,7 @@ from attnserve.server.host import resident_bytes_of
 from attnserve.server.logs import setup_logging
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
+from attnserve.server.priority import Priority
 from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel, encode
 from attnserve.server.workers.shared import (
@@ -54,12 +55,12 @@ class FrontEndLink:
     def message(self, header, arrays: list[np.ndarray]) -> None:
         kind = header[0]
         if kind == "submit":
-            _, job, model, layers, deadline, outputs, alone, _, _ = header
+            _, job, model, layers, deadline, outputs, alone, _, _, priority = header
             sequences, lengths, spans, segments = messages.submitted(header, arrays)
             queue = self.process.runners.models[model].queue
             self.jobs[job] = asyncio.get_running_loop().create_task(
                 self.run(queue, job, sequences, lengths, tuple(layers), deadline,
-                         frozenset(outputs), alone, spans, segments))
+                         frozenset(outputs), alone, spans, segments, Priority(priority)))
         elif kind == "cancel":
             task = self.jobs.get(header[1])
             if task is None:  # answered already: its place is free
@@ -70,11 +71,11 @@ class FrontEndLink:
             self.said_bye = True
 
     async def run(self, queue: RequestQueue, job: int, sequences, lengths, layers, deadline,
-                  outputs, alone, spans, segments) -> None:
+                  outputs, alone, spans, segments, priority: Priority) -> None:
         times = timings.begin()  # this task's own: the queue fills it in for the front end
         try:
             results = await queue.submit(sequences, layers, deadline, outputs, alone, lengths,
-                                         spans, segments)
+                                         spans, segments, priority)
             header, entries = messages.results(job, results, layers, times)
             del results
             nbytes = sum(part.nbytes for parts in entries for part in parts)
@@ -149,8 +150,9 @@ class EngineProcess:
         accepting = loop.create_task(self._accept())
         await runners.warm_up()
         fields.engine_ready = 1
-        log.info("event=engine_serving models=%s budget_bytes=%d memory_model=%r",
-                 ",".join(self.index), self.facts.budget, runners.memory_source())
+        log.info("event=engine_serving models=%s budget_bytes=%d memory_model=%r time_model=%r",
+                 ",".join(self.index), self.facts.budget, runners.memory_source(),
+                 runners.time_source())
         await stop.wait()
         # The front ends have drained (the supervisor stops them first); what they left is
         # answered within the drain time.

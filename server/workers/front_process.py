@@ -32,6 +32,7 @@ from attnserve.server.logs import setup_logging
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.metrics import Metrics
+from attnserve.server.priority import DEFAULT, Priority
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel, encode
@@ -78,14 +79,14 @@ class RemoteEngine:
     async def submit(self, scheduler: "RemoteScheduler", sequences: list[np.ndarray],
                      lengths: np.ndarray, layers: tuple[int, ...], deadline: float | None,
                      outputs: Outputs, alone: float, spans: list[np.ndarray] | None,
-                     segments: np.ndarray | None) -> list[SequenceResult]:
+                     segments: np.ndarray | None, priority: Priority) -> list[SequenceResult]:
         # A large request's message is made, and its answer unpacked, off the event loop
         # (87,381 sequences: 0.1 s and 0.33 s), which health checks would otherwise wait for.
         # Cancelled while it is made, nothing has gone to the engine and nothing is undone.
         job = next(self.jobs)
         frame = await self.offload.request(len(lengths) * SUBMIT_S, lambda: encode(*messages.submit(
             job, scheduler.index, sequences, lengths, layers, deadline, outputs, alone, spans,
-            segments)))
+            segments, priority)))
         future = asyncio.get_running_loop().create_future()
         self.waiting[job] = (future, timings.current())
         self.idle.clear()
@@ -155,12 +156,13 @@ class RemoteScheduler:
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
                      alone: float = 0.0, lengths: np.ndarray | None = None,
                      spans: list[np.ndarray] | None = None,
-                     segments: np.ndarray | None = None) -> list[SequenceResult]:
+                     segments: np.ndarray | None = None,
+                     priority: Priority = DEFAULT) -> list[SequenceResult]:
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         self.admit(int(lengths.sum()))
         return await self.engine.submit(self, sequences, lengths, layers, deadline, outputs,
-                                        alone, spans, segments)
+                                        alone, spans, segments, priority)
 
 
 class FrontProcess:

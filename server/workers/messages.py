@@ -2,7 +2,7 @@
 arrays (server/workers/channel.py).
 
 front end -> engine: ["submit", job, model, layers, deadline, outputs, alone, has spans, has
-segments] with the sequences' ids laid end to end, their lengths, (late chunking) their
+segments, priority class] with the sequences' ids laid end to end, their lengths, (late chunking) their
 token spans and (a reranker's pairs) where each one's second segment starts;
 ["cancel", job]; ["bye"] (a drained front end leaving).
 engine -> front end: ["welcome", EngineFacts's fields] (the models in the order the front
@@ -25,6 +25,7 @@ from attnserve.server.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from attnserve.server.priority import Priority
 from attnserve.server.runtime.backend import Outputs, Placement, SequenceResult
 
 ERRORS = {cls.__name__: cls for cls in (RequestError, ResourceExhausted, Unavailable,
@@ -45,7 +46,7 @@ class EngineFacts:
 
 def submit(job: int, model: int, sequences: list[np.ndarray], lengths: np.ndarray, layers: tuple[int, ...],
            deadline: float | None, outputs: Outputs, alone: float,
-           spans: list[np.ndarray] | None, segments: np.ndarray | None):
+           spans: list[np.ndarray] | None, segments: np.ndarray | None, priority: Priority):
     ids = [s.astype(np.int32, copy=False) for s in sequences]
     entries = [ids, [lengths]]
     if spans is not None:  # late chunking: each sequence's [k, 2] token spans, and the ks
@@ -53,7 +54,7 @@ def submit(job: int, model: int, sequences: list[np.ndarray], lengths: np.ndarra
     if segments is not None:
         entries.append([segments])
     header = ["submit", job, model, list(layers), deadline, sorted(outputs), alone,
-              spans is not None, segments is not None]
+              spans is not None, segments is not None, priority.value]
     return header, entries
 
 

@@ -43,6 +43,9 @@ SERVE_FLAGS = {
     "--max-wait-ms",
     "--max-queue-requests",
     "--max-queue-tokens",
+    "--bulk-batch-ms",
+    "--priority-aging-ms",
+    "--interactive-window-ms",
     "--max-chunking-chars",
     "--default-prompt-name",
     "--memory-budget-bytes",
@@ -83,16 +86,17 @@ MODEL_LABELLED = {
     "attnserve_batch_peak_memory_bytes",
     "attnserve_batch_predicted_memory_bytes",
     "attnserve_queue_depth",
+    "attnserve_queue_wait_seconds",
+    "attnserve_inflight_requests",
     "attnserve_info",
     "attnserve_dropped_sequences_total",
     "attnserve_unseen_shape_runs_total",
     "attnserve_memory_waits_total",
 }
-# ... and the pod's own: device memory, in flight, health, worker deaths.
+# ... and the pod's own: device memory, health, worker deaths.
 EXPORTED_METRICS = MODEL_LABELLED | {
     "attnserve_device_memory_used_bytes",
     "attnserve_device_memory_total_bytes",
-    "attnserve_inflight_requests",
     "attnserve_health_serving",
     "attnserve_worker_deaths_total",
 }

@@ -12,6 +12,7 @@ import pytest
 
 from attnserve.server.engine.timings import CallTimes
 from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted
+from attnserve.server.priority import Priority
 from attnserve.server.runtime.backend import Placement, SequenceResult
 from attnserve.server.workers import messages
 from attnserve.server.workers.channel import INLINE_BYTES, Channel, decode, encode
@@ -93,9 +94,11 @@ def test_every_message_reads_back_as_it_was_written(layers, pooled, spans, segme
     token_spans = None if spans is None else [np.array([[0, 1], [1, n]]) for n in lengths]
     segments = np.array([2, 1, 3], dtype=np.int64) if segmented else None
     header, entries = messages.submit(7, 2, sequences, lengths, (1,), 12.5,
-                                      frozenset({"last_hidden_state"}), 3.0, token_spans, segments)
+                                      frozenset({"last_hidden_state"}), 3.0, token_spans, segments,
+                                      Priority.BULK)
     (got_header, arrays), = asyncio.run(exchange([(header, entries)]))[0]
     assert got_header[:7] == ["submit", 7, 2, [1], 12.5, ["last_hidden_state"], 3.0]
+    assert Priority(got_header[9]) is Priority.BULK  # as the engine process reads it
     back, back_lengths, back_spans, back_segments = messages.submitted(got_header, arrays)
     assert back_lengths.tolist() == lengths.tolist()
     assert (None if back_segments is None else back_segments.tolist()) == (
