@@ -222,8 +222,11 @@ _HELP = {
     "max_batch_size": "cap on sequences in one batch",
     "max_wait_ms": "how long an idle scheduler waits to gather a first batch; 0: run at "
                    "once (batches still form from what queues while one runs)",
-    "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED",
-    "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED",
+    "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED (bulk "
+                          "ones past three quarters of it: the rest is kept for interactive "
+                          "calls)",
+    "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED (bulk "
+                        "ones past three quarters of it)",
     "bulk_batch_ms": "while interactive work is arriving (--interactive-window-ms), a batch of "
                      "bulk work holds only the sequences whose predicted time (the artifact's "
                      "time model, else the batches run so far) stays within this, so an "

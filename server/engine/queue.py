@@ -58,6 +58,10 @@ DEADLINE_SLACK_S = 0.1
 # at a time, the event loop serving other calls between slices: queued at once, 262,144
 # sequences would hold the event loop for 2.5 s.
 SUBMIT_SLICE = 2048
+# Work of a lower class is admitted only while the queue, with it, stays within this share
+# of --max-queue-requests and --max-queue-tokens: the rest is kept for interactive work,
+# which an indexer filling the queue would otherwise have refused.
+LOWER_CLASS_QUEUE_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -86,18 +90,24 @@ class Limits:
 
 
 def check_room(limits: Limits, draining: bool, requests: int, waiting: int, tokens: int,
-               at_least: bool = False) -> None:
-    """Refuse a request of `tokens` (a lower bound, with `at_least`) that the queue, holding
-    `requests` requests and `waiting` tokens, has no room for, or any while draining."""
+               at_least: bool = False, priority: Priority = DEFAULT) -> None:
+    """Refuse a request of `tokens` (a lower bound, with `at_least`) and class `priority`
+    that the queue, holding `requests` requests and `waiting` tokens, has no room for, or
+    any while draining."""
     if draining:
         raise Unavailable("server is draining: send new work to another replica")
-    if requests + 1 > limits.max_queue_requests:
+    share, whose = 1.0, ""
+    if priority is not CLASSES[0]:
+        share = LOWER_CLASS_QUEUE_SHARE
+        whose = (f" for {priority.value} work, which may fill {share:.0%} of it (the rest is "
+                 f"kept for {CLASSES[0].value} calls)")
+    if requests + 1 > share * limits.max_queue_requests:
         raise ResourceExhausted(
-            f"queue full: {requests} requests waiting (limit {limits.max_queue_requests}); "
-            "retry with backoff")
-    if waiting + tokens > limits.max_queue_tokens:
+            f"queue full{whose}: {requests} requests waiting (limit "
+            f"{limits.max_queue_requests}); retry with backoff")
+    if waiting + tokens > share * limits.max_queue_tokens:
         raise ResourceExhausted(
-            f"queue full: {waiting} tokens waiting, this request adds "
+            f"queue full{whose}: {waiting} tokens waiting, this request adds "
             f"{'at least ' if at_least else ''}{tokens} (limit {limits.max_queue_tokens}); "
             "retry with backoff or send fewer texts")
 
@@ -234,11 +244,12 @@ class RequestQueue:
 
     # --- admission -------------------------------------------------------------------
 
-    def admit(self, tokens: int, at_least: bool = False) -> None:
+    def admit(self, tokens: int, at_least: bool = False, priority: Priority = DEFAULT) -> None:
         """The cheap bounds, checked before any work on a request's sequences: draining,
-        queued requests, queued tokens (`at_least`: `tokens` is a lower bound)."""
+        queued requests, queued tokens (`at_least`: `tokens` is a lower bound), within
+        what the request's class may fill (check_room)."""
         check_room(self.limits, self.draining, len(self.jobs), self.waiting_tokens, tokens,
-                   at_least)
+                   at_least, priority)
 
     def _counted(self) -> None:
         """The counts admission reads changed: tell whoever watches them (--workers)."""
@@ -266,7 +277,7 @@ class RequestQueue:
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         tokens = int(lengths.sum())
-        self.admit(tokens)
+        self.admit(tokens, priority=priority)
         job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
                   alone=alone, outputs=outputs, spans=spans, segments=segments,
                   times=timings.current(), priority=priority)

@@ -141,7 +141,7 @@ class RemoteScheduler:
     def __init__(self, engine: RemoteEngine, index: int, limits: Limits, heads: int, width: int):
         self.engine, self.index, self.limits, self.heads, self.width = engine, index, limits, heads, width
 
-    def admit(self, tokens: int, at_least: bool = False) -> None:
+    def admit(self, tokens: int, at_least: bool = False, priority: Priority = DEFAULT) -> None:
         engine = self.engine
         if not engine.alive:
             raise Unavailable(ENGINE_GONE)
@@ -150,7 +150,7 @@ class RemoteScheduler:
         fields = engine.shared.fields
         requests, released = engine.released(self.index)
         check_room(self.limits, bool(fields.draining), fields.queue_requests[self.index] - requests,
-                   fields.queue_tokens[self.index] - released, tokens, at_least)
+                   fields.queue_tokens[self.index] - released, tokens, at_least, priority)
 
     async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
                      deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
@@ -160,7 +160,7 @@ class RemoteScheduler:
                      priority: Priority = DEFAULT) -> list[SequenceResult]:
         if lengths is None:
             lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
-        self.admit(int(lengths.sum()))
+        self.admit(int(lengths.sum()), priority=priority)
         return await self.engine.submit(self, sequences, lengths, layers, deadline, outputs,
                                         alone, spans, segments, priority)
 

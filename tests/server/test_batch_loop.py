@@ -19,7 +19,7 @@ from attnserve.artifact import load_artifact
 from attnserve.server.engine.batch_loop import MAX_PADDING_RATIO
 from attnserve.server.engine.queue import Limits, State
 from attnserve.server.engine.runner import ModelRunner
-from attnserve.server.errors import RequestError
+from attnserve.server.errors import RequestError, ResourceExhausted
 from attnserve.server.memory.batch_time import BatchTimes, TimeModel, TimeModels
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import MemoryModel
@@ -418,4 +418,23 @@ def test_bulk_work_finishes_under_a_steady_interactive_stream(backend):
         assert bulk.done(), "the bulk request starved"
         check_rows(backend, [20] * 8, bulk.result())
         await asyncio.gather(*stream)
+    asyncio.run(main())
+
+
+def test_bulk_work_fills_three_quarters_of_the_queue_and_interactive_work_the_rest(backend):
+    """With room for 4 requests: a bulk request past the third is refused, saying the rest
+    is kept for interactive calls, and an interactive request still gets the last place."""
+    async def main():
+        core = assembled(backend, max_queue_requests=4)
+        bulk = [submit(core, [8], priority=BULK) for _ in range(3)]
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted, match="for bulk work, which may fill 75% of it "
+                                                    r"\(the rest is kept for interactive calls\)"):
+            await submit(core, [8], priority=BULK)
+        interactive = submit(core, [8], priority=INTERACTIVE)
+        await asyncio.sleep(0)
+        assert core.queue.depths() == {INTERACTIVE: 1, BULK: 3}
+        with pytest.raises(ResourceExhausted, match=r"queue full: 4 requests waiting \(limit 4\)"):
+            await submit(core, [8], priority=INTERACTIVE)
+        await drop_all([*bulk, interactive])
     asyncio.run(main())
