@@ -161,7 +161,7 @@ def make_reranker(family: str, directory: Path, num_labels: int = 1, **overrides
     import torch
     import transformers
 
-    from bench.harness import minilm_dir
+    from tests.harness import minilm_dir
 
     labels = {i: f"label_{i}" for i in range(num_labels)}
     if family == "bert":

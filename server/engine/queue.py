@@ -38,6 +38,7 @@ import numpy as np
 
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine import timings
+from attnserve.server.engine.requests import Submission
 from attnserve.server.errors import (
     DeadlineExceeded,
     RequestError,
@@ -46,7 +47,7 @@ from attnserve.server.errors import (
 )
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.metrics import Metrics
-from attnserve.server.priority import CLASSES, DEFAULT, Priority
+from attnserve.server.priority import CLASSES, DEFAULT, Priority, of_call
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 
 # A caller's own deadline cancels its call from the caller's side, which reaches the server
@@ -90,12 +91,13 @@ class Limits:
 
 
 def check_room(limits: Limits, draining: bool, requests: int, waiting: int, tokens: int,
-               at_least: bool = False, priority: Priority = DEFAULT) -> None:
+               at_least: bool = False, priority: Priority | None = None) -> None:
     """Refuse a request of `tokens` (a lower bound, with `at_least`) and class `priority`
-    that the queue, holding `requests` requests and `waiting` tokens, has no room for, or
-    any while draining."""
+    (None: the running call's) that the queue, holding `requests` requests and `waiting`
+    tokens, has no room for, or any while draining."""
     if draining:
         raise Unavailable("server is draining: send new work to another replica")
+    priority = priority or of_call()
     share, whose = 1.0, ""
     if priority is not CLASSES[0]:
         share = LOWER_CLASS_QUEUE_SHARE
@@ -244,10 +246,10 @@ class RequestQueue:
 
     # --- admission -------------------------------------------------------------------
 
-    def admit(self, tokens: int, at_least: bool = False, priority: Priority = DEFAULT) -> None:
+    def admit(self, tokens: int, at_least: bool = False, priority: Priority | None = None) -> None:
         """The cheap bounds, checked before any work on a request's sequences: draining,
         queued requests, queued tokens (`at_least`: `tokens` is a lower bound), within
-        what the request's class may fill (check_room)."""
+        what the request's class (None: the running call's) may fill (check_room)."""
         check_room(self.limits, self.draining, len(self.jobs), self.waiting_tokens, tokens,
                    at_least, priority)
 
@@ -256,31 +258,18 @@ class RequestQueue:
         if self.watch is not None:
             self.watch(len(self.jobs), self.waiting_tokens)
 
-    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
-                     deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None,
-                     segments: np.ndarray | None = None,
-                     priority: Priority = DEFAULT) -> list[SequenceResult]:
-        """Queue a request's sequences and wait for their results, in order. `outputs`:
-        the graph outputs the results must carry; `alone`: the peak of its largest batch
-        run alone (ModelMemory.check), kept free while it waits; `lengths`: the
-        sequences' lengths, when already known; `spans`: per sequence, int64 [k, 2]
-        token ranges [start, end), ascending, not overlapping, none empty, whose mean
-        embeddings each result carries (SequenceResult.span_means) beside `outputs`
-        (which need not name the token embeddings the means are taken from): a request
-        of many long sequences keeps a few vectors of each, not every batch output it
-        ran in; `segments`: per sequence, the position where its second segment (token
-        type 1) starts, its length for none (a reranker's pairs: the text's side);
-        `priority`: its call's class. A big request is queued a slice at a time, so the
-        event loop serves other calls in between."""
-        if lengths is None:
-            lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    async def submit(self, submission: Submission) -> list[SequenceResult]:
+        """Queue a request's sequences and wait for their results, in order (Submission
+        says what each field asks, its class included). A big request is queued a slice at
+        a time, so the event loop serves other calls in between."""
+        sequences, lengths, deadline = submission.sequences, submission.lengths, submission.deadline
+        priority = submission.priority
         tokens = int(lengths.sum())
         self.admit(tokens, priority=priority)
-        job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
-                  alone=alone, outputs=outputs, spans=spans, segments=segments,
-                  times=timings.current(), priority=priority)
+        job = Job(sequences, submission.layers, deadline,
+                  asyncio.get_running_loop().create_future(), alone=submission.alone,
+                  outputs=submission.outputs, spans=submission.spans,
+                  segments=submission.segments, times=timings.current(), priority=priority)
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None
