@@ -272,6 +272,8 @@ class BatchLoop:
         items = self.queue.claim(batch.items)
         if not items:
             return None
+        log.debug("event=batch_started model=%s priority=%s sequences=%d", self.model,
+                  batch.priority.value, len(items))
         self.loop.call_soon_threadsafe(self.queue.started, items)
         ids, mask, types = batch.input_ids, batch.attention_mask, batch.token_type_ids
         if len(items) < len(batch.items):  # some callers left while it waited: run the rest

@@ -26,6 +26,7 @@ longer than it would in one queue.
 import asyncio
 import bisect
 import enum
+import logging
 import math
 import threading
 import time
@@ -49,6 +50,8 @@ from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.metrics import Metrics
 from attnserve.server.priority import CLASSES, DEFAULT, Priority, of_call
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
+
+log = logging.getLogger("attnserve.queue")
 
 # A caller's own deadline cancels its call from the caller's side, which reaches the server
 # a little before the server's copy of the deadline (set when the request arrived) runs
@@ -290,6 +293,8 @@ class RequestQueue:
                         break
                 self._enqueue(job, start, lengths[start:start + SUBMIT_SLICE].tolist())
             self._unqueued(job, lengths)
+            log.debug("event=queued model=%s priority=%s sequences=%d tokens=%d", self.model,
+                      priority.value, len(sequences), tokens)
             return await job.future
         except asyncio.CancelledError:
             # The caller went away (or its deadline passed): free its place at once.

@@ -41,6 +41,7 @@ from attnserve.server.workers.shared import (
     DRAIN_TIMED_OUT,
     DRAINED,
     STANDBY,
+    SharedKeyCounts,
     SharedState,
     SharedTotals,
 )
@@ -162,7 +163,7 @@ class FrontProcess:
         self.named = load_models(config, verify=(TOKENIZER,))
         self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
         self.tokenizers = load_tokenizers(self.named)
-        self.ports = Ports(config, self.metrics)
+        self.ports = Ports(config, self.metrics, SharedKeyCounts(shared, lambda: self.index))
         self.draining = False
 
     def serving(self) -> bool:
