@@ -285,7 +285,11 @@ _HELP = {
                "/openapi.json: gRPC metadata "
                "'authorization: Bearer KEY', HTTP header 'Authorization: Bearer KEY'",
     "api_key_file": "file of API keys, one a line (a mounted Kubernetes Secret), taken as "
-                    "--api-key is; both may be given",
+                    "--api-key is; both may be given. A key may be followed by class=bulk "
+                    "(or interactive: every call made with it is of that priority class, "
+                    "whatever it names) and max_inflight=N (at most N of its calls handled "
+                    "at once across --workers; one more gets RESOURCE_EXHAUSTED / 429 with "
+                    "Retry-After)",
     "cors_allow_origin": "let web pages of this origin (scheme://host[:port], or * for any) "
                          "call the HTTP port from a browser: preflights answered, answers "
                          "marked for it; repeat it or separate origins by commas. None by "
