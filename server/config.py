@@ -232,11 +232,11 @@ _HELP = {
                      "time model, else the batches run so far) stays within this, so an "
                      "interactive request waits at most about this long behind the batch "
                      "running when it arrives; 0: bulk batches are never cut",
-    "priority_aging_ms": "bulk work counts as having arrived this much later than it did when "
-                         "the next batch's class is chosen: interactive work goes first unless "
-                         "the oldest bulk sequence arrived more than this before the oldest "
-                         "interactive one, so bulk work never waits more than this longer than "
-                         "in one queue",
+    "priority_aging_ms": "bulk work counts as having arrived this much after the later of its "
+                         "arrival and the start of the last bulk batch when the next batch's "
+                         "class is chosen: interactive work goes first while bulk batches run, "
+                         "and waiting bulk work yields only to interactive work that arrived "
+                         "less than this after the last bulk batch started",
     "interactive_window_ms": "interactive work counts as arriving while some waits and for this "
                              "long after an interactive request last arrived (bulk batches are "
                              "cut meanwhile: --bulk-batch-ms)",

@@ -15,12 +15,14 @@ a class that `first` now ranks below another can be `put_back`.
 
 The rule between classes (`first`): each batch grows from the oldest sequence of the
 highest class waiting, except that a lower class counts its sequences as having arrived
---priority-aging-ms later than they did (a class's handicap): the batch grows from the
-sequence whose arrival plus its class's handicap is the earliest, the higher class on a
-tie. An interactive sequence therefore goes before every bulk sequence that arrived less
-than the aging time before it, and a bulk sequence is never passed by interactive work
-that arrived more than the aging time after it: bulk work waits at most the aging time
-longer than it would in one queue.
+--priority-aging-ms (a class's handicap) after the later of their arrival and its last
+batch's start: the batch grows from the sequence whose count is the earliest, the higher
+class on a tie. Interactive work arriving while bulk batches run goes first however long
+the bulk work has waited (a bulk backlog older than the aging time would otherwise rank
+before every new interactive request, which would wait for all of it); and waiting bulk
+work yields only to the interactive work that arrived less than the aging time after its
+last batch started, so however steady the interactive stream, the lower class is never
+starved.
 """
 
 import asyncio
@@ -213,12 +215,17 @@ class Lane:
         """requests with sequences waiting (queued or taken)"""
         self.arrived = -math.inf
         """when its latest request arrived, on the monotonic clock"""
+        self.started = -math.inf
+        """when its latest batch started, on the monotonic clock"""
 
     def oldest(self) -> Waiting | None:
         return next(iter(self.index), None)
 
     def key(self, w: Waiting) -> float:
-        return w.job.enqueued + self.handicap
+        """When `w` counts as having arrived, comparing classes (the module's rule)."""
+        if not self.handicap:
+            return w.job.enqueued
+        return max(w.job.enqueued, self.started) + self.handicap
 
 
 class RequestQueue:
@@ -333,8 +340,8 @@ class RequestQueue:
     # --- the classes and the length index, for the batch loop ---------------------------
 
     def first(self) -> Waiting | None:
-        """The sequence the next batch grows from: of each class's oldest, the one whose
-        arrival plus its class's handicap is the earliest, the higher class on a tie (the
+        """The sequence the next batch grows from: of each class's oldest, the one that
+        counts as having arrived the earliest (`key`), the higher class on a tie (the
         module's docstring)."""
         best, best_key = None, math.inf
         for lane in self.lanes.values():
@@ -409,6 +416,8 @@ class RequestQueue:
         return True
 
     def started(self, items: list[Waiting]) -> None:
+        """A batch of these (of one class) started running."""
+        self.lanes[items[0].job.priority].started = time.monotonic()
         self._leave(items)
 
     # --- leaving ---------------------------------------------------------------------

@@ -335,6 +335,35 @@ def test_each_batch_grows_from_the_highest_class_unless_a_lower_one_has_aged(bac
     asyncio.run(main())
 
 
+def test_a_bulk_backlog_older_than_the_aging_time_still_yields_while_its_batches_run(backend):
+    """A bulk backlog that has waited past the aging time does not rank before new
+    interactive work while bulk batches are starting (4 bulk callers keeping more queued
+    than the server runs in the aging time would otherwise push every interactive request
+    behind all of it); interactive work that arrives more than the aging time after the
+    last bulk batch started goes after the bulk work, so a stream of it never starves bulk."""
+    async def main():
+        aging = 0.05
+        core = assembled(backend, aging_s=aging, max_batch_size=1)
+        bulk = submit(core, [20, 20, 20], priority=BULK)
+        await asyncio.sleep(2 * aging)  # the bulk request has waited past the aging time
+        queue = core.queue
+        items = [queue.first()]
+        queue.take(items)
+        queue.started(queue.claim(items))  # one of its batches starts now
+        interactive = submit(core, [8], priority=INTERACTIVE)
+        await asyncio.sleep(0)
+        assert queue.first().job.priority is INTERACTIVE
+        items = [queue.first()]
+        queue.take(items)
+        queue.started(queue.claim(items))  # the interactive request runs
+        await asyncio.sleep(2 * aging)
+        later = submit(core, [8], priority=INTERACTIVE)
+        await asyncio.sleep(0)
+        assert queue.first().job.priority is BULK
+        await drop_all([bulk, interactive, later])
+    asyncio.run(main())
+
+
 def test_an_interactive_request_queued_behind_bulk_work_runs_in_the_next_batch(backend):
     """Bulk work runs in two batches, the second formed and waiting while the first is held
     running; an interactive request arriving then puts the waiting bulk batch back and

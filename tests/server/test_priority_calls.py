@@ -37,7 +37,7 @@ def server(tiny_artifact, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"{PLAIN}\n{BULK_KEY} class=bulk\n{CAPPED} max_inflight=1\n")
     with serve(tiny_artifact, "--api-key-file", str(keys), "--log-level", "debug",
-               "--max-batch-size", str(BATCH), "--priority-aging-ms", "1000") as s:
+               "--max-batch-size", str(BATCH), "--priority-aging-ms", "200") as s:
         s.model = load_artifact(tiny_artifact).manifest.model_name
         yield s
 
