@@ -53,9 +53,10 @@ alloc-hook: $(ALLOC_HOOK)
 export: | $(PROTO_OUT)/.stamp
 	$(BIN)/attnserve export --out $(ARTIFACT) --unless-current
 
-# Its memory model, fitted on this machine's provider unless memory_model.json has that fit
-# (on the CPU in about half a minute): without one the server admits on an analytic bound
-# far above what batches take. An export removes the fit of the graphs it replaces.
+# Its memory and time models, fitted on this machine's provider unless memory_model.json has
+# that fit (the run prints how long it took): without a memory model the server admits on
+# an analytic bound far above what batches take, without a time model it sizes bulk
+# batches by the batches it has run. An export removes the fit of the graphs it replaces.
 memory-model: export
 	$(BIN)/attnserve memory-profile --artifact $(ARTIFACT) --attention --unless-fitted
 

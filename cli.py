@@ -230,9 +230,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.set_defaults(func=cmd_rerank)
 
     p = sub.add_parser("memory-profile",
-                       help="peak memory of one batch against its shape (allocations counted "
-                            "on the CPU, a fresh backend per shape on CUDA); fit the memory "
-                            "model and save it beside the artifact")
+                       help="peak memory and time of one batch against its shape (allocations "
+                            "counted on the CPU, a fresh backend per shape on CUDA); fit the "
+                            "memory and time models and save them beside the artifact")
     p.add_argument("--artifact", type=Path, required=True, help="artifact directory")
     p.add_argument("--seq-lens", default="16,32,64,128,256,384,512",
                    help="comma-separated sequence lengths (those over the model's positions "
@@ -253,14 +253,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each shape; the largest peak counts (on the CPU a rerun "
                         "counts the same bytes)")
+    p.add_argument("--time-runs", type=int, default=3,
+                   help="timed runs of each shape, after an untimed one; the median counts")
     p.add_argument("--holdout-every", type=int, default=3,
                    help="hold out every Nth shape to score the fit")
     p.add_argument("--no-save-model", action="store_true",
                    help="do not write memory_model.json beside the artifact")
     p.add_argument("--unless-fitted", action="store_true",
-                   help="do nothing when memory_model.json already holds a fit for the "
-                        "provider and precision this run would measure (what `make serve` "
-                        "runs)")
+                   help="do nothing when memory_model.json already holds a fit, memory and "
+                        "time, for the provider and precision this run would measure (what "
+                        "`make serve` runs)")
     p.set_defaults(func=cmd_memory_profile)
 
     return parser, dict(sub.choices)

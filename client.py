@@ -82,9 +82,11 @@ class EncoderClient:
               average_heads: bool = False, float16: bool = False, truncate: bool = False,
               chunk_tokens: int | None = None, isolated: bool = False, window_overlap: int = 0,
               model: str = "", embedding_type: str = "float", prompt_name: str = "",
-              dimensions: int = 0, truncation_direction: str = "right",
+              dimensions: int = 0, truncation_direction: str = "right", priority: str = "",
               timeout: float | None = None) -> list[EmbeddingResult]:
         """`model`: one of `list_models()`, "" for the server's default.
+        `priority`: the call's class, "interactive" or "bulk" ("" for the default,
+        interactive), in every method that runs the model.
         `prompt_name`: one of the model's prompts (`model_info().prompts`) before every
         text; "" for the server's default prompt. `dimensions`: pooled vectors cut to one of
         the model's `matryoshka_dims` (0: whole). `truncation_direction`: "right" keeps a
@@ -102,6 +104,7 @@ class EncoderClient:
             embedding_type=EMBEDDING_TYPES[embedding_type],
             prompt_name=prompt_name, dimensions=dimensions,
             truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
+            priority=priority,
         )
         if attention_layers is not None:
             request.attention.CopyFrom(pb.AttentionOptions(
@@ -119,23 +122,25 @@ class EncoderClient:
 
     def rerank(self, query: str, texts: list[str], *, top_n: int | None = None,
                raw_scores: bool = False, return_texts: bool = False, truncate: bool = False,
-               model: str = "", timeout: float | None = None) -> list[RerankResult]:
+               model: str = "", priority: str = "",
+               timeout: float | None = None) -> list[RerankResult]:
         """The texts ranked by a reranker's score of each (query, text) pair, highest first;
         `model`: "" for the server's first reranker."""
         response = self.stub.Rerank(pb.RerankRequest(
             model=model, query=query, texts=texts, top_n=top_n, raw_scores=raw_scores,
-            return_texts=return_texts, truncate=truncate), timeout=timeout)
+            return_texts=return_texts, truncate=truncate, priority=priority), timeout=timeout)
         return [RerankResult(r.index, r.score, r.text if return_texts else None)
                 for r in response.results]
 
     def score(self, query: str, texts: list[str], *, mode: str = "cosine", truncate: bool = False,
-              model: str = "", timeout: float | None = None) -> np.ndarray:
+              model: str = "", priority: str = "", timeout: float | None = None) -> np.ndarray:
         """float32, one score a text: the cosine of pooled vectors (`mode="cosine"`) or the
         MaxSim of token vectors (`mode="maxsim"`), from an embedding model (`model`: "" for
         the server's first)."""
         modes = {"cosine": pb.SCORE_MODE_COSINE, "maxsim": pb.SCORE_MODE_MAXSIM}
         response = self.stub.Score(pb.ScoreRequest(model=model, query=query, texts=texts,
-                                                   mode=modes[mode], truncate=truncate),
+                                                   mode=modes[mode], truncate=truncate,
+                                                   priority=priority),
                                    timeout=timeout)
         return np.asarray(response.scores, dtype=np.float32)
 

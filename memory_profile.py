@@ -1,5 +1,5 @@
-"""`attnserve memory-profile`: the peak memory of one batch against its shape, and the
-memory model fitted to it.
+"""`attnserve memory-profile`: the peak memory and the time of one batch against its shape,
+and the memory and time models fitted to them.
 
 Shapes: every batch size × sequence length up to --max-tokens (batch × seq) through the
 embeddings graph (a reranker's: its scores graph, on pairs of its two segments) and,
@@ -26,13 +26,19 @@ What one shape's peak is (`PeakMeter`, in a worker process that measures every s
   shape; the rise of the device memory NVML reports in use over the run is the arena's
   growth to the shape's peak. NVML counts the whole GPU: run it on an idle one.
 
+What one shape's time is: the median of --time-runs runs through the same backend as the
+server runs it (the CPU's: the same session options; CUDA's: the shape's fresh backend),
+after one untimed run at the shape, outside the allocation tracking.
+
 The measurements are fitted per graph by least squares on relative error, every
-coefficient ≥ 0, as one phase or the larger of two (server/memory/fit.py; model.py gives
-the form and what each term stands for): first on the shapes off one diagonal in three of
-the batch × seq grid, to report the error on those held out, then on all of them. The
-final fits are saved beside the artifact in memory_model.json under
-`provider/precision/graph` (other providers' entries are kept), which the server loads
-to admit batches and to predict each one's peak.
+coefficient ≥ 0, the peaks as one phase or the larger of two, the times as one phase
+(server/memory/fit.py; model.py and batch_time.py give the forms and what each term
+stands for): first on the shapes off one diagonal in three of the batch × seq grid, to
+report the error on those held out, then on all of them. The final fits are saved beside
+the artifact in memory_model.json under `provider/precision/graph` (the time model under
+the entry's "time"; other providers' entries are kept), which the server loads to admit
+batches, to predict each one's peak, and to size the bulk batches it cuts while
+interactive work is arriving.
 
 It prints a table (and, when --out already holds a run of the same shapes, how far this
 run is from it) and writes memory_profile.csv, memory_profile.json and memory_profile.png
@@ -55,7 +61,16 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.artifact import LOGITS_OUTPUT, MEMORY_MODEL, RERANKER, load_artifact
-from attnserve.server.memory.fit import NOISE_FLOOR_BYTES, features, fit_with_holdout, formula, predict
+from attnserve.server.memory.batch_time import TIME, TimeModel
+from attnserve.server.memory.fit import (
+    BATCH_TIME,
+    NOISE_FLOOR_BYTES,
+    NOISE_FLOOR_SECONDS,
+    features,
+    fit_with_holdout,
+    formula,
+    predict,
+)
 from attnserve.server.memory.model import (
     ATTENTION,
     EMBEDDINGS,
@@ -73,6 +88,8 @@ CPU_METHOD = ("memray native tracking: high-water mark of the bytes allocated an
               "freed during the run (every thread; onnxruntime's CPU arena off)")
 CUDA_METHOD = ("fresh backend per shape (arena kSameAsRequested), warmed at 1x8: rise of the "
                "device memory in use (NVML) over the run")
+TIME_METHOD = ("median of the timed runs through the server's backend, after one untimed run "
+               "at the shape, outside the allocation tracking")
 
 
 @dataclass(frozen=True)
@@ -93,8 +110,9 @@ class Measurement:
     peak_bytes: int
     """the largest over the runs"""
     run_peaks: list[int]
-    seconds: float
-    """the fastest run (under memray's tracking on the CPU: slower than serving)"""
+    batch_seconds: float
+    """the median of the timed runs (TIME_METHOD)"""
+    batch_runs: list[float]
     provider: str
     precision: str
     graph_file: str
@@ -180,23 +198,30 @@ class PeakMeter:
         del out
         return max(0, peak)
 
-    def measure(self, shape: Shape, repeats: int) -> Measurement:
-        ids, mask = self._inputs(shape.batch, shape.seq)
-        backend = self._backend() if self.cuda else None
-        peaks, times = [], []
-        for _ in range(repeats):
+    def _times(self, backend, shape: Shape, ids: np.ndarray, mask: np.ndarray,
+               runs: int) -> list[float]:
+        self._run(backend, shape.graph, ids, mask, shape.returned_layers)  # the shape's first run
+        times = []
+        for _ in range(runs):
             started = time.perf_counter()
-            peaks.append(self._cuda_peak(backend, shape, ids, mask) if self.cuda
-                         else self._cpu_peak(shape, ids, mask))
+            self._run(backend, shape.graph, ids, mask, shape.returned_layers)
             times.append(time.perf_counter() - started)
+        return times
+
+    def measure(self, shape: Shape, repeats: int, time_runs: int) -> Measurement:
+        ids, mask = self._inputs(shape.batch, shape.seq)
+        backend = self._backend() if self.cuda else self.backend
+        peaks = [self._cuda_peak(backend, shape, ids, mask) if self.cuda
+                 else self._cpu_peak(shape, ids, mask) for _ in range(repeats)]
+        times = self._times(backend, shape, ids, mask, time_runs)
         del backend
         return Measurement(shape.graph, shape.batch, shape.seq, shape.returned_layers, max(peaks),
-                           peaks, min(times), self.provider, self.precision,
+                           peaks, float(np.median(times)), times, self.provider, self.precision,
                            self.graphs[shape.graph], CUDA_METHOD if self.cuda else CPU_METHOD)
 
 
 def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precision: str,
-                   threads: int, repeats: int, timeout_s: float = 1800,
+                   threads: int, repeats: int, time_runs: int, timeout_s: float = 1800,
                    progress=lambda message: None) -> tuple[list[Measurement], list[str]]:
     """Every shape in worker processes: one for all of them, and a new one for the rest
     after a shape that kills its worker (out of memory, say, or past `timeout_s` for the
@@ -208,7 +233,7 @@ def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precisi
         command = [sys.executable, "-m", "attnserve.memory_profile", "--worker",
                    "--artifact", str(Path(artifact_dir).resolve()), "--device", device,
                    "--precision", precision, "--threads", str(threads), "--repeats", str(repeats),
-                   "--shapes", json.dumps([asdict(s) for s in todo])]
+                   "--time-runs", str(time_runs), "--shapes", json.dumps([asdict(s) for s in todo])]
         with tempfile.TemporaryFile("w+") as errors:
             worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
                                       text=True)
@@ -221,7 +246,7 @@ def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precisi
                     todo.remove(row.shape)
                     progress(f"[{len(rows) + len(left_out)}/{len(shapes)}] {row.graph} "
                              f"batch={row.batch} seq={row.seq} maps={row.returned_layers}: "
-                             f"{row.peak_bytes / MIB:.2f} MiB, {row.seconds:.3f} s")
+                             f"{row.peak_bytes / MIB:.2f} MiB, {1000 * row.batch_seconds:.2f} ms")
                 code = worker.wait()
             finally:
                 stop.cancel()
@@ -248,31 +273,37 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-def table(rows: list[Measurement], fits: dict[str, list[np.ndarray]], heads: int, held: set[int],
+def _error(fitted: float, measured: float) -> str:
+    return "n/a" if not measured else f"{100 * (fitted - measured) / measured:+.1f}%"
+
+
+def table(rows: list[Measurement], fits: dict[str, list[np.ndarray]],
+          times: dict[str, list[np.ndarray]], heads: int, held: set[int],
           previous: dict[Shape, int]) -> str:
     header = (f"{'graph':>10} {'maps':>4} {'batch':>5} {'seq':>5} {'peak MiB':>10} {'fit MiB':>10} "
-              f"{'error':>7} {'prev run':>8} {'run s':>8}  held out")
+              f"{'error':>7} {'prev run':>8} {'batch ms':>9} {'fit ms':>9} {'error':>7}  held out")
     lines = [header, "-" * len(header)]
     for i, r in enumerate(rows):
-        fitted = predict(fits[r.graph], r, heads)
-        error = (fitted - r.peak_bytes) / r.peak_bytes if r.peak_bytes else None
+        fitted, fitted_s = predict(fits[r.graph], r, heads), predict(times[r.graph], r, heads)
         before = previous.get(r.shape)
         change = f"{100 * (r.peak_bytes - before) / before:+.1f}%" if before else ""
         lines.append(f"{r.graph:>10} {r.returned_layers:>4} {r.batch:>5} {r.seq:>5} "
                      f"{_mib(r.peak_bytes):>10} {_mib(fitted):>10} "
-                     f"{'n/a' if error is None else f'{100 * error:+.1f}%':>7} {change:>8} "
-                     f"{r.seconds:>8.3f}  {'yes' if i in held else ''}")
+                     f"{_error(fitted, r.peak_bytes):>7} {change:>8} "
+                     f"{1000 * r.batch_seconds:>9.3f} {1000 * fitted_s:>9.3f} "
+                     f"{_error(fitted_s, r.batch_seconds):>7}  {'yes' if i in held else ''}")
     return "\n".join(lines)
 
 
 def write_csv(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]],
-              heads: int) -> None:
+              times: dict[str, list[np.ndarray]], heads: int) -> None:
     with path.open("w", newline="") as stream:
         writer = csv.writer(stream)
-        names = [n for n in asdict(rows[0]) if n != "run_peaks"]
-        writer.writerow(names + ["predicted_bytes"])
+        names = [n for n in asdict(rows[0]) if n not in ("run_peaks", "batch_runs")]
+        writer.writerow(names + ["predicted_bytes", "predicted_seconds"])
         for r in rows:
-            writer.writerow([getattr(r, n) for n in names] + [round(predict(fits[r.graph], r, heads))])
+            writer.writerow([getattr(r, n) for n in names] + [round(predict(fits[r.graph], r, heads)),
+                                                              predict(times[r.graph], r, heads)])
 
 
 def plot(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]], heads: int,
@@ -382,8 +413,9 @@ def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers:
 
 
 def fitted_already(artifact, provider: str, precision: str, attention: bool) -> bool:
-    """Whether memory_model.json beside the artifact holds a fit for every graph this run
-    would measure on `provider` at `precision`. A damaged file holds none."""
+    """Whether memory_model.json beside the artifact holds a fit, memory and time, for
+    every graph this run would measure on `provider` at `precision`. A damaged file holds
+    none."""
     from attnserve.server.memory.model import read_entries
 
     try:
@@ -392,7 +424,7 @@ def fitted_already(artifact, provider: str, precision: str, attention: bool) -> 
         return False
     kinds = graph_kinds(artifact.manifest)
     kinds = kinds if attention else kinds[:1]
-    return all(model_key(provider, precision, kind) in entries for kind in kinds)
+    return all(TIME in entries.get(model_key(provider, precision, kind), {}) for kind in kinds)
 
 
 def run_memory_profile(args: argparse.Namespace) -> int:
@@ -437,7 +469,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
                         SCORES if reranker else EMBEDDINGS)
     started = time.monotonic()
     rows, left_out = measure_shapes(artifact.directory, shapes, args.device, args.precision,
-                                    args.threads, max(1, args.repeats),
+                                    args.threads, max(1, args.repeats), max(1, args.time_runs),
                                     progress=lambda m: print(m, file=sys.stderr, flush=True))
     if not rows:
         print("memory-profile: every shape failed (see above)", file=sys.stderr)
@@ -446,6 +478,8 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     result = fit_with_holdout(rows, heads, args.holdout_every)
     fits = result["fits"]
     held = result["held"]
+    timed = fit_with_holdout(rows, heads, args.holdout_every, BATCH_TIME)
+    times = timed["fits"]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -456,16 +490,22 @@ def run_memory_profile(args: argparse.Namespace) -> int:
                                 f"({graph_files[kind]})",
                                 other_phases=tuple(tuple(map(float, p)) for p in phases[1:]))
               for kind, phases in fits.items()}
+    time_models = {kind: TimeModel(*map(float, phases[0]), source=f"fitted on {provider} "
+                                   f"{precision} ({graph_files[kind]})")
+                   for kind, phases in times.items()}
     entries = {
         model_key(provider, precision, kind): model.entry() | {
             "graph_file": graph_files[kind], "measure": method,
             "shapes": sum(r.graph == kind for r in rows),
             "holdout": (result["holdout"] or {}).get("by_graph", {}).get(kind),
+            TIME: time_models[kind].entry() | {
+                "measure": TIME_METHOD, "runs": max(1, args.time_runs), "threads": args.threads,
+                "holdout": (timed["holdout"] or {}).get("by_graph", {}).get(kind)},
         } for kind, model in models.items()}
     title = (f"{manifest.model_name} on {provider} ({precision}): peak memory of one batch "
              f"({'allocation high-water mark' if method == CPU_METHOD else 'arena growth, fresh backend'})")
     written = [out / "memory_profile.csv", out / "memory_profile.json"]
-    write_csv(written[0], rows, fits, heads)
+    write_csv(written[0], rows, fits, times, heads)
     if plot(out / "memory_profile.png", rows, fits, heads, held, title):
         written.append(out / "memory_profile.png")
     model_path = None if args.no_save_model else save_entries(artifact.directory, entries)
@@ -476,13 +516,20 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         "measure": method,
         "seconds": round(time.monotonic() - started, 1),
         "rows": [asdict(r) | {"predicted_bytes": round(predict(fits[r.graph], r, heads)),
+                              "predicted_seconds": predict(times[r.graph], r, heads),
                               "held_out": i in held} for i, r in enumerate(rows)],
         "left_out": left_out,
         "fit": {"formula": "max over phases of a + b*batch*seq + c*batch*heads*seq^2 "
                            "+ d*batch*heads*seq^2*returned_layers (d: attention graph only)",
                 "weighting": "relative (1/measured, floored at 1 MiB); coefficients >= 0",
                 "holdout": result["holdout"], "in_sample": result["in_sample"],
-                "noise_floor_bytes": NOISE_FLOOR_BYTES, "models": entries},
+                "noise_floor_bytes": NOISE_FLOOR_BYTES, "models": entries,
+                "time": {"formula": "a + b*batch*seq + c*batch*heads*seq^2 "
+                                    "+ d*batch*heads*seq^2*returned_layers (one phase)",
+                         "weighting": "relative (1/measured, floored at 0.1 ms); coefficients >= 0",
+                         "measure": TIME_METHOD, "holdout": timed["holdout"],
+                         "in_sample": timed["in_sample"],
+                         "noise_floor_seconds": NOISE_FLOOR_SECONDS}},
         "previous_run": agree,
         "memory_model": str(model_path) if model_path else None,
     }
@@ -490,23 +537,15 @@ def run_memory_profile(args: argparse.Namespace) -> int:
 
     print(f"memory profile: {manifest.model_name}, {provider} ({precision}), {heads} heads, "
           f"{layers} layers; peak = {method}")
-    print(table(rows, fits, heads, held, previous))
+    print(table(rows, fits, times, heads, held, previous))
     for kind, phases in fits.items():
         print(f"fit, {kind} graph ({graph_files[kind]}): bytes ≈ "
               + ("max of\n    " if len(phases) > 1 else "") + "\n    ".join(map(formula, phases)))
-    holdout = result["holdout"]
-    if holdout:
-        per_graph = "; ".join(f"{kind} mean {_pct(e['mean_rel_error'])}, max {_pct(e['max_rel_error'])}"
-                              for kind, e in holdout["by_graph"].items())
-        print(f"held-out error (1 shape in {args.holdout_every} of each graph held out, fit on the "
-              f"other {holdout['train_shapes']}; {holdout['shapes_scored']} of {holdout['shapes']} "
-              f"at or above {NOISE_FLOOR_BYTES // MIB} MiB scored): mean "
-              f"{_pct(holdout['mean_rel_error'])}, max {_pct(holdout['max_rel_error'])} ({per_graph})")
-    else:
-        print("held-out error: n/a (too few shapes to hold any out)")
-    print(f"in-sample error (final fits on all {len(rows)} shapes): mean "
-          f"{_pct(result['in_sample']['mean_rel_error'])}, max "
-          f"{_pct(result['in_sample']['max_rel_error'])}")
+    for kind, phases in times.items():
+        print(f"time fit, {kind} graph ({graph_files[kind]}): seconds ≈ {formula(phases[0])}")
+    for what, fitted, floor in (("", result, f"{NOISE_FLOOR_BYTES // MIB} MiB"),
+                                ("time ", timed, f"{1000 * NOISE_FLOOR_SECONDS:g} ms")):
+        print(_errors(what, fitted, floor, len(rows), args.holdout_every))
     if agree:
         print(f"against the previous run in {out} ({agree['shapes']} shapes): per-shape change mean "
               f"{_pct(agree['mean_rel_change'])}, max {_pct(agree['max_rel_change'])}")
@@ -515,9 +554,28 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     print(f"measured {len(rows)} shapes in {report['seconds']:.0f} s; wrote "
           f"{', '.join(map(str, written))}")
     if model_path:
-        print(f"memory model saved to {model_path} under {provider}/{precision}/"
-              f"{{{','.join(fits)}}} (the server loads it at start)")
+        print(f"memory and time models saved to {model_path} under {provider}/{precision}/"
+              f"{{{','.join(fits)}}} (the server loads them at start)")
     return 0
+
+
+def _errors(what: str, fitted: dict, floor: str, shapes: int, every: int) -> str:
+    """The held-out and in-sample errors of a fit (fit_with_holdout's), as lines."""
+    holdout = fitted["holdout"]
+    if holdout:
+        per_graph = "; ".join(f"{kind} mean {_pct(e['mean_rel_error'])}, max {_pct(e['max_rel_error'])}"
+                              for kind, e in holdout["by_graph"].items())
+        lines = [f"{what}held-out error (1 shape in {every} of each graph held out, fit on the "
+                 f"other {holdout['train_shapes']}; {holdout['shapes_scored']} of "
+                 f"{holdout['shapes']} at or above {floor} scored): mean "
+                 f"{_pct(holdout['mean_rel_error'])}, max {_pct(holdout['max_rel_error'])} "
+                 f"({per_graph})"]
+    else:
+        lines = [f"{what}held-out error: n/a (too few shapes to hold any out)"]
+    in_sample = fitted["in_sample"]
+    lines.append(f"{what}in-sample error (final fits on all {shapes} shapes): mean "
+                 f"{_pct(in_sample['mean_rel_error'])}, max {_pct(in_sample['max_rel_error'])}")
+    return "\n".join(lines)
 
 
 def _worker(argv: list[str]) -> int:
@@ -529,10 +587,11 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--time-runs", type=int, default=1)
     args = parser.parse_args(argv)
     meter = PeakMeter(args.artifact, args.device, args.precision, args.threads)
     for fields in json.loads(args.shapes):
-        row = meter.measure(Shape(**fields), max(1, args.repeats))
+        row = meter.measure(Shape(**fields), max(1, args.repeats), max(1, args.time_runs))
         print(json.dumps(asdict(row)), flush=True)
     return 0
 

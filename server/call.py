@@ -1,6 +1,6 @@
 """What every call shares, whatever its door, written once: its record (in-flight gauge,
 latency and count by status), how an exception becomes the status a caller gets, the log
-line a refusal makes, the API keys, the server's name and version, and what a call
+line a refusal makes, the server's name and version, and what a call
 carries besides its request: its request id (the caller's X-Request-Id, or a new one),
 where its time went (server/engine/timings.py) and, with --otlp-endpoint, the trace it
 belongs to (server/tracing.py).
@@ -16,17 +16,15 @@ in the task that serves it; every log line of the call then ends with its reques
 headers, gRPC trailing metadata), and once it has gone, `finish_call` hands the call's
 spans to the tracing."""
 
-import hmac
 import logging
 import re
 import time
 import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from attnserve.server.engine import timings
-from attnserve.server.errors import RequestError, Unauthenticated
+from attnserve.server.errors import RequestError
 from attnserve.server.logs import set_request_id
 from attnserve.server.metrics import Metrics, call_model
 from attnserve.server.tracing import Tracing
@@ -148,38 +146,3 @@ class CallRecord:
         self.metrics.inflight.dec()
         self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started,
                               self.model[0])
-
-
-class ApiKeys:
-    """The keys a caller may present (`Authorization: Bearer <key>`, on gRPC as the
-    `authorization` metadata), from --api-key and --api-key-file (one key a line, as a
-    Kubernetes Secret mounts it). Compared in constant time. With no key configured,
-    every call is let through."""
-
-    def __init__(self, key: str | None, key_file: Path | None):
-        keys = [key] if key else []
-        if key_file is not None:
-            found = [line.strip() for line in key_file.read_text().splitlines() if line.strip()]
-            if not found:
-                raise ValueError(f"--api-key-file {key_file}: holds no key")
-            keys += found
-        self.keys = [k.encode() for k in keys]
-
-    def __bool__(self) -> bool:
-        return bool(self.keys)
-
-    def check(self, authorization: str | None) -> None:
-        """Raise Unauthenticated unless `authorization` carries a configured key."""
-        if not self.keys:
-            return
-        if authorization is None:
-            raise Unauthenticated("authorization: missing; send 'Authorization: Bearer <api key>'")
-        scheme, _, presented = authorization.strip().partition(" ")
-        given = presented.strip().encode("utf-8", "surrogateescape")
-        # Every key compared, whether or not an earlier one matched: the time taken says
-        # nothing about which key, or how much of one, was right.
-        matched = False
-        for key in self.keys:
-            matched |= hmac.compare_digest(key, given)
-        if scheme.lower() != "bearer" or not matched:
-            raise Unauthenticated("authorization: not a valid API key")

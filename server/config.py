@@ -92,6 +92,9 @@ class ServeConfig:
     max_wait_ms: float = 0.0
     max_queue_requests: int = 1024
     max_queue_tokens: int = 262144
+    bulk_batch_ms: float = 20.0
+    priority_aging_ms: float = 1000.0
+    interactive_window_ms: float = 1000.0
     max_chunking_chars: int = 1 << 20
     default_prompt_name: str | None = None
     memory_budget_bytes: int = 0
@@ -133,7 +136,8 @@ class ServeConfig:
         for name in ("http_header_timeout_seconds", "http_body_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be more than 0")
-        for name in ("max_wait_ms", "memory_budget_bytes", "drain_seconds",
+        for name in ("max_wait_ms", "bulk_batch_ms", "priority_aging_ms", "interactive_window_ms",
+                     "memory_budget_bytes", "drain_seconds",
                      "max_connection_age_seconds", "intra_op_threads", "metrics_port", "port",
                      "http_port", "sessions"):
             if getattr(self, name) < 0:
@@ -218,8 +222,24 @@ _HELP = {
     "max_batch_size": "cap on sequences in one batch",
     "max_wait_ms": "how long an idle scheduler waits to gather a first batch; 0: run at "
                    "once (batches still form from what queues while one runs)",
-    "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED",
-    "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED",
+    "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED (bulk "
+                          "ones past three quarters of it: the rest is kept for interactive "
+                          "calls)",
+    "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED (bulk "
+                        "ones past three quarters of it)",
+    "bulk_batch_ms": "while interactive work is arriving (--interactive-window-ms), a batch of "
+                     "bulk work holds only the sequences whose predicted time (the artifact's "
+                     "time model, else the batches run so far) stays within this, so an "
+                     "interactive request waits at most about this long behind the batch "
+                     "running when it arrives; 0: bulk batches are never cut",
+    "priority_aging_ms": "bulk work counts as having arrived this much after the later of its "
+                         "arrival and the start of the last bulk batch when the next batch's "
+                         "class is chosen: interactive work goes first while bulk batches run, "
+                         "and waiting bulk work yields only to interactive work that arrived "
+                         "less than this after the last bulk batch started",
+    "interactive_window_ms": "interactive work counts as arriving while some waits and for this "
+                             "long after an interactive request last arrived (bulk batches are "
+                             "cut meanwhile: --bulk-batch-ms)",
     "max_chunking_chars": "longest text (in Unicode code points) a request with chunking may "
                           "carry; a longer one gets INVALID_ARGUMENT naming it. A chunked text "
                           "is tokenized whole and costs what its windows or chunks cost "
@@ -265,7 +285,11 @@ _HELP = {
                "/openapi.json: gRPC metadata "
                "'authorization: Bearer KEY', HTTP header 'Authorization: Bearer KEY'",
     "api_key_file": "file of API keys, one a line (a mounted Kubernetes Secret), taken as "
-                    "--api-key is; both may be given",
+                    "--api-key is; both may be given. A key may be followed by class=bulk "
+                    "(or interactive: every call made with it is of that priority class, "
+                    "whatever it names) and max_inflight=N (at most N of its calls handled "
+                    "at once across --workers; one more gets RESOURCE_EXHAUSTED / 429 with "
+                    "Retry-After)",
     "cors_allow_origin": "let web pages of this origin (scheme://host[:port], or * for any) "
                          "call the HTTP port from a browser: preflights answered, answers "
                          "marked for it; repeat it or separate origins by commas. None by "

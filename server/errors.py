@@ -46,6 +46,15 @@ class ResourceExhausted(RequestError):
     code = Code.RESOURCE_EXHAUSTED
 
 
+class RetryLater(ResourceExhausted):
+    """A refusal that says how many seconds to wait before trying again (HTTP Retry-After,
+    gRPC `retry-after` metadata)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class TooLarge(ResourceExhausted):
     """A request too big for any server setting to serve as it is: retrying the same
     request is pointless (HTTP 413, not 429)."""

@@ -6,7 +6,10 @@ PROMETHEUS_MULTIPROC_DIR its supervisor set) and the engine process, which count
 own memory (a batch's dozen observations stay cheap), serves its counts and theirs
 merged, so one scrape shows what one process would. The values read when a scrape is
 taken (queue depth, device memory, health, the model's info) come from `Live`, in the
-process that serves /metrics."""
+process that serves /metrics.
+
+Series of work carry its priority class (`priority`: server/priority.py), the class of the
+call it came from: latency and counts of calls, queue depth and wait, sequences dropped."""
 
 import itertools
 from collections.abc import Callable, Iterable
@@ -18,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
+
+from attnserve.server.priority import CLASSES, Priority, of_call
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
@@ -62,16 +67,31 @@ _CALL_MODEL: ContextVar[list[str] | None] = ContextVar("attnserve_call_model", d
 
 
 def call_model() -> list[str]:
-    """A new call's model label, "" until `routed_to` names it (in the same task)."""
+    """A new call's model label, "" until `Metrics.routed_to` names it (in the same task)."""
     cell = [""]
     _CALL_MODEL.set(cell)
     return cell
 
 
-def routed_to(model: str) -> None:
-    cell = _CALL_MODEL.get()
-    if cell is not None:
-        cell[0] = model
+class InFlight:
+    """Calls being handled now, by the model each was routed to: a door counts a call in
+    as it starts (`inc`, model "" until routed) and out once answered (`dec`), in the task
+    that serves it; `Metrics.routed_to` moves it to its model. With --workers each front
+    end counts its own and a scrape sums them (multiprocess mode livesum)."""
+
+    def __init__(self, gauge: Gauge):
+        self.gauge = gauge
+
+    def inc(self) -> None:
+        self.gauge.labels("").inc()
+
+    def dec(self) -> None:
+        cell = _CALL_MODEL.get()
+        self.gauge.labels(cell[0] if cell else "").dec()
+
+    def moved(self, before: str, model: str) -> None:
+        self.gauge.labels(before).dec()
+        self.gauge.labels(model).inc()
 
 
 @dataclass(eq=False)
@@ -83,8 +103,8 @@ class Live:
     device: str = "cpu"
     device_memory_used: Callable[[], float] = lambda: 0.0
     device_memory_total: float = 0.0
-    queue_depth: dict[str, Callable[[], float]] = field(default_factory=dict)
-    """model -> its queue's depth"""
+    queue_depth: dict[str, Callable[[], dict[Priority, int]]] = field(default_factory=dict)
+    """model -> its queue's depth by class"""
     serving: Callable[[], bool] = lambda: False
 
     def collect(self):
@@ -104,9 +124,12 @@ class Live:
             family.add_metric([self.device], value)
             yield family
         depth = GaugeMetricFamily("attnserve_queue_depth", "Requests accepted and waiting for a "
-                                  "batch, by model.", labels=["model"])
+                                  "batch (some of their sequences not yet running), by model and "
+                                  "priority class.", labels=["model", "priority"])
         for model, read in self.queue_depth.items():
-            depth.add_metric([model], read())
+            depths = read()
+            for priority in CLASSES:
+                depth.add_metric([model, priority.value], depths[priority])
         yield depth
         yield GaugeMetricFamily("attnserve_health_serving", "1 while grpc.health.v1 answers "
                                 "SERVING.", value=1 if self.serving() else 0)
@@ -162,12 +185,13 @@ class Metrics:
         registry = counted
         self.edges = length_edges(max_positions)
         self.request_duration = Histogram(
-            "attnserve_request_duration_seconds", "Time from receiving a request to answering it.",
-            ["rpc", "code", "model"], buckets=LATENCY_BUCKETS, registry=registry)
+            "attnserve_request_duration_seconds", "Time from receiving a request to answering it, "
+            "by RPC, status code, model and the call's priority class.",
+            ["rpc", "code", "model", "priority"], buckets=LATENCY_BUCKETS, registry=registry)
         self.requests = Counter(
-            "attnserve_requests", "Requests answered, by RPC, status code and model (empty when "
-            "the call named no model the server serves).", ["rpc", "code", "model"],
-            registry=registry)
+            "attnserve_requests", "Requests answered, by RPC, status code, model (empty when "
+            "the call named no model the server serves) and the call's priority class.",
+            ["rpc", "code", "model", "priority"], registry=registry)
         self.stage_duration = Histogram(
             "attnserve_stage_duration_seconds",
             "Time per stage: queue (waiting for a batch), tokenize, inference, respond.",
@@ -195,15 +219,21 @@ class Metrics:
             "attnserve_batch_predicted_memory_bytes",
             "The memory model's prediction for the same batches, to show drift.",
             ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
-        self.inflight = Gauge(
-            "attnserve_inflight_requests", "Requests being handled now.", registry=registry,
-            multiprocess_mode="livesum")
+        self.inflight = InFlight(Gauge(
+            "attnserve_inflight_requests", "Requests being handled now, by the model each was "
+            "routed to (empty before a call names one, and for calls that name none).",
+            ["model"], registry=registry, multiprocess_mode="livesum"))
+        self.queue_wait = Histogram(
+            "attnserve_queue_wait_seconds", "Time a request waited in its model's queue, by "
+            "priority class: from queued until its last sequence started running (or was "
+            "dropped).", ["model", "priority"], buckets=LATENCY_BUCKETS, registry=registry)
         self.dropped = Counter(
             "attnserve_dropped_sequences",
             "Sequences dropped unanswered, by reason: deadline (the caller's deadline passed "
             "while it waited) or cancelled (the caller went away), both before inference; "
-            "failed (its batch raised in inference, or the batch loop failed).",
-            ["model", "reason"],
+            "failed (its batch raised in inference, or the batch loop failed); and by the "
+            "priority class of their call.",
+            ["model", "reason", "priority"],
             registry=registry)
         self.unseen_shape_runs = Counter(
             "attnserve_unseen_shape_runs",
@@ -223,10 +253,21 @@ class Metrics:
         self.live = Live()
         self.registry.register(self.live)
 
-    def answered(self, rpc: str, code: str, seconds: float, model: str = "") -> None:
-        """One call finished with status `code`: both request metrics move together."""
-        self.requests.labels(rpc, code, model).inc()
-        self.request_duration.labels(rpc, code, model).observe(seconds)
+    def answered(self, rpc: str, code: str, seconds: float, model: str = "",
+                 priority: Priority | None = None) -> None:
+        """One call finished with status `code`: both request metrics move together.
+        `priority`: the call's class; None: the class its door set (priority.of_call)."""
+        label = (priority or of_call()).value
+        self.requests.labels(rpc, code, model, label).inc()
+        self.request_duration.labels(rpc, code, model, label).observe(seconds)
+
+    def routed_to(self, model: str) -> None:
+        """The call the running task serves goes to `model`: its request series and its
+        place in the in-flight gauge say so from here on (outside a call: nothing)."""
+        cell = _CALL_MODEL.get()
+        if cell is not None and cell[0] != model:
+            self.inflight.moved(cell[0], model)
+            cell[0] = model
 
     def bucket(self, length: int) -> str:
         return seq_len_bucket(length, self.edges)

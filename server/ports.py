@@ -4,20 +4,22 @@ through one data plane, one set of API keys and one tracing."""
 
 import asyncio
 
-from attnserve.server.call import ApiKeys
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine.plane import DataPlane
 from attnserve.server.grpc.server import GrpcServer
 from attnserve.server.http.server import HttpServers
+from attnserve.server.keys import ApiKeys, InFlightCounts
 from attnserve.server.metrics import Metrics, answered_by_code
 from attnserve.server.startup import PortInUse
 from attnserve.server.tracing import tracing_for
 
 
 class Ports:
-    def __init__(self, config: ServeConfig, metrics: Metrics):
+    def __init__(self, config: ServeConfig, metrics: Metrics, key_counts: InFlightCounts | None = None):
+        """`key_counts`: where capped API keys' calls are counted (this process's own by
+        default)."""
         self.config, self.metrics = config, metrics
-        self.keys = ApiKeys(config.api_key, config.api_key_file)
+        self.keys = ApiKeys(config.api_key, config.api_key_file, key_counts)
         self.tracing = tracing_for(config.otlp_endpoint)
         self.grpc = GrpcServer(config, metrics, self.keys, self.tracing)
         self.credentials = self.grpc.credentials

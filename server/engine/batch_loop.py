@@ -2,9 +2,16 @@
 runs them at, runs them on the inference threads through the backend, and hands each
 sequence its slice of the output.
 
-Batches group sequences of similar length (sorted neighbours of the oldest waiting
-sequence) so little padding is computed, and stay under caps on sequences, padded
-tokens and predicted peak memory. Up to the backend's `max_in_flight` batches are handed
+Each batch grows from the sequence the queue's priority rule names (RequestQueue.first:
+the oldest of the highest class waiting, a lower class handicapped by the aging time) and
+groups sequences of its class of similar length (its sorted neighbours) so little padding
+is computed, under caps on sequences, padded tokens and predicted peak memory. While
+interactive work is arriving (RequestQueue.top_arriving), a batch of a lower class is also
+cut to the sequences whose predicted time (server/memory/batch_time.py) stays within
+--bulk-batch-ms, so an interactive request never waits long behind the batch running
+when it arrives; and a formed batch of a lower class that has not started yet is put
+back in the queue when interactive work comes first, so it never waits behind that one
+too. Up to the backend's `max_in_flight` batches are handed
 to the inference threads at once (one per thread runs, `backend.concurrency` of them):
 while they run, the next is formed, padded and queued behind them, so no inference thread
 waits on the event loop. The batches in flight hold their predicted memory together
@@ -29,9 +36,11 @@ from attnserve.artifact import HIDDEN_OUTPUT
 from attnserve.server.engine.queue import Limits, RequestQueue, State, Waiting
 from attnserve.server.errors import RequestError
 from attnserve.server.host import TRIM_AFTER_BYTES
+from attnserve.server.memory.batch_time import BatchTimes
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
+from attnserve.server.priority import CLASSES, Priority
 from attnserve.server.runtime.backend import Backend, BatchOutput, Outputs, SequenceResult, Shape
 
 log = logging.getLogger("attnserve.batch_loop")
@@ -105,10 +114,14 @@ class Batch:
     token_type_ids: np.ndarray | None
     holds: float
     """predicted peak bytes, responses included, held against the budget while in flight"""
+    priority: Priority
+    key: float
+    """when the sequence it grew from counts as having arrived (RequestQueue.key)"""
 
     @property
     def live(self) -> bool:
-        """Not every sequence dropped while it waited (such a batch never runs)."""
+        """Not every sequence dropped while it waited, nor put back (such a batch never
+        runs)."""
         return any(w.state is not State.DROPPED for w in self.items)
 
 
@@ -135,7 +148,7 @@ class Ran:
 class BatchLoop:
     def __init__(self, model: str, queue: RequestQueue, backend: Backend, inference: Executor,
                  metrics: Metrics, probe: MemoryProbe, limits: Limits, memory: ModelMemory,
-                 pad_id: int):
+                 times: BatchTimes, pad_id: int):
         self.model = model
         self.queue = queue
         self.backend = backend
@@ -144,6 +157,7 @@ class BatchLoop:
         self.probe = probe
         self.limits = limits
         self.memory = memory
+        self.times = times
         self.pad_id = pad_id
         self.in_flight: dict[Batch, asyncio.Task] = {}
         self.trim_pending = False
@@ -165,7 +179,7 @@ class BatchLoop:
         shape = self.backend.padded_shape(len(batch), batch[-1].length)
         return self.memory.batch_bytes(*shape, layers)
 
-    def _fits(self, batch: list[Waiting], layers: int) -> bool:
+    def _fits(self, batch: list[Waiting], layers: int, cut_s: float | None) -> bool:
         count, longest = len(batch), batch[-1].length
         real = sum(w.length for w in batch)
         rows, seq = self.backend.padded_shape(count, longest)
@@ -175,16 +189,33 @@ class BatchLoop:
                 or rows * seq > self.limits.max_batch_tokens
                 or count * longest > MAX_PADDING_RATIO * real):
             return False
+        if cut_s is not None:
+            # Nothing predicts it yet (no time model, no batch of its length run): it
+            # stays the one sequence it grew from, which then tells.
+            predicted = self.times.predict(rows, seq, layers)
+            if predicted is None or predicted > cut_s:
+                return False
         return self._need(batch, layers) <= self.memory.room()
 
+    def cut(self, first: Waiting) -> float | None:
+        """The most a batch growing from `first` may be predicted to take: --bulk-batch-ms
+        for a lower class while interactive work is arriving; None: no cut."""
+        if (first.job.priority is CLASSES[0] or not self.limits.bulk_batch_s
+                or not self.queue.top_arriving(time.monotonic())):
+            return None
+        return self.limits.bulk_batch_s
+
     def next_batch(self, oldest: Waiting) -> list[Waiting]:
-        """The oldest waiting sequence and its nearest neighbours in length, shortest first."""
+        """The sequence the batch grows from (RequestQueue.first) and its nearest
+        neighbours in length of its class, shortest first, cut while interactive work is
+        arriving (`cut`)."""
         layers = len(oldest.job.layers)
+        cut_s = self.cut(oldest)
         same = self.queue.neighbours(oldest, self.limits.max_batch_size - 1)
         lo = hi = next(i for i, w in enumerate(same) if w is oldest)
         while True:
-            grow_down = lo > 0 and self._fits(same[lo - 1:hi + 1], layers)
-            grow_up = hi + 1 < len(same) and self._fits(same[lo:hi + 2], layers)
+            grow_down = lo > 0 and self._fits(same[lo - 1:hi + 1], layers, cut_s)
+            grow_up = hi + 1 < len(same) and self._fits(same[lo:hi + 2], layers, cut_s)
             if grow_down and (not grow_up or
                               oldest.length - same[lo - 1].length <= same[hi + 1].length - oldest.length):
                 lo -= 1
@@ -197,9 +228,10 @@ class BatchLoop:
         return [b for b in self.in_flight if b.live]
 
     def _form(self, oldest: Waiting) -> Batch | None:
-        """The next batch, taken out of the queue and padded; None while it would not fit
-        in the memory budget beside the batches in flight, this model's and the others'
-        (it waits for them instead of running smaller)."""
+        """The next batch, grown from `oldest` (RequestQueue.first), taken out of the
+        queue and padded; None while it would not fit in the memory budget beside the
+        batches in flight, this model's and the others' (it waits for them instead of
+        running smaller)."""
         items = self.next_batch(oldest)
         layers = oldest.job.layers
         need = self._need(items, len(layers))
@@ -214,7 +246,24 @@ class BatchLoop:
         outputs = frozenset().union(*(job.outputs for job in jobs))
         if any(job.spans is not None for job in jobs):
             outputs |= {HIDDEN_OUTPUT}
-        return Batch(items, layers, outputs, ids, mask, token_types(items, shape), need)
+        return Batch(items, layers, outputs, ids, mask, token_types(items, shape), need,
+                     oldest.job.priority, self.queue.key(oldest))
+
+    def _put_back_outranked(self) -> None:
+        """A formed batch that has not started goes back to the queue when the next batch
+        would grow from a sequence of another class that counts as having arrived before
+        the batch's own (interactive work arriving behind formed bulk work), which would
+        otherwise wait for it as well as for the batch running."""
+        first = self.queue.first()
+        if first is None:
+            return
+        key, put_back = self.queue.key(first), False
+        for batch in self._live():
+            if (batch.priority is not first.job.priority and key < batch.key
+                    and self.queue.put_back(batch.items)):
+                batch.holds, put_back = 0.0, True
+        if put_back:
+            self.memory.in_flight(sum(b.holds for b in self.in_flight))
 
     # --- on the inference thread -------------------------------------------------------
 
@@ -223,6 +272,8 @@ class BatchLoop:
         items = self.queue.claim(batch.items)
         if not items:
             return None
+        log.debug("event=batch_started model=%s priority=%s sequences=%d", self.model,
+                  batch.priority.value, len(items))
         self.loop.call_soon_threadsafe(self.queue.started, items)
         ids, mask, types = batch.input_ids, batch.attention_mask, batch.token_type_ids
         if len(items) < len(batch.items):  # some callers left while it waited: run the rest
@@ -314,6 +365,7 @@ class BatchLoop:
         m.batch_tokens.labels(model, "real").observe(sum(w.length for w in ran.items))
         m.batch_tokens.labels(model, "padded").observe(rows * seq)
         m.stage_duration.labels(model, "inference").observe(ran.seconds)
+        self.times.ran(rows, seq, len(layers), ran.seconds)
         m.inference_duration.labels(model, bucket, attention).observe(ran.seconds)
         if ran.peak is not None:
             m.batch_peak_memory.labels(model, bucket, attention).observe(ran.peak)
@@ -327,9 +379,10 @@ class BatchLoop:
         """Hand batches over until the backend has as many as it can use, or none is left
         to form."""
         self.queue.drop_expired()
+        self._put_back_outranked()
         while len(self._live()) < self.backend.max_in_flight:
-            oldest = self.queue.oldest()
-            batch = None if oldest is None else self._form(oldest)
+            first = self.queue.first()
+            batch = None if first is None else self._form(first)
             if batch is None:
                 return
             self.in_flight[batch] = self.loop.create_task(self._run(batch), name="batch")
@@ -351,5 +404,5 @@ class BatchLoop:
             except Exception as err:  # the loop must outlive any one bad batch
                 log.exception("event=batch_loop_error")
                 self.queue.fail_all(RequestError(f"scheduler error: {err}"))
-            if not self.in_flight and self.queue.oldest() is None:
+            if not self.in_flight and self.queue.first() is None:
                 self.idle_trim = self.loop.call_later(IDLE_TRIM_S, self._trim_when_idle)

@@ -21,7 +21,7 @@ from attnserve.server.engine.tokenize import TextTokenizer
 from attnserve.server.errors import NotFound, Unavailable, quote
 from attnserve.server.memory.budget import MemoryBudget, ModelMemory
 from attnserve.server.memory.ledger import Holds, trim_after
-from attnserve.server.metrics import Metrics, routed_to
+from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import Placement
 
 # A NOT_FOUND lists at most this many of the models served.
@@ -57,7 +57,7 @@ class DataPlane:
         if model is None:
             raise NotFound(f"{field}: unknown model {quote(name)}; this server serves "
                            f"{self.served()}", field)
-        routed_to(model.name)
+        self.metrics.routed_to(model.name)
         return model
 
     def served(self) -> str:

@@ -1,21 +1,38 @@
-"""The request queue: admission, the waiting sequences indexed by length, and what leaves
-it (a batch starting, a deadline passing, a caller going away).
+"""The request queue: admission, the waiting sequences of each priority class indexed by
+length, which class the next batch comes from, and what leaves the queue (a batch
+starting, a deadline passing, a caller going away).
 
-Requests queue as sequences of token ids. Admission refuses at once (RESOURCE_EXHAUSTED)
-what would not be served: past the bounds on queued requests or tokens (`admit`, also
-asked before a request's sequences are read, with a lower bound of its tokens); the
+Requests queue as sequences of token ids, in the lane of their call's class
+(server/priority.py). Admission refuses at once (RESOURCE_EXHAUSTED) what would not be
+served: past the bounds on queued requests or tokens of every class together (`admit`,
+also asked before a request's sequences are read, with a lower bound of its tokens); the
 engine has already checked the request against the memory budget (server/memory/
-budget.py) and holds its response in the ledger. The batch loop forms batches from the
-length index (`oldest`, `neighbours`) and `take`s them out of it; a taken sequence still
-waits, counted against the bounds and free to leave at once, until the inference thread
-`claim`s its batch to run it.
+budget.py) and holds its response in the ledger. The batch loop forms each batch around
+the sequence `first` names, from its lane's length index (`neighbours`), and `take`s them
+out of it; a taken sequence still waits, counted against the bounds and free to leave at
+once, until the inference thread `claim`s its batch to run it, and until then a batch of
+a class that `first` now ranks below another can be `put_back`.
+
+The rule between classes (`first`): each batch grows from the oldest sequence of the
+highest class waiting, except that a lower class counts its sequences as having arrived
+--priority-aging-ms (a class's handicap) after the later of their arrival and its last
+batch's start: the batch grows from the sequence whose count is the earliest, the higher
+class on a tie. Interactive work arriving while bulk batches run goes first however long
+the bulk work has waited (a bulk backlog older than the aging time would otherwise rank
+before every new interactive request, which would wait for all of it); and waiting bulk
+work yields only to the interactive work that arrived less than the aging time after its
+last batch started, so however steady the interactive stream, the lower class is never
+starved.
 """
 
 import asyncio
 import bisect
 import enum
+import logging
+import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
@@ -33,7 +50,10 @@ from attnserve.server.errors import (
 )
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.metrics import Metrics
+from attnserve.server.priority import CLASSES, DEFAULT, Priority, of_call
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
+
+log = logging.getLogger("attnserve.queue")
 
 # A caller's own deadline cancels its call from the caller's side, which reaches the server
 # a little before the server's copy of the deadline (set when the request arrived) runs
@@ -44,6 +64,10 @@ DEADLINE_SLACK_S = 0.1
 # at a time, the event loop serving other calls between slices: queued at once, 262,144
 # sequences would hold the event loop for 2.5 s.
 SUBMIT_SLICE = 2048
+# Work of a lower class is admitted only while the queue, with it, stays within this share
+# of --max-queue-requests and --max-queue-tokens: the rest is kept for interactive work,
+# which an indexer filling the queue would otherwise have refused.
+LOWER_CLASS_QUEUE_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -54,27 +78,43 @@ class Limits:
     max_queue_tokens: int
     memory_budget_bytes: int
     max_wait_s: float
+    aging_s: float
+    """a lower class's handicap (`RequestQueue.first`)"""
+    interactive_window_s: float
+    """interactive work is arriving while some waits, or arrived this recently"""
+    bulk_batch_s: float
+    """while interactive work is arriving, the most a batch of a lower class may be
+    predicted to take (0: no cut)"""
 
     @classmethod
     def of(cls, config: ServeConfig, budget: int) -> "Limits":
         """The server's settings, with the memory budget it resolved (`budget`)."""
         return cls(config.max_batch_size, config.max_batch_tokens, config.max_queue_requests,
-                   config.max_queue_tokens, budget, config.max_wait_ms / 1000)
+                   config.max_queue_tokens, budget, config.max_wait_ms / 1000,
+                   config.priority_aging_ms / 1000, config.interactive_window_ms / 1000,
+                   config.bulk_batch_ms / 1000)
 
 
 def check_room(limits: Limits, draining: bool, requests: int, waiting: int, tokens: int,
-               at_least: bool = False) -> None:
-    """Refuse a request of `tokens` (a lower bound, with `at_least`) that the queue, holding
-    `requests` requests and `waiting` tokens, has no room for, or any while draining."""
+               at_least: bool = False, priority: Priority | None = None) -> None:
+    """Refuse a request of `tokens` (a lower bound, with `at_least`) and class `priority`
+    (None: the running call's) that the queue, holding `requests` requests and `waiting`
+    tokens, has no room for, or any while draining."""
     if draining:
         raise Unavailable("server is draining: send new work to another replica")
-    if requests + 1 > limits.max_queue_requests:
+    priority = priority or of_call()
+    share, whose = 1.0, ""
+    if priority is not CLASSES[0]:
+        share = LOWER_CLASS_QUEUE_SHARE
+        whose = (f" for {priority.value} work, which may fill {share:.0%} of it (the rest is "
+                 f"kept for {CLASSES[0].value} calls)")
+    if requests + 1 > share * limits.max_queue_requests:
         raise ResourceExhausted(
-            f"queue full: {requests} requests waiting (limit {limits.max_queue_requests}); "
-            "retry with backoff")
-    if waiting + tokens > limits.max_queue_tokens:
+            f"queue full{whose}: {requests} requests waiting (limit "
+            f"{limits.max_queue_requests}); retry with backoff")
+    if waiting + tokens > share * limits.max_queue_tokens:
         raise ResourceExhausted(
-            f"queue full: {waiting} tokens waiting, this request adds "
+            f"queue full{whose}: {waiting} tokens waiting, this request adds "
             f"{'at least ' if at_least else ''}{tokens} (limit {limits.max_queue_tokens}); "
             "retry with backoff or send fewer texts")
 
@@ -112,6 +152,7 @@ class Job:
     """(the first of its batches' starts, the last of their ends), on the monotonic clock"""
     segments: np.ndarray | None = None
     """per sequence, where its second segment starts (`submit`)"""
+    priority: Priority = DEFAULT
 
     def batch_ran(self, start: float, end: float, size: int, rows: int, seq: int) -> None:
         """One of its batches ran, from `start` to `end`: `size` sequences padded to
@@ -158,6 +199,35 @@ class Waiting:
         return None if segments is None else int(segments[self.index])
 
 
+class Lane:
+    """One class's queued sequences, oldest first, as ordered dicts used as sets, and the
+    same sequences indexed by (layers, length) -> oldest first: forming a batch, taking it
+    out and dropping a request cost the same however long the queue is (with a list
+    scanned and sorted per batch, one request of 50k tiny texts would take a minute and
+    stall the event loop). Ordered dicts, so a batch put back goes back to the front."""
+
+    def __init__(self, handicap: float):
+        self.handicap = handicap
+        """seconds added to its sequences' arrival when classes are compared"""
+        self.index: OrderedDict[Waiting, None] = OrderedDict()
+        self.by_length: dict[tuple[int, ...], dict[int, OrderedDict[Waiting, None]]] = {}
+        self.jobs = 0
+        """requests with sequences waiting (queued or taken)"""
+        self.arrived = -math.inf
+        """when its latest request arrived, on the monotonic clock"""
+        self.started = -math.inf
+        """when its latest batch started, on the monotonic clock"""
+
+    def oldest(self) -> Waiting | None:
+        return next(iter(self.index), None)
+
+    def key(self, w: Waiting) -> float:
+        """When `w` counts as having arrived, comparing classes (the module's rule)."""
+        if not self.handicap:
+            return w.job.enqueued
+        return max(w.job.enqueued, self.started) + self.handicap
+
+
 class RequestQueue:
     def __init__(self, model: str, limits: Limits, memory: ModelMemory, metrics: Metrics):
         """One model's queue."""
@@ -167,13 +237,9 @@ class RequestQueue:
         self.limits = limits
         self.memory = memory
         self.metrics = metrics
-        # The queue, oldest first, as insertion-ordered dicts used as sets, and the same
-        # sequences indexed by (layers, length) -> oldest first: forming a batch, taking
-        # it out and dropping a request cost the same however long the queue is (with a
-        # list scanned and sorted per batch, one request of 50k tiny texts would take a
-        # minute and stall the event loop).
-        self.index: dict[Waiting, None] = {}
-        self.by_length: dict[tuple[int, ...], dict[int, dict[Waiting, None]]] = {}
+        self.lanes = {p: Lane(0.0 if rank == 0 else limits.aging_s)
+                      for rank, p in enumerate(CLASSES)}
+        """each class's, highest first"""
         self.jobs: dict[Job, None] = {}
         """jobs with sequences waiting (queued or taken)"""
         self.waiting_tokens = 0
@@ -190,11 +256,12 @@ class RequestQueue:
 
     # --- admission -------------------------------------------------------------------
 
-    def admit(self, tokens: int, at_least: bool = False) -> None:
+    def admit(self, tokens: int, at_least: bool = False, priority: Priority | None = None) -> None:
         """The cheap bounds, checked before any work on a request's sequences: draining,
-        queued requests, queued tokens (`at_least`: `tokens` is a lower bound)."""
+        queued requests, queued tokens (`at_least`: `tokens` is a lower bound), within
+        what the request's class (None: the running call's) may fill (check_room)."""
         check_room(self.limits, self.draining, len(self.jobs), self.waiting_tokens, tokens,
-                   at_least)
+                   at_least, priority)
 
     def _counted(self) -> None:
         """The counts admission reads changed: tell whoever watches them (--workers)."""
@@ -203,18 +270,22 @@ class RequestQueue:
 
     async def submit(self, submission: Submission) -> list[SequenceResult]:
         """Queue a request's sequences and wait for their results, in order (Submission
-        says what each field asks). A big request is queued a slice at a time, so the
-        event loop serves other calls in between."""
+        says what each field asks, its class included). A big request is queued a slice at
+        a time, so the event loop serves other calls in between."""
         sequences, lengths, deadline = submission.sequences, submission.lengths, submission.deadline
+        priority = submission.priority
         tokens = int(lengths.sum())
-        self.admit(tokens)
+        self.admit(tokens, priority=priority)
         job = Job(sequences, submission.layers, deadline,
                   asyncio.get_running_loop().create_future(), alone=submission.alone,
                   outputs=submission.outputs, spans=submission.spans,
-                  segments=submission.segments, times=timings.current())
+                  segments=submission.segments, times=timings.current(), priority=priority)
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None
+        lane = self.lanes[priority]
+        lane.jobs += 1
+        lane.arrived = job.enqueued
         self.waiting_tokens += tokens
         self._counted()
         self.unanswered_jobs += 1
@@ -229,6 +300,8 @@ class RequestQueue:
                         break
                 self._enqueue(job, start, lengths[start:start + SUBMIT_SLICE].tolist())
             self._unqueued(job, lengths)
+            log.debug("event=queued model=%s priority=%s sequences=%d tokens=%d", self.model,
+                      priority.value, len(sequences), tokens)
             return await job.future
         except asyncio.CancelledError:
             # The caller went away (or its deadline passed): free its place at once.
@@ -238,13 +311,14 @@ class RequestQueue:
             raise
 
     def _enqueue(self, job: Job, start: int, lengths: list[int]) -> None:
-        by_length = self.by_length.setdefault(job.layers, {})
+        lane = self.lanes[job.priority]
+        by_length = lane.by_length.setdefault(job.layers, {})
         observe = self.metrics.sequence_length.labels(self.model).observe
         for i, length in enumerate(lengths, start):
             w = Waiting(job, i, length)
             job.items.append(w)
-            self.index[w] = None
-            by_length.setdefault(length, {})[w] = None
+            lane.index[w] = None
+            by_length.setdefault(length, OrderedDict())[w] = None
             observe(length)
         job.queued += len(lengths)
         self.changed.set()
@@ -263,17 +337,39 @@ class RequestQueue:
     def _keep_free(self) -> None:
         self.memory.keep_free(max((job.alone for job in self.jobs), default=0.0))
 
-    # --- the length index, for the batch loop ------------------------------------------
+    # --- the classes and the length index, for the batch loop ---------------------------
 
-    def oldest(self) -> Waiting | None:
-        return next(iter(self.index), None)
+    def first(self) -> Waiting | None:
+        """The sequence the next batch grows from: of each class's oldest, the one that
+        counts as having arrived the earliest (`key`), the higher class on a tie (the
+        module's docstring)."""
+        best, best_key = None, math.inf
+        for lane in self.lanes.values():
+            w = lane.oldest()
+            if w is not None and lane.key(w) < best_key:
+                best, best_key = w, lane.key(w)
+        return best
+
+    def key(self, w: Waiting) -> float:
+        """When `w` counts as having arrived, comparing classes: `first` takes the lowest."""
+        return self.lanes[w.job.priority].key(w)
+
+    def top_arriving(self, now: float) -> bool:
+        """Whether work of the highest class is arriving: some of it waits, or a request of
+        it arrived within --interactive-window-ms."""
+        lane = self.lanes[CLASSES[0]]
+        return bool(lane.index) or now - lane.arrived <= self.limits.interactive_window_s
+
+    def depths(self) -> dict[Priority, int]:
+        """Requests with sequences waiting, by class."""
+        return {p: lane.jobs for p, lane in self.lanes.items()}
 
     def neighbours(self, oldest: Waiting, reach: int) -> list[Waiting]:
-        """The queued sequences with oldest's layers sorted by length, cut to `reach`
-        either side of oldest. Within each length the older sequences sit nearer to
-        oldest, so a batch growing from it takes them first; oldest comes first among its
-        own length, being the oldest of all."""
-        lengths = self.by_length[oldest.job.layers]
+        """The queued sequences of oldest's class with its layers, sorted by length, cut to
+        `reach` either side of oldest. Within each length the older sequences sit nearer
+        to oldest, so a batch growing from it takes them first; oldest comes first among
+        its own length, being the oldest of its class."""
+        lengths = self.lanes[oldest.job.priority].by_length[oldest.job.layers]
         keys = sorted(lengths)
         at = bisect.bisect_left(keys, oldest.length)
         # Nearest length first and, within a length, oldest first: reversed below, the
@@ -290,28 +386,52 @@ class RequestQueue:
 
     def claim(self, items: list[Waiting]) -> list[Waiting]:
         """On the inference thread, as a batch starts: the sequences still to run (the
-        rest were dropped while the batch waited). Call `started` with them next, on the
-        event loop."""
+        rest were dropped, or put back, while the batch waited). Call `started` with them
+        next, on the event loop."""
         with self.claim_lock:
             claimed = [w for w in items if w.state is State.TAKEN]
             for w in claimed:
                 w.state = State.CLAIMED
         return claimed
 
+    def put_back(self, items: list[Waiting]) -> bool:
+        """A formed batch's sequences back in their lane, at its front in the order they
+        arrived (they were next in line), unless the inference thread has started it:
+        whether it put them back. `items` (the batch's own list) is emptied meanwhile, so
+        a `claim` of it later finds nothing to run."""
+        with self.claim_lock:
+            if any(w.state is State.CLAIMED for w in items):
+                return False
+            taken = [w for w in items if w.state is State.TAKEN]
+            items.clear()
+            for w in taken:
+                w.state = State.QUEUED
+        for w in sorted(taken, key=lambda w: (w.job.enqueued, w.index), reverse=True):
+            lane = self.lanes[w.job.priority]
+            lane.index[w] = None
+            lane.index.move_to_end(w, last=False)
+            same = lane.by_length.setdefault(w.job.layers, {}).setdefault(w.length, OrderedDict())
+            same[w] = None
+            same.move_to_end(w, last=False)
+        return True
+
     def started(self, items: list[Waiting]) -> None:
+        """A batch of these (of one class) started running."""
+        self.lanes[items[0].job.priority].started = time.monotonic()
         self._leave(items)
 
     # --- leaving ---------------------------------------------------------------------
 
     def _unindex(self, w: Waiting) -> None:
-        del self.index[w]
-        lengths = self.by_length[w.job.layers]
+        lane = self.lanes[w.job.priority]
+        del lane.index[w]
+        lengths = lane.by_length[w.job.layers]
         same = lengths[w.length]
         del same[w]
         if not same:
             del lengths[w.length]
             if not lengths:
-                del self.by_length[w.job.layers]
+                del lane.by_length[w.job.layers]
 
     def _leave(self, items: list[Waiting]) -> None:
         for w in items:
@@ -325,10 +445,13 @@ class RequestQueue:
     def _forget(self, job: Job) -> None:
         """A job none of whose sequences waits any longer."""
         del self.jobs[job]
+        self.lanes[job.priority].jobs -= 1
         # Break the cycle job -> items -> job, so the batch outputs its results are views
         # of are freed once the caller is answered, not at the next garbage collection.
         job.items = []
-        self.metrics.stage_duration.labels(self.model, "queue").observe(time.monotonic() - job.enqueued)
+        waited = time.monotonic() - job.enqueued
+        self.metrics.stage_duration.labels(self.model, "queue").observe(waited)
+        self.metrics.queue_wait.labels(self.model, job.priority.value).observe(waited)
         self._keep_free()
 
     def drop(self, job: Job, reason: str, error: RequestError | None) -> None:
@@ -362,7 +485,7 @@ class RequestQueue:
                 w.state = State.DROPPED
         mine = queued + taken
         if mine:
-            self.metrics.dropped.labels(self.model, reason).inc(len(mine))
+            self.metrics.dropped.labels(self.model, reason, mine[0].job.priority.value).inc(len(mine))
             self._leave(mine)
             self.changed.set()
 

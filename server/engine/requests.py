@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from attnserve.server.errors import ResourceExhausted
+from attnserve.server.priority import Priority, of_call
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 
 
@@ -294,6 +295,8 @@ class Submission:
     segments: np.ndarray | None = None
     """per sequence, where its second segment (token type 1) starts, its length for none
     (a reranker's pairs: the text's side)"""
+    priority: Priority = field(default_factory=of_call)
+    """its call's class: the one its door set for the call (server/priority.py)"""
 
     def __post_init__(self) -> None:
         if self.lengths is None:

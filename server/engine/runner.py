@@ -19,6 +19,7 @@ from attnserve.server.engine.offload import inference_pool, on_every_thread
 from attnserve.server.engine.queue import Limits, RequestQueue
 from attnserve.server.engine.registry import NamedArtifact
 from attnserve.server.host import machine_available_bytes
+from attnserve.server.memory.batch_time import BatchTimes, load_time_model
 from attnserve.server.memory.budget import MemoryBudget, ModelMemory
 from attnserve.server.memory.ledger import Totals
 from attnserve.server.memory.model import MemoryModels, load_memory_model
@@ -36,15 +37,15 @@ class ModelRunner:
     """One model's backend, memory, request queue and batch loop (started by `start`)."""
 
     def __init__(self, name: str, artifact: Artifact, backend: Backend, memory: ModelMemory,
-                 limits: Limits, metrics: Metrics, probe: MemoryProbe):
+                 limits: Limits, metrics: Metrics, probe: MemoryProbe, times: BatchTimes):
         self.name, self.artifact, self.backend = name, artifact, backend
-        self.memory, self.limits, self.metrics = memory, limits, metrics
+        self.memory, self.limits, self.metrics, self.times = memory, limits, metrics, times
         self.inference_threads = backend.concurrency
         self.inference: ThreadPoolExecutor = inference_pool(name, backend.concurrency,
                                                             backend.bind_thread)
         self.queue = RequestQueue(name, limits, memory, metrics)
         self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, metrics, probe,
-                                    limits, memory, artifact.manifest.pad_token_id)
+                                    limits, memory, times, artifact.manifest.pad_token_id)
         self.warm = False
         """both graphs have run on every inference thread"""
 
@@ -109,12 +110,13 @@ class Runners:
             manifest = named.artifact.manifest
             try:
                 memory_model = _memory_model(named.artifact, backend)
+                times = _batch_times(named.artifact, backend)
             except ArtifactError as err:
                 raise ArtifactError(f"--artifact {named.source}: {err}") from err
             memory = self.budget.for_model(named.name, memory_model, manifest.num_heads,
                                            manifest.hidden_size)
             self.models.append(ModelRunner(named.name, named.artifact, backend, memory,
-                                           self.limits, metrics, self.probe))
+                                           self.limits, metrics, self.probe, times))
 
     @property
     def warm(self) -> bool:
@@ -134,7 +136,7 @@ class Runners:
         for m in self.models:
             m.start(None if watch is None else
                     lambda requests, tokens, name=m.name: watch(name, requests, tokens))
-            self.metrics.live.queue_depth[m.name] = lambda q=m.queue: len(q.jobs)
+            self.metrics.live.queue_depth[m.name] = m.queue.depths
 
     async def warm_up(self) -> None:
         await asyncio.gather(*(m.warm_up() for m in self.models))
@@ -147,6 +149,9 @@ class Runners:
     def memory_source(self) -> str:
         return "; ".join(f"{m.name}: {m.memory.model.source}" for m in self.models)
 
+    def time_source(self) -> str:
+        return "; ".join(f"{m.name}: {m.times.source}" for m in self.models)
+
 
 def _memory_model(artifact: Artifact, backend: Backend) -> MemoryModels:
     try:
@@ -155,3 +160,16 @@ def _memory_model(artifact: Artifact, backend: Backend) -> MemoryModels:
     except (ValueError, TypeError) as err:
         raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid memory model "
                             f"({err})") from err
+
+
+def _batch_times(artifact: Artifact, backend: Backend) -> BatchTimes:
+    """The fitted time model, or measured batch times where memory_model.json has none for
+    the backend's provider and precision."""
+    try:
+        fitted = load_time_model(artifact.directory, artifact.manifest, backend.provider,
+                                 backend.precision)
+    except (ValueError, TypeError) as err:
+        raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid time model "
+                            f"({err})") from err
+    return BatchTimes(fitted, artifact.manifest.num_heads,
+                      f"{MEMORY_MODEL} has no time model for {backend.provider}/{backend.precision}")

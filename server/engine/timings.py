@@ -5,7 +5,7 @@ names, and the spans of a trace are made from it).
 
 A door starts a call's record (`begin`) in the task that serves the call; the data plane
 and the queue find it there (`current`), as the metrics find the call's model
-(metrics.routed_to), so every door gets the timings of every call without handing a
+(Metrics.routed_to), so every door gets the timings of every call without handing a
 record through each signature. The queue's job keeps it while its sequences run: the
 batch loop, in a task of its own, fills it in as the job's batches are handed out. With
 --workers the engine process keeps its own record for the job and sends it back with the

@@ -22,7 +22,6 @@ from attnserve.server.call import (
     CANCELLED,
     REQUEST_ID,
     TRACEPARENT,
-    ApiKeys,
     Call,
     CallRecord,
     begin_call,
@@ -35,14 +34,20 @@ from attnserve.server.errors import (
     InvalidArgument,
     RequestError,
     ResourceExhausted,
+    RetryLater,
     Unauthenticated,
 )
 from attnserve.server.grpc.wire import INLINE_BYTES, NestedTooLarge, TooManyEntries, decode_in_slices
+from attnserve.server.keys import ApiKey, ApiKeys
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
+from attnserve.server.priority import HEADER, asked
 from attnserve.server.tracing import Tracing
 
 log = logging.getLogger("attnserve.calls")
+
+RETRY_AFTER = "retry-after"
+"""trailing metadata: seconds to wait before retrying, as HTTP's Retry-After"""
 
 # Methods of probes and tools, never traced.
 UNTRACED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -65,7 +70,12 @@ def status_of(err: RequestError) -> grpc.Status:
         detail.Pack(error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.reason)]))
         details.append(detail)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=err.message, details=details))
+    status = rpc_status.to_status(status_pb2.Status(code=code, message=err.message,
+                                                    details=details))
+    if isinstance(err, RetryLater):
+        status = status._replace(trailing_metadata=(*status.trailing_metadata,
+                                                    (RETRY_AFTER, str(err.retry_after_s))))
+    return status
 
 
 def trailers(status: grpc.Status) -> tuple:
@@ -81,10 +91,15 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
 
 
 async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
-                 handler: Callable[[], Awaitable]):
-    """Run `handler`, record the call, and answer what it raised with its status."""
+                 handler: Callable[[], Awaitable], priority: str = ""):
+    """Run `handler`, record the call, and answer what it raised with its status.
+    `priority`: the class the request names in its `priority` field, if any (its own while
+    it runs: server/priority.py's `asked`)."""
     record = CallRecord(metrics, rpc)
+    restore = None
     try:
+        if priority:
+            restore = asked(priority, "priority")
         return await handler()
     except asyncio.CancelledError:
         remaining = context.time_remaining()
@@ -97,6 +112,8 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
         refusal = record.refusal(err)
     finally:
         record.end()
+        if restore is not None:
+            restore()
     # Sent once counted, so a caller that sees the refusal finds it in /metrics.
     status = status_of(refusal)
     await context.abort(status.code, status.details, trailers(status))
@@ -169,23 +186,23 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         self.max_entries = max_entries
         self.keys = keys
 
-    def _authenticate(self, details) -> Unauthenticated | None:
+    def _authenticate(self, details) -> tuple[ApiKey | None, Unauthenticated | None]:
+        """The call's key (None when keys are off or the method is open), or its refusal."""
         if not self.keys or details.method.startswith(OPEN_METHODS):
-            return None
+            return None, None
         given = next((value for key, value in details.invocation_metadata or ()
                       if key == "authorization"), None)
         try:
-            self.keys.check(given if isinstance(given, str) else None)
+            return self.keys.check(given if isinstance(given, str) else None), None
         except Unauthenticated as err:
-            return err
-        return None
+            return None, err
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
         rpc = details.method.rsplit("/", 1)[-1]
-        refused = self._authenticate(details)
+        key, refused = self._authenticate(details)
         parse = handler.request_deserializer
         message_class = getattr(parse, "__self__", None)
         sliceable = isinstance(message_class, type) and issubclass(message_class, Message)
@@ -250,6 +267,17 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             return begin_call(method.lstrip("/"), metadata.get(REQUEST_ID),
                                       metadata.get(TRACEPARENT), tracing)
 
+        async def admitted(context) -> Callable[[], None]:
+            """The call's class set and its place under its key's cap taken (ApiKeys.admit),
+            or the call refused; returns what gives the place back."""
+            named = next((value for name, value in context.invocation_metadata() or ()
+                          if name == HEADER and isinstance(value, str)), None)
+            try:
+                return self.keys.admit(key, named, HEADER)
+            except RequestError as err:
+                await refuse(err, context)
+                raise
+
         def end(call: Call, context, answered: bool) -> None:
             """`answered`: the call returned (a refusal has sent its trailers already)."""
             if answered:
@@ -275,21 +303,27 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         if inspect.isasyncgenfunction(inner):
             async def behaviour(request, context):
-                call, answered = begin(context), False
+                call, answered, release = begin(context), False, None
                 try:
+                    release = await admitted(context)
                     async for response in inner(await received(request, context), context):
                         yield response
                     answered = True
                 finally:
+                    if release is not None:
+                        release()
                     end(call, context, answered)
         else:
             async def behaviour(request, context):
-                call, answered = begin(context), False
+                call, answered, release = begin(context), False, None
                 try:
+                    release = await admitted(context)
                     response = await inner(await received(request, context), context)
                     answered = True
                     return response
                 finally:
+                    if release is not None:
+                        release()
                     end(call, context, answered)
         return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
 

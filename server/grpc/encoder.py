@@ -203,7 +203,8 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
 
     async def Embed(self, request, context):
         return await answer(self.metrics, "Embed", context,
-                            lambda: self._embed(request, call_holds(), deadline_of(context)))
+                            lambda: self._embed(request, call_holds(), deadline_of(context)),
+                            request.priority)
 
     async def EmbedStream(self, request_iterator, context):
         holds = call_holds()
@@ -214,7 +215,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             try:
                 yield await answer(self.metrics, "EmbedStream", context,
                                    lambda request=request: self._embed(
-                                       request, holds, deadline_of(context)))
+                                       request, holds, deadline_of(context)), request.priority)
             finally:
                 holds.give_back(holds.total - before)
 
@@ -265,7 +266,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             return await model.pack(len(reranked.order) * RESULT_S
                                     + reranked.response_bytes * COPY_BYTE_S,
                                     _rerank_response, reranked, request, model.name)
-        return await answer(self.metrics, "Rerank", context, handle)
+        return await answer(self.metrics, "Rerank", context, handle, request.priority)
 
     async def Score(self, request, context):
         async def handle():
@@ -274,7 +275,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                                  call_holds(), deadline_of(context))
             return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored,
                                     model.name)
-        return await answer(self.metrics, "Score", context, handle)
+        return await answer(self.metrics, "Score", context, handle, request.priority)
 
     async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
         info = model.model_info()

@@ -9,12 +9,12 @@ from grpc_reflection.v1alpha import reflection
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
 from attnserve.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-from attnserve.server.call import ApiKeys
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine.plane import DataPlane
 from attnserve.server.grpc.calls import DecodeRequests, QuietHungUpCalls
 from attnserve.server.grpc.encoder import EncoderService
 from attnserve.server.grpc.kserve import KServeService
+from attnserve.server.keys import ApiKeys
 from attnserve.server.metrics import Metrics
 from attnserve.server.startup import PortInUse
 from attnserve.server.tracing import Tracing

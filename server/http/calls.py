@@ -33,12 +33,15 @@ from attnserve.server.errors import (
     Code,
     InvalidArgument,
     RequestError,
+    RetryLater,
     TooLarge,
 )
 from attnserve.server.http.listener import MalformedBody
 from attnserve.server.http.schemas import decode
+from attnserve.server.keys import ApiKeys
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
+from attnserve.server.priority import HEADER
 from attnserve.server.tracing import Tracing
 
 S = TypeVar("S")
@@ -68,6 +71,8 @@ JSON_CHAR_BYTES = 6
 # Routes of probes and tools, never traced.
 UNTRACED_PATHS = ("/health", "/v2/health/", "/openapi.json")
 _CALL = "attnserve.call"
+API_KEY = "attnserve.api_key"
+"""the request's ApiKey, once the API keys have let it in"""
 """the request's key for its Call"""
 
 
@@ -114,9 +119,10 @@ def _peer(request: web.Request) -> str | None:
 class HttpCalls:
     """Shared by the routes of one server: its plane, metrics and limits."""
 
-    def __init__(self, plane: DataPlane, metrics: Metrics, max_body_bytes: int,
+    def __init__(self, plane: DataPlane, metrics: Metrics, keys: ApiKeys, max_body_bytes: int,
                  body_timeout_s: float, max_entries: int, tracing: Tracing | None = None):
         self.plane = plane
+        self.keys = keys
         self.tracing = tracing
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
@@ -226,7 +232,8 @@ class HttpCalls:
                      refusal: Callable[[RequestError, int], web.StreamResponse]) -> web.StreamResponse:
         """Run `handler` with the call's memory holds, send its response, and record the
         call; a RequestError is answered with `refusal(error, http_status)` in the route's
-        own error shape.
+        own error shape. The call's class is the `x-priority` header's, or its API key's,
+        and it counts under its key's in-flight cap until answered (ApiKeys.admit).
 
         The response is written here rather than by aiohttp once the handler returns: the
         call's memory (its body, its answer) stays held in the ledger until the answer has
@@ -234,15 +241,19 @@ class HttpCalls:
         and its connection's share of it, as a gRPC caller does."""
         record = CallRecord(self.metrics, rpc)
         holds = self.plane.holds(_peer(request))
-        stalled = False
+        stalled, release = False, None
         try:
             try:
+                release = self.keys.admit(request.get(API_KEY), request.headers.get(HEADER),
+                                          HEADER)
                 response = await handler(holds)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - every failure is answered
                 error = record.refusal(err)
                 response = refusal(error, http_status(error))
+                if isinstance(error, RetryLater):
+                    response.headers["Retry-After"] = str(error.retry_after_s)
                 if isinstance(error, RequestTimeout | TooLarge) or request.content.exception():
                     response.force_close()  # the rest of the body is not worth reading
                 stalled = isinstance(error, RequestTimeout)
@@ -259,5 +270,7 @@ class HttpCalls:
             record.code = CANCELLED
             raise
         finally:
+            if release is not None:
+                release()
             self.plane.end_call(holds)
             record.end()

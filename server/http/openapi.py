@@ -17,6 +17,7 @@ from attnserve.server.engine.requests import ModelInfo
 from attnserve.server.http import schemas as s
 from attnserve.server.http.docs_page import FILES
 from attnserve.server.kserve import ModelMetadata, RepositoryModel
+from attnserve.server.priority import CLASSES, DEFAULT, HEADER
 
 REASONS = {200: "the answer",
            400: "the request names a field that is wrong, and why",
@@ -149,6 +150,13 @@ def _nullable(schema):
     return schema
 
 
+PRIORITY_HEADER = {
+    "name": HEADER, "in": "header", "required": False,
+    "schema": {"type": "string", "enum": [p.value for p in CLASSES], "default": DEFAULT.value},
+    "description": "the call's priority class: interactive work is batched ahead of bulk "
+                   "work; an API key that carries a class overrides it"}
+
+
 def _parameters(path: str) -> list[dict]:
     names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
     return [{"name": name, "in": "path", "required": True, "schema": {
@@ -170,6 +178,7 @@ def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
                 "description": "with binary tensor data: the JSON header's length in bytes"})
         operation["requestBody"] = {"required": route.path != "/v2/repository/index",
                                     "content": content}
+        parameters.append({"$ref": "#/components/parameters/priority"})
     if parameters:
         operation["parameters"] = parameters
     answer = {kind: {"schema": schema[route.answer] if kind == "application/json" else BINARY}
@@ -208,5 +217,6 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
                      f"{info.model} ({info.hidden_size} dimensions, {info.max_positions} "
                      "positions)" for info in infos) + f"; the default is {infos[0].model}."},
         "components": {"schemas": _nullable(components),
+                       "parameters": {"priority": PRIORITY_HEADER},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": paths})

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from attnserve.server.call import ApiKeys, CallRecord
+from attnserve.server.call import CallRecord
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine.model import NOT_SERVING
 from attnserve.server.engine.plane import DataPlane
 from attnserve.server.errors import NotFound, RequestError, Unauthenticated
-from attnserve.server.http.calls import HttpCalls
+from attnserve.server.http.calls import API_KEY, HttpCalls
 from attnserve.server.http.cohere import CohereDoor
 from attnserve.server.http.cors import Cors
 from attnserve.server.http.docs_page import DocsPage
@@ -36,6 +36,7 @@ from attnserve.server.http.openai import OpenAIDoor
 from attnserve.server.http.openapi import openapi_document
 from attnserve.server.http.schemas import Health
 from attnserve.server.http.tei import TeiDoor
+from attnserve.server.keys import ApiKeys
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
 from attnserve.server.tracing import Tracing
@@ -95,7 +96,7 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, doors: list[Door]
             OpenAIDoor.refusal if request.path.startswith("/v1/") else Door.refusal)
         try:
             if not _open(request):
-                keys.check(request.headers.get("Authorization"))
+                request[API_KEY] = keys.check(request.headers.get("Authorization"))
             return await handler(request)
         except Unauthenticated as err:
             record = CallRecord(metrics, "http:auth")
@@ -137,7 +138,7 @@ class HttpServers:
     def __init__(self, config: ServeConfig, plane: DataPlane, metrics: Metrics, keys: ApiKeys,
                  max_entries: int, metrics_port: bool = True, tracing: Tracing | None = None):
         self.config = config
-        self.calls = HttpCalls(plane, metrics, config.http_max_body_bytes,
+        self.calls = HttpCalls(plane, metrics, keys, config.http_max_body_bytes,
                                config.http_body_timeout_seconds, max_entries, tracing)
         door = (self.calls, plane, config.max_message_bytes)
         limits = {"max_concurrent_requests": config.max_queue_requests,

@@ -1,10 +1,12 @@
-"""The memory model fitted to measured peaks (server/memory/model.py gives its form and
-what each term stands for; `attnserve memory-profile` measures the peaks).
+"""The memory model fitted to measured peaks, and the time model to measured batch times
+(server/memory/model.py gives their form and what each term stands for; `attnserve
+memory-profile` measures both).
 
-Per graph, by least squares on relative error, every coefficient ≥ 0, as one phase or the
-larger of two; scored on shapes held out along the diagonals of the batch × seq grid, then
-fitted on all of them."""
+Per graph, by least squares on relative error, every coefficient ≥ 0, as one phase or (the
+memory model) the larger of two; scored on shapes held out along the diagonals of the
+batch × seq grid, then fitted on all of them."""
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -15,10 +17,13 @@ from attnserve.server.memory.model import ATTENTION, COEFFICIENTS
 # ones as if they were at it (a few hundred KiB of per-run overhead is not what a memory
 # budget is about).
 NOISE_FLOOR_BYTES = 1 << 20
+# The same for batch times: below a tenth of a millisecond a run's time is mostly the
+# scheduler's jitter, and no batch that short is worth cutting.
+NOISE_FLOOR_SECONDS = 1e-4
 
 
 class Measured(Protocol):
-    """One shape's measured peak."""
+    """One shape's measured peak and batch time."""
 
     graph: str
     """embeddings or attention"""
@@ -26,6 +31,26 @@ class Measured(Protocol):
     seq: int
     returned_layers: int
     peak_bytes: int
+    batch_seconds: float
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a fit predicts: a measured attribute of each row, the floor below which a row
+    is weighed as if at it (and not scored), and the most phases the model may have."""
+
+    attribute: str
+    floor: float
+    max_phases: int
+
+    def of(self, row: Measured) -> float:
+        return float(getattr(row, self.attribute))
+
+
+PEAK = Target("peak_bytes", NOISE_FLOOR_BYTES, 2)
+"""the memory model: a layer's memory peaks in one phase or another, so the larger of two"""
+BATCH_TIME = Target("batch_seconds", NOISE_FLOOR_SECONDS, 1)
+"""the time model: a batch's time adds up its parts, so one phase"""
 
 
 def features(graph: str, batch: int, seq: int, heads: int, returned_layers: int) -> list[float]:
@@ -37,14 +62,14 @@ def _matrix(rows: list[Measured], heads: int) -> np.ndarray:
     return np.array([features(r.graph, r.batch, r.seq, heads, r.returned_layers) for r in rows])
 
 
-def fit_phase(rows: list[Measured], heads: int) -> np.ndarray:
+def fit_phase(rows: list[Measured], heads: int, target: Target = PEAK) -> np.ndarray:
     """a, b, c, d of one phase: least squares on relative error (each row weighted by
-    1/measured, floored at the noise floor), every coefficient kept ≥ 0 (a negative term
-    would predict less memory for a larger batch: one that comes out negative is dropped
-    and the rest refitted; so is one no row varies)."""
+    1/measured, floored at the target's floor), every coefficient kept ≥ 0 (a negative term
+    would predict less for a larger batch: one that comes out negative is dropped and the
+    rest refitted; so is one no row varies)."""
     x = _matrix(rows, heads)
-    y = np.array([float(r.peak_bytes) for r in rows])
-    weight = 1.0 / np.maximum(y, NOISE_FLOOR_BYTES)
+    y = np.array([target.of(r) for r in rows])
+    weight = 1.0 / np.maximum(y, target.floor)
     active = [k for k in range(x.shape[1]) if x[:, k].any()]
     coef = np.zeros(len(COEFFICIENTS))
     while active:
@@ -61,8 +86,9 @@ def predict(phases: list[np.ndarray], row: Measured, heads: int) -> float:
     return max(float(np.dot(p, values)) for p in phases)
 
 
-def _mean_error(phases: list[np.ndarray], rows: list[Measured], heads: int) -> float:
-    return float(np.mean([abs(predict(phases, r, heads) - r.peak_bytes) / max(r.peak_bytes, NOISE_FLOOR_BYTES)
+def _mean_error(phases: list[np.ndarray], rows: list[Measured], heads: int,
+                target: Target) -> float:
+    return float(np.mean([abs(predict(phases, r, heads) - target.of(r)) / max(target.of(r), target.floor)
                           for r in rows]))
 
 
@@ -70,22 +96,23 @@ def _mean_error(phases: list[np.ndarray], rows: list[Measured], heads: int) -> f
 PHASE_GAIN = 0.01
 
 
-def fit_phases(rows: list[Measured], heads: int) -> list[np.ndarray]:
-    """One graph's model: one phase, or two whose larger is the peak (the feed-forward
-    phase below some length, the attention phase above it; server/memory/model.py).
-    Since both phases scale with batch·seq, which is larger depends on seq alone: each
-    measured length is tried as the boundary, each side fitted, then every row given to
-    the phase that predicts more for it and both refitted, until that settles."""
-    best = [fit_phase(rows, heads)]
-    best_error = _mean_error(best, rows, heads) - PHASE_GAIN
+def fit_phases(rows: list[Measured], heads: int, target: Target = PEAK) -> list[np.ndarray]:
+    """One graph's model: one phase, or (where the target allows two) two whose larger is
+    the peak (the feed-forward phase below some length, the attention phase above it;
+    server/memory/model.py). Since both phases scale with batch·seq, which is larger
+    depends on seq alone: each measured length is tried as the boundary, each side
+    fitted, then every row given to the phase that predicts more for it and both
+    refitted, until that settles."""
+    best = [fit_phase(rows, heads, target)]
+    best_error = _mean_error(best, rows, heads, target) - PHASE_GAIN
     width = len(COEFFICIENTS)
-    for boundary in sorted({r.seq for r in rows})[:-1]:
+    for boundary in sorted({r.seq for r in rows})[:-1] if target.max_phases > 1 else ():
         groups = [[r for r in rows if r.seq <= boundary], [r for r in rows if r.seq > boundary]]
         phases = None
         for _ in range(8):
             if min(len(g) for g in groups) < width - 1:
                 break
-            phases = [fit_phase(g, heads) for g in groups]
+            phases = [fit_phase(g, heads, target) for g in groups]
             regrouped: list[list[Measured]] = [[], []]
             for r in rows:
                 values = features(r.graph, r.batch, r.seq, heads, r.returned_layers)
@@ -93,15 +120,16 @@ def fit_phases(rows: list[Measured], heads: int) -> list[np.ndarray]:
             if regrouped == groups:
                 break
             groups = regrouped
-        if phases is not None and _mean_error(phases, rows, heads) < best_error:
-            best, best_error = phases, _mean_error(phases, rows, heads)
+        if phases is not None and _mean_error(phases, rows, heads, target) < best_error:
+            best, best_error = phases, _mean_error(phases, rows, heads, target)
     return best
 
 
-def relative_errors(fits: dict[str, list[np.ndarray]], rows: list[Measured], heads: int) -> dict:
-    """|predicted - measured| / measured over the rows at or above the noise floor."""
-    errors = [abs(predict(fits[r.graph], r, heads) - r.peak_bytes) / r.peak_bytes
-              for r in rows if r.peak_bytes >= NOISE_FLOOR_BYTES]
+def relative_errors(fits: dict[str, list[np.ndarray]], rows: list[Measured], heads: int,
+                    target: Target = PEAK) -> dict:
+    """|predicted - measured| / measured over the rows at or above the target's floor."""
+    errors = [abs(predict(fits[r.graph], r, heads) - target.of(r)) / target.of(r)
+              for r in rows if target.of(r) >= target.floor]
     return {"shapes": len(rows), "shapes_scored": len(errors),
             "mean_rel_error": float(np.mean(errors)) if errors else None,
             "max_rel_error": float(np.max(errors)) if errors else None}
@@ -119,7 +147,7 @@ def held_out_flags(rows: list[Measured], every: int) -> list[bool]:
     return flags
 
 
-def fit_with_holdout(rows: list[Measured], heads: int, every: int) -> dict:
+def fit_with_holdout(rows: list[Measured], heads: int, every: int, target: Target = PEAK) -> dict:
     """Per graph: a fit on the shapes not held out, scored on those held out; then the
     fit on all of them."""
     flags = held_out_flags(rows, every)
@@ -128,20 +156,21 @@ def fit_with_holdout(rows: list[Measured], heads: int, every: int) -> dict:
         mine = [(r, f) for r, f in zip(rows, flags, strict=True) if r.graph == kind]
         if not mine:
             continue
-        fits[kind] = fit_phases([r for r, _ in mine], heads)
+        fits[kind] = fit_phases([r for r, _ in mine], heads, target)
         out = [r for r, f in mine if f]
         kept = [r for r, f in mine if not f]
         if out and len(kept) >= len(COEFFICIENTS):
-            train_fits[kind] = fit_phases(kept, heads)
+            train_fits[kind] = fit_phases(kept, heads, target)
             held += out
             train += kept
     holdout = None
     if held:
-        holdout = relative_errors(train_fits, held, heads) | {
+        holdout = relative_errors(train_fits, held, heads, target) | {
             "every": every, "train_shapes": len(train),
-            "by_graph": {kind: relative_errors(train_fits, [r for r in held if r.graph == kind], heads)
+            "by_graph": {kind: relative_errors(train_fits, [r for r in held if r.graph == kind],
+                                               heads, target)
                          for kind in train_fits}}
-    return {"fits": fits, "holdout": holdout, "in_sample": relative_errors(fits, rows, heads),
+    return {"fits": fits, "holdout": holdout, "in_sample": relative_errors(fits, rows, heads, target),
             "held": {i for i, f in enumerate(flags) if f}}
 
 

@@ -51,13 +51,17 @@ FORMAT_VERSION = 2
 """memory_model.json: 1 (no "format_version"): one set of coefficients, a b c d source,
 for every graph; 2: {"format_version": 2, "models": {"<provider>/<precision>/<graph>":
 {a, b, c, d, source, ...}}}, where entries may carry more (how they were measured, their
-held-out error) that the server does not read."""
+held-out error) that the memory model does not read: "time", the same graph's batch time
+model (server/memory/batch_time.py), which a server that predates it ignores."""
 COEFFICIENTS = ("a", "b", "c", "d")
 
 
 @dataclass(frozen=True)
-class MemoryModel:
-    """One graph's coefficients (see the module's docstring)."""
+class ShapeModel:
+    """A quantity of one graph's batch as a function of its shape, in the form above: one
+    or more phases of coefficients a, b, c, d (each ≥ 0), predicting the largest phase's
+    value. The memory model predicts bytes (MemoryModel); the time model, of the same form
+    and fitted the same way, seconds (server/memory/batch_time.py)."""
 
     a: float
     b: float
@@ -94,6 +98,24 @@ class MemoryModel:
             out["other_phases"] = [dict(zip(COEFFICIENTS, p, strict=True)) for p in self.other_phases]
         return out
 
+    @classmethod
+    def from_entry(cls, entry: dict):
+        """From memory_model.json's entry; raises ValueError (or TypeError) for a damaged one."""
+        if not isinstance(entry, dict):
+            raise ValueError(f"an entry must be an object, not {entry!r}")
+        missing = [k for k in (*COEFFICIENTS, "source") if k not in entry]
+        if missing:
+            raise ValueError(f"entry lacks {', '.join(missing)}")
+        others = entry.get("other_phases", [])
+        if not isinstance(others, list) or not all(isinstance(p, dict) for p in others):
+            raise ValueError(f"other_phases must be a list of objects, not {others!r}")
+        return cls(**{k: entry[k] for k in (*COEFFICIENTS, "source")},
+                   other_phases=tuple(tuple(p.get(n) for n in COEFFICIENTS) for p in others))
+
+
+class MemoryModel(ShapeModel):
+    """One graph's peak bytes (see the module's docstring)."""
+
     def save(self, directory: Path) -> Path:
         """memory_model.json in format 1: this model for every graph and provider."""
         path = directory / MEMORY_MODEL
@@ -102,13 +124,13 @@ class MemoryModel:
 
 
 @dataclass(frozen=True)
-class MemoryModels:
+class GraphModels:
     """What the server predicts with: the embeddings graph's model for batches without
     maps, the attention graph's for batches that return some (a reranker's scores graph
     is both: its batches never return maps)."""
 
-    embeddings: MemoryModel
-    attention: MemoryModel
+    embeddings: ShapeModel
+    attention: ShapeModel
 
     @property
     def source(self) -> str:
@@ -116,12 +138,16 @@ class MemoryModels:
             return self.embeddings.source
         return f"{EMBEDDINGS}: {self.embeddings.source}; {ATTENTION}: {self.attention.source}"
 
-    def for_graph(self, kind: str) -> MemoryModel:
+    def for_graph(self, kind: str) -> ShapeModel:
         return self.attention if kind == ATTENTION else self.embeddings
 
     def predict(self, batch: int, seq: int, heads: int, returned_layers: int) -> float:
         graph = self.attention if returned_layers else self.embeddings
         return graph.predict(batch, seq, heads, returned_layers)
+
+
+class MemoryModels(GraphModels):
+    """Each graph's MemoryModel."""
 
 
 def model_key(provider: str, precision: str, kind: str) -> str:
@@ -143,19 +169,6 @@ def analytic_bound(manifest: Manifest) -> MemoryModel:
     )
 
 
-def _model(entry: dict) -> MemoryModel:
-    if not isinstance(entry, dict):
-        raise ValueError(f"an entry must be an object, not {entry!r}")
-    missing = [k for k in (*COEFFICIENTS, "source") if k not in entry]
-    if missing:
-        raise ValueError(f"entry lacks {', '.join(missing)}")
-    others = entry.get("other_phases", [])
-    if not isinstance(others, list) or not all(isinstance(p, dict) for p in others):
-        raise ValueError(f"other_phases must be a list of objects, not {others!r}")
-    return MemoryModel(**{k: entry[k] for k in (*COEFFICIENTS, "source")},
-                       other_phases=tuple(tuple(p.get(n) for n in COEFFICIENTS) for p in others))
-
-
 def read_entries(path: Path) -> dict[str, dict]:
     """A format-2 file's entries; {} for a missing or format-1 file (which a new fit
     replaces). Raises ValueError for a damaged one."""
@@ -171,7 +184,7 @@ def read_entries(path: Path) -> dict[str, dict]:
                          f"{type(data.get('models')).__name__}; this server reads 1 and {FORMAT_VERSION}")
     for key, entry in data["models"].items():
         try:
-            _model(entry)
+            MemoryModel.from_entry(entry)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{key}: {err}") from err
     return data["models"]
@@ -197,13 +210,13 @@ def load_memory_model(directory: Path, manifest: Manifest, provider: str = "CPUE
         return MemoryModels(bound, bound)
     data = json.loads(path.read_text())
     if isinstance(data, dict) and "format_version" not in data:
-        one = _model(data)
+        one = MemoryModel.from_entry(data)
         return MemoryModels(one, one)
     entries = read_entries(path)
     fitted = {kind: entries.get(model_key(provider, precision, kind))
               for kind in graph_kinds(manifest)}
     missing = f"analytic bound (memory_model.json has no {provider}/{precision} fit)"
-    models = {kind: _model(entry) if entry else replace(bound, source=missing)
+    models = {kind: MemoryModel.from_entry(entry) if entry else replace(bound, source=missing)
               for kind, entry in fitted.items()}
     if manifest.kind == RERANKER:
         return MemoryModels(models[SCORES], models[SCORES])

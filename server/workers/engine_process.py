@@ -146,8 +146,9 @@ class EngineProcess:
         accepting = loop.create_task(self._accept())
         await runners.warm_up()
         fields.engine_warm = 1
-        log.info("event=engine_serving models=%s budget_bytes=%d memory_model=%r",
-                 ",".join(self.index), self.facts.budget, runners.memory_source())
+        log.info("event=engine_serving models=%s budget_bytes=%d memory_model=%r time_model=%r",
+                 ",".join(self.index), self.facts.budget, runners.memory_source(),
+                 runners.time_source())
         await stop.wait()
         # The front ends have drained (the supervisor stops them first); what they left is
         # answered within the drain time.

@@ -32,6 +32,7 @@ from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import load_memory_model
 from attnserve.server.metrics import Metrics
 from attnserve.server.ports import Ports
+from attnserve.server.priority import Priority
 from attnserve.server.runtime.backend import SequenceResult
 from attnserve.server.workers import messages, signals
 from attnserve.server.workers.channel import Channel, encode
@@ -40,6 +41,7 @@ from attnserve.server.workers.shared import (
     DRAIN_TIMED_OUT,
     DRAINED,
     STANDBY,
+    SharedKeyCounts,
     SharedState,
     SharedTotals,
 )
@@ -137,7 +139,7 @@ class RemoteScheduler:
     def __init__(self, engine: RemoteEngine, index: int, limits: Limits, heads: int, width: int):
         self.engine, self.index, self.limits, self.heads, self.width = engine, index, limits, heads, width
 
-    def admit(self, tokens: int, at_least: bool = False) -> None:
+    def admit(self, tokens: int, at_least: bool = False, priority: Priority | None = None) -> None:
         engine = self.engine
         if not engine.alive:
             raise Unavailable(ENGINE_GONE)
@@ -146,10 +148,10 @@ class RemoteScheduler:
         fields = engine.shared.fields
         requests, released = engine.released(self.index)
         check_room(self.limits, bool(fields.draining), fields.queue_requests[self.index] - requests,
-                   fields.queue_tokens[self.index] - released, tokens, at_least)
+                   fields.queue_tokens[self.index] - released, tokens, at_least, priority)
 
     async def submit(self, submission: Submission) -> list[SequenceResult]:
-        self.admit(int(submission.lengths.sum()))
+        self.admit(int(submission.lengths.sum()), priority=submission.priority)
         return await self.engine.submit(self, submission)
 
 
@@ -161,7 +163,7 @@ class FrontProcess:
         self.named = load_models(config, verify=(TOKENIZER,))
         self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
         self.tokenizers = load_tokenizers(self.named)
-        self.ports = Ports(config, self.metrics)
+        self.ports = Ports(config, self.metrics, SharedKeyCounts(shared, lambda: self.index))
         self.draining = False
 
     def serving(self) -> bool:

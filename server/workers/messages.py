@@ -2,7 +2,7 @@
 arrays (server/workers/channel.py).
 
 front end -> engine: ["submit", job, model, layers, deadline, outputs, alone, has spans, has
-segments] with the sequences' ids laid end to end, their lengths, (late chunking) their
+segments, priority class] with the sequences' ids laid end to end, their lengths, (late chunking) their
 token spans and (a reranker's pairs) where each one's second segment starts;
 ["cancel", job]; ["bye"] (a drained front end leaving).
 engine -> front end: ["welcome", EngineFacts's fields] (the models in the order the front
@@ -26,6 +26,7 @@ from attnserve.server.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from attnserve.server.priority import Priority
 from attnserve.server.runtime.backend import Placement, SequenceResult
 
 ERRORS = {cls.__name__: cls for cls in (RequestError, ResourceExhausted, Unavailable,
@@ -54,7 +55,7 @@ def submit(job: int, model: int, submission: Submission):
         entries.append([segments])
     header = ["submit", job, model, list(submission.layers), submission.deadline,
               sorted(submission.outputs), submission.alone, spans is not None,
-              segments is not None]
+              segments is not None, submission.priority.value]
     return header, entries
 
 
@@ -67,12 +68,13 @@ def _split(flat: np.ndarray, counts: np.ndarray, width: int) -> list[np.ndarray]
 
 def submitted(header, arrays: list[np.ndarray]) -> Submission:
     """The submission, its sequences views of the message."""
-    _, _, _, layers, deadline, outputs, alone, has_spans, has_segments = header
+    _, _, _, layers, deadline, outputs, alone, has_spans, has_segments, priority = header
     lengths = arrays[1].astype(np.int64)
     sequences = [s.reshape(-1) for s in _split(arrays[0], lengths, 1)]
     return Submission(sequences, lengths, tuple(layers), deadline, frozenset(outputs), alone,
                       _split(arrays[2], arrays[3], 2) if has_spans else None,
-                      arrays[-1].astype(np.int64) if has_segments else None)
+                      arrays[-1].astype(np.int64) if has_segments else None,
+                      Priority(priority))
 
 
 def results(job: int, results: list[SequenceResult], layers: tuple[int, ...], times: CallTimes):

@@ -3,10 +3,11 @@ supervisor makes and every process inherits), read and written in place.
 
 It holds what every front end must see at once, without a message: whether the engine is
 warm, whether the group drains, which front ends are up, the supervisor's pid, the
-queue's counts (the cheap admission bounds) and the memory ledger's totals. The ledger's
-totals change under a lock that spans the processes (a POSIX record lock on the memfd,
-with a thread lock for the threads of one process), so the budget holds for the group
-exactly; every other field has one writer."""
+queue's counts (the cheap admission bounds), the memory ledger's totals and each capped
+API key's calls in flight. The ledger's totals and the keys' counts change under a lock
+that spans the processes (a POSIX record lock on the memfd, with a thread lock for the
+threads of one process), so the budget and the caps hold for the group exactly; every
+other field has one writer."""
 
 import contextlib
 import ctypes
@@ -14,8 +15,10 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 
 from attnserve.server.config import MAX_MODELS, MAX_WORKERS
+from attnserve.server.keys import MAX_CAPPED_KEYS
 from attnserve.server.memory.ledger import Totals
 
 ENGINE_SLOT = MAX_WORKERS
@@ -55,6 +58,8 @@ class _Fields(ctypes.Structure):
         ("engine_drained", ctypes.c_int64),
         # The pid of the standby front end once it is loaded and waiting.
         ("standby_waiting_pid", ctypes.c_int64),
+        # Each front end's calls in flight per capped API key (ApiKey.slot).
+        ("key_calls", (ctypes.c_int64 * MAX_CAPPED_KEYS) * MAX_WORKERS),
     ]
 
 
@@ -152,3 +157,24 @@ class SharedTotals(Totals):
 
     def exclusive(self):
         return self.state.locked()
+
+
+class SharedKeyCounts:
+    """A front end's count of capped API keys' calls in flight (keys.InFlightCounts),
+    checked against the group's: its own row of the shared page, the rows summed under the
+    group's lock. A front end that dies takes its row with it (the supervisor zeroes it).
+    `index()`: the front end's index (a standby learns its own once it takes a place)."""
+
+    def __init__(self, state: SharedState, index: Callable[[], int]):
+        self.state, self.index = state, index
+
+    def take(self, slot: int, cap: int) -> bool:
+        with self.state.locked() as f:
+            if sum(f.key_calls[i][slot] for i in range(f.workers)) >= cap:
+                return False
+            f.key_calls[self.index()][slot] += 1
+            return True
+
+    def give(self, slot: int) -> None:
+        with self.state.locked() as f:
+            f.key_calls[self.index()][slot] -= 1

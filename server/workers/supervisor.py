@@ -21,6 +21,7 @@ and the engine's socket, starts the engine process, then N front ends, and watch
 It writes the ready file (--ready-file) once the engine is warm, every front end is up and
 the standby waits, with every pid of the group but the standby's."""
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -170,6 +171,7 @@ class Group:
         worker = self.workers[index]
         with self.shared.locked() as fields:
             fields.held[index] = 0
+            ctypes.memset(fields.key_calls[index], 0, ctypes.sizeof(fields.key_calls[index]))
             fields.worker_up[index] = 0
             fields.worker_pids[index] = 0
             fields.worker_drained[index] = 0

@@ -18,6 +18,7 @@ from .helpers import (
     KSERVE,
     KUSTOMIZATIONS,
     RULES_FILE,
+    SCALED_OBJECT,
     dashboard_exprs,
     kustomize,
     metric_names,
@@ -40,7 +41,7 @@ def promtool() -> str:
 
 @pytest.fixture(scope="session")
 def rendered(kubectl) -> dict[str, list[dict]]:
-    """Every kustomization rendered: {"base": [...], "cpu": [...], "gpu": [...]}."""
+    """Every kustomization rendered: {"base": [...], "cpu": [...], "gpu": [...], "keda": [...]}."""
     return {name: kustomize(kubectl, name) for name in KUSTOMIZATIONS}
 
 
@@ -60,12 +61,17 @@ def adapter_rules() -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def scaled_object() -> dict:
+    return yaml.safe_load(SCALED_OBJECT.read_text())
+
+
+@pytest.fixture(scope="session")
 def kserve_isvc() -> dict:
     return yaml.safe_load(KSERVE.read_text())
 
 
 @pytest.fixture(scope="session")
-def used_metrics(rule_groups, dashboard, adapter_rules) -> dict[str, set[str]]:
+def used_metrics(rule_groups, dashboard, adapter_rules, scaled_object) -> dict[str, set[str]]:
     """Every attnserve_* metric the deployment reads: {name: {where it is read}}."""
     used: dict[str, set[str]] = {}
 
@@ -80,4 +86,6 @@ def used_metrics(rule_groups, dashboard, adapter_rules) -> dict[str, set[str]]:
         add(expr, f"{DASHBOARD.name}: {title}")
     for rule in adapter_rules:
         add(rule["seriesQuery"], ADAPTER_VALUES.name)
+    for trigger in scaled_object["spec"]["triggers"]:
+        add(trigger["metadata"]["query"], SCALED_OBJECT.name)
     return used

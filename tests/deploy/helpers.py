@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -17,11 +18,15 @@ KUSTOMIZATIONS = {
     "base": DEPLOY / "k8s" / "base",
     "cpu": DEPLOY / "k8s" / "overlays" / "cpu",
     "gpu": DEPLOY / "k8s" / "overlays" / "gpu",
+    "keda": DEPLOY / "k8s" / "overlays" / "keda",
 }
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "keda"]
+IMAGE_OF = {"cpu": "cpu", "gpu": "gpu", "keda": "cpu"}
+"""the image (and device) each overlay runs: keda is the cpu overlay scaled by KEDA"""
 RULES_FILE = DEPLOY / "prometheus" / "attnserve-rules.yml"
 DASHBOARD = DEPLOY / "grafana" / "attnserve.json"
-ADAPTER_VALUES = KUSTOMIZATIONS["gpu"] / "prometheus-adapter-values.yaml"
+ADAPTER_VALUES = DEPLOY / "prometheus" / "prometheus-adapter-values.yaml"
+SCALED_OBJECT = KUSTOMIZATIONS["keda"] / "scaledobject.yaml"
 KSERVE = DEPLOY / "kserve" / "inferenceservice.yaml"
 DOCKER = DEPLOY / "docker"
 
@@ -43,6 +48,9 @@ SERVE_FLAGS = {
     "--max-wait-ms",
     "--max-queue-requests",
     "--max-queue-tokens",
+    "--bulk-batch-ms",
+    "--priority-aging-ms",
+    "--interactive-window-ms",
     "--max-chunking-chars",
     "--default-prompt-name",
     "--memory-budget-bytes",
@@ -83,16 +91,17 @@ MODEL_LABELLED = {
     "attnserve_batch_peak_memory_bytes",
     "attnserve_batch_predicted_memory_bytes",
     "attnserve_queue_depth",
+    "attnserve_queue_wait_seconds",
+    "attnserve_inflight_requests",
     "attnserve_info",
     "attnserve_dropped_sequences_total",
     "attnserve_unseen_shape_runs_total",
     "attnserve_memory_waits_total",
 }
-# ... and the pod's own: device memory, in flight, health, worker deaths.
+# ... and the pod's own: device memory, health, worker deaths.
 EXPORTED_METRICS = MODEL_LABELLED | {
     "attnserve_device_memory_used_bytes",
     "attnserve_device_memory_total_bytes",
-    "attnserve_inflight_requests",
     "attnserve_health_serving",
     "attnserve_worker_deaths_total",
 }
@@ -124,6 +133,27 @@ def tool(name: str, install_hint: str) -> str:
     if path is None:
         pytest.fail(f"`{name}` is not on PATH; the deployment tests need it: {install_hint}")
     return path
+
+
+def strict(schema):
+    """A CRD's schema with additionalProperties: false wherever properties are listed: the
+    API server prunes unknown fields of a custom resource silently, and kubectl (>= 1.27,
+    --validate=strict by default) rejects them."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+def crd_validator(path: Path) -> jsonschema.Draft7Validator:
+    """A validator of a CRD's openAPIV3Schema kept in data/, in its strict form."""
+    schema = strict(yaml.safe_load(path.read_text()))
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
 
 
 def kustomize(kubectl: str, name: str) -> list[dict]:

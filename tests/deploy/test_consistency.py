@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from attnserve.cli import main
 from attnserve.client import EncoderClient
 from tests.harness import ATTNSERVE, ServerProcess, free_port
+from tests.server.test_prometheus import SCRAPED_WITHIN_S, Prometheus, query
 
 from .helpers import (
     EXPORTED_METRICS,
@@ -193,6 +194,34 @@ def test_the_series_split_by_model_are_those_the_server_labels(live_server):
     assert {s["model"] for s in labels["attnserve_queue_depth"]} == models
     embedded = {s["model"] for s in labels["attnserve_requests_total"] if s["rpc"] == "Embed"}
     assert embedded == models
+
+
+def test_the_autoscalers_queries_read_the_live_servers_queues(live_server, adapter_rules,
+                                                              scaled_object, tmp_path):
+    """A real Prometheus scrapes the live server with the labels Kubernetes' service
+    discovery gives a pod's series; KEDA's query as the ScaledObject writes it, and the
+    adapter's as prometheus-adapter fills it in for the HPAs, each return one value (an
+    empty answer would scale on nothing: KEDA reads it as 0)."""
+    namespace, pod = "attnserve", "attnserve-0"
+    prometheus = Prometheus(f"127.0.0.1:{live_server.metrics_port}", tmp_path,
+                            {"namespace": namespace, "pod": pod})
+    try:
+        (trigger,) = scaled_object["spec"]["triggers"]
+        (rule,) = adapter_rules
+        adapter = (rule["metricsQuery"].replace("<<.Series>>", rule["name"]["as"])
+                   .replace("<<.LabelMatchers>>", f'namespace="{namespace}",pod=~"{pod}"')
+                   .replace("<<.GroupBy>>", "pod"))
+        answers = {}
+        for _ in range(SCRAPED_WITHIN_S * 2):
+            answers = {q: query(prometheus.port, q) for q in (trigger["metadata"]["query"], adapter)}
+            if all(answers.values()):
+                break
+            time.sleep(0.5)
+        keda, hpa = answers[trigger["metadata"]["query"]], answers[adapter]
+        assert len(keda) == 1 and float(keda[0]["value"][1]) >= 0, (answers, prometheus.output())
+        assert len(hpa) == 1 and hpa[0]["metric"] == {"pod": pod}, (answers, prometheus.output())
+    finally:
+        prometheus.stop()
 
 
 def test_sigterm_exits_within_the_grace_period(live_server, rendered):

@@ -1,8 +1,8 @@
 """The Grafana dashboard: importable (datasource variable, unique ids, no
 overlapping panels), every query is valid PromQL, reads only exported metrics,
 filters every per-model series by the `model` variable and splits its panels by
-model, and the panels an operator needs (traffic, batching, memory against
-sequence length, memory waits, device memory) are there."""
+model, and the panels an operator needs (traffic, batching, priority classes, memory
+against sequence length, memory waits, device memory) are there."""
 
 from __future__ import annotations
 
@@ -126,8 +126,11 @@ def test_queries_are_valid_promql(dashboard, promtool, tmp_path):
         ("attnserve_requests_total", 'code!="OK"'),
         ("attnserve_batch_tokens", 'kind="real"'),
         ("attnserve_batch_tokens", 'kind="padded"'),
-        ("attnserve_queue_depth", "by (pod, model)"),
-        ("attnserve_inflight_requests", ""),
+        ("attnserve_queue_depth", "by (pod, model, priority)"),
+        ("attnserve_inflight_requests", "by (pod, model)"),
+        ("attnserve_queue_wait_seconds", "by (model, priority, le)"),
+        ("attnserve_request_duration_seconds", "by (model, priority, le)"),
+        ("attnserve_dropped_sequences_total", "by (model, priority, reason)"),
         ("attnserve_batch_size", ""),
         ("attnserve_batch_peak_memory_bytes", "by (model, seq_len_bucket, attention)"),
         ("attnserve_batch_predicted_memory_bytes", "by (model, seq_len_bucket, attention)"),

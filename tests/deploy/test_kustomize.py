@@ -18,8 +18,8 @@ from .helpers import KUSTOMIZATIONS, find
 # the newest kubernetes-validate knows.
 K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 # Kinds kubernetes-validate has no schema for; checked elsewhere (promtool, the
-# ServiceMonitor CRD schema in data/).
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+# ServiceMonitor's and KEDA's ScaledObject's CRD schemas in data/).
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 
 EXPECTED_KINDS = {
     "base": {
@@ -35,6 +35,8 @@ EXPECTED_KINDS = {
 }
 EXPECTED_KINDS["cpu"] = EXPECTED_KINDS["base"] | {"HorizontalPodAutoscaler"}
 EXPECTED_KINDS["gpu"] = EXPECTED_KINDS["cpu"]
+# KEDA makes the HorizontalPodAutoscaler from the ScaledObject.
+EXPECTED_KINDS["keda"] = EXPECTED_KINDS["base"] | {"ScaledObject"}
 
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))

@@ -9,10 +9,12 @@ import pytest
 import yaml
 
 from .helpers import (
+    IMAGE_OF,
     OVERLAYS,
     SERVE_FLAGS,
     find,
     flag_values,
+    metric_names,
     only_container,
 )
 
@@ -43,6 +45,19 @@ def flag(objs, name: str) -> str:
 
 def selects(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+def autoscaler(objs) -> dict:
+    """The overlay's one autoscaler: an HPA, or KEDA's ScaledObject (which makes its own)."""
+    (scaler,) = [o for o in objs if o["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    return scaler
+
+
+def scale_down(scaler: dict) -> dict:
+    """The scale-down behaviour of an HPA, or of the HPA a ScaledObject makes."""
+    if scaler["kind"] == "ScaledObject":
+        return scaler["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    return scaler["spec"]["behavior"]["scaleDown"]
 
 
 def cpu_quantity(q: str) -> float:
@@ -141,11 +156,12 @@ def test_selectors_match_the_pods(rendered, name):
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
     assert allowed == set(ports), "ingress to exactly the grpc, http and metrics ports"
     if name != "base":
-        hpa = find(objs, "HorizontalPodAutoscaler")
-        ref = hpa["spec"]["scaleTargetRef"]
+        scaler = autoscaler(objs)
+        ref = scaler["spec"]["scaleTargetRef"]
         assert (ref["kind"], ref["name"]) == ("Deployment", deployment["metadata"]["name"])
-        assert hpa["spec"]["minReplicas"] >= 2, "one replica left while the PDB allows a drain"
-        # The HPA owns the replica count; a fixed value would fight it on every apply.
+        least = scaler["spec"].get("minReplicas", scaler["spec"].get("minReplicaCount"))
+        assert least >= 2, "one replica left while the PDB allows a drain"
+        # The autoscaler owns the replica count; a fixed value would fight it on every apply.
         assert "replicas" not in deployment["spec"]
 
 
@@ -186,14 +202,15 @@ def test_overlay_device_image_and_resources(rendered, name):
     pod = pod_spec(objs)
     c = only_container(pod)
     limits = c["resources"]["limits"]
-    assert flag(objs, "--device") == {"cpu": "cpu", "gpu": "cuda"}[name]
-    assert c["image"].endswith(f"-{name}"), "the overlay runs the image built for its device"
+    image = IMAGE_OF[name]
+    assert flag(objs, "--device") == {"cpu": "cpu", "gpu": "cuda"}[image]
+    assert c["image"].endswith(f"-{image}"), "the overlay runs the image built for its device"
     # onnxruntime's pool, and the front-end processes beside it, sized to the pod's CPU,
     # never to the node's cores.
     threads = int(flag(objs, "--intra-op-threads"))
     workers = int(flag(objs, "--workers")) if "--workers" in flags(objs) else 1
     assert (threads if workers == 1 else workers + threads) == cpu_quantity(limits["cpu"])
-    if name == "gpu":
+    if image == "gpu":
         assert str(limits["nvidia.com/gpu"]) == "1"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
@@ -208,26 +225,59 @@ def test_no_device_in_base(rendered):
     assert "--device" not in flags(rendered["base"]), "each overlay chooses the device"
 
 
-def test_cpu_hpa_scales_on_cpu(rendered):
-    (metric,) = find(rendered["cpu"], "HorizontalPodAutoscaler")["spec"]["metrics"]
-    assert metric["type"] == "Resource" and metric["resource"]["name"] == "cpu"
-
-
-def test_gpu_hpa_metric_is_served_by_the_adapter_rule(rendered, adapter_rules):
-    (metric,) = find(rendered["gpu"], "HorizontalPodAutoscaler")["spec"]["metrics"]
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_hpa_scales_on_the_queue_depth_the_adapter_rule_serves(rendered, adapter_rules, name):
+    """Both HPAs scale on the requests waiting per pod (every model and class summed by
+    the adapter rule, per pod), averaged over the pods: never on utilisation."""
+    (metric,) = find(rendered[name], "HorizontalPodAutoscaler")["spec"]["metrics"]
     assert metric["type"] == "Pods"
+    assert metric["pods"]["target"]["type"] == "AverageValue"
     name = metric["pods"]["metric"]["name"]
+    assert name == "attnserve_queue_depth"
     (rule,) = [r for r in adapter_rules if r["name"]["as"] == name]
     assert rule["seriesQuery"].startswith(name + "{")
     assert rule["resources"]["overrides"] == {
         "namespace": {"resource": "namespace"},
         "pod": {"resource": "pod"},
     }
+    assert rule["metricsQuery"].startswith("sum by (<<.GroupBy>>) (")
 
 
-def test_adapter_metrics_query_is_valid_promql(adapter_rules, promtool, tmp_path):
-    """The adapter's Go template filled in as prometheus-adapter would, then
-    parsed by promtool (as a recording rule)."""
+def test_keda_scales_on_the_queue_depth_per_replica(rendered):
+    """KEDA's Prometheus trigger: one sum over every pod's queues (every model and class),
+    as an AverageValue target (KEDA's default: the HPA it makes divides it by the
+    replicas), in the overlay's namespace, at the cpu HPA's threshold."""
+    objs = rendered["keda"]
+    scaled = find(objs, "ScaledObject")
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger.get("metricType", "AverageValue") == "AverageValue"
+    query = trigger["metadata"]["query"]
+    assert metric_names(query) == {"attnserve_queue_depth"}
+    assert query.startswith("sum(") and " by " not in query, "one value for the whole Deployment"
+    assert f'namespace="{find(objs, "Deployment")["metadata"]["namespace"]}"' in query
+    target = find(rendered["cpu"], "HorizontalPodAutoscaler")["spec"]["metrics"][0]["pods"]["target"]
+    assert float(trigger["metadata"]["threshold"]) == float(target["averageValue"])
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_scale_down_waits_for_each_drain(rendered, name):
+    """A replica is given back only after minutes of little waiting work, and one at a
+    time, no faster than a pod's grace period (which covers its preStop and its drain):
+    each pod removed finishes what it accepted while the others take its callers."""
+    objs = rendered[name]
+    down = scale_down(autoscaler(objs))
+    assert down["stabilizationWindowSeconds"] >= 300
+    grace = pod_spec(objs)["terminationGracePeriodSeconds"]
+    assert down["policies"], "without a policy the HPA may remove every surplus pod at once"
+    for policy in down["policies"]:
+        assert (policy["type"], policy["value"]) == ("Pods", 1)
+        assert policy["periodSeconds"] >= grace
+
+
+def test_adapter_and_keda_queries_are_valid_promql(adapter_rules, scaled_object, promtool, tmp_path):
+    """The adapter's Go template filled in as prometheus-adapter would, and KEDA's query,
+    parsed by promtool (as recording rules)."""
     rules = []
     for i, rule in enumerate(adapter_rules):
         series = rule["seriesQuery"].split("{")[0]
@@ -239,6 +289,8 @@ def test_adapter_metrics_query_is_valid_promql(adapter_rules, promtool, tmp_path
         )
         assert "<<" not in expr, f"template field left in {expr}"
         rules.append({"record": f"adapter:rule{i}", "expr": expr})
+    for i, trigger in enumerate(scaled_object["spec"]["triggers"]):
+        rules.append({"record": f"keda:trigger{i}", "expr": trigger["metadata"]["query"]})
     path = tmp_path / "adapter.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "adapter", "rules": rules}]}))
     out = subprocess.run([promtool, "check", "rules", str(path)], check=False, capture_output=True, text=True)

@@ -8,10 +8,13 @@ import subprocess
 import pytest
 import yaml
 
-from .helpers import DATA, EXPORTED_METRICS, MODEL_LABELLED, RULES_FILE, find, metric_names
+from attnserve.server.config import ServeConfig
+
+from .helpers import DATA, EXPORTED_METRICS, MODEL_LABELLED, OVERLAYS, RULES_FILE, find, metric_names
 
 UNIT_TESTS = DATA / "attnserve-rules.test.yml"
 BOUND_RECORD = "attnserve:request_duration_seconds:p99_bound"
+WAIT_BOUND_RECORD = "attnserve:queue_wait_seconds:interactive_p99_bound"
 
 
 def promtool_run(promtool: str, *args: str) -> subprocess.CompletedProcess:
@@ -37,7 +40,7 @@ def test_prometheusrule_is_the_plain_rule_file(rendered):
 
 
 def test_overlays_carry_the_same_prometheusrule(rendered):
-    for overlay in ("cpu", "gpu"):
+    for overlay in OVERLAYS:
         assert find(rendered[overlay], "PrometheusRule")["spec"]["groups"] == prometheusrule_groups(rendered)
 
 
@@ -83,6 +86,7 @@ def test_every_alert_has_severity_summary_and_runbook(rule_groups):
     assert {a["alert"] for a in alerts} >= {
         "AttnserveDeviceMemoryHigh",
         "AttnserveP99LatencyHigh",
+        "AttnserveInteractiveWaitHigh",
         "AttnserveErrorRatioHigh",
         "AttnserveMemoryUnderpredicted",
         "AttnserveTargetDown",
@@ -100,8 +104,20 @@ def test_latency_bound_is_one_named_constant(rule_groups):
     assert BOUND_RECORD in rules["AttnserveP99LatencyHigh"]["expr"]
 
 
+def test_the_interactive_wait_bound_is_one_named_constant_above_the_bulk_cut(rule_groups):
+    """The alert reads interactive requests' queue wait against one named bound, which is
+    above the default --bulk-batch-ms: at the default cut the alert stays quiet."""
+    rules = {r.get("record") or r.get("alert"): r for g in rule_groups for r in g["rules"]}
+    bound = rules[WAIT_BOUND_RECORD]["expr"]
+    assert bound.startswith("vector(")
+    assert float(bound[len("vector("):-1]) > ServeConfig.bulk_batch_ms / 1000
+    expr = rules["AttnserveInteractiveWaitHigh"]["expr"]
+    assert WAIT_BOUND_RECORD in expr and 'priority="interactive"' in expr
+
+
 @pytest.mark.parametrize(
-    "alert", ["AttnserveP99LatencyHigh", "AttnserveErrorRatioHigh", "AttnserveMemoryUnderpredicted"]
+    "alert", ["AttnserveP99LatencyHigh", "AttnserveInteractiveWaitHigh", "AttnserveErrorRatioHigh",
+              "AttnserveMemoryUnderpredicted"]
 )
 def test_model_alerts_read_only_series_counted_per_model(rule_groups, alert):
     """An alert that groups by model reads series the server labels with it

@@ -11,35 +11,19 @@ from __future__ import annotations
 
 import copy
 
-import jsonschema
 import pytest
-import yaml
 
-from .helpers import DATA, find
+from .helpers import DATA, OVERLAYS, crd_validator, find
 
 SCHEMA_FILE = DATA / "servicemonitor-v1-openapiv3schema.yaml"
 
 
-def strict(schema):
-    """The schema with additionalProperties: false wherever properties are listed."""
-    if isinstance(schema, dict):
-        schema = {k: strict(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema:
-            schema["additionalProperties"] = False
-        return schema
-    if isinstance(schema, list):
-        return [strict(v) for v in schema]
-    return schema
-
-
 @pytest.fixture(scope="module")
 def validator():
-    schema = strict(yaml.safe_load(SCHEMA_FILE.read_text()))
-    jsonschema.Draft7Validator.check_schema(schema)
-    return jsonschema.Draft7Validator(schema)
+    return crd_validator(SCHEMA_FILE)
 
 
-@pytest.mark.parametrize("name", ["base", "cpu", "gpu"])
+@pytest.mark.parametrize("name", ["base", *OVERLAYS])
 def test_servicemonitor_matches_the_crd_schema(rendered, validator, name):
     monitor = find(rendered[name], "ServiceMonitor")
     errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(monitor)]

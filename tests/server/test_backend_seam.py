@@ -26,6 +26,7 @@ from attnserve.artifact import (
     pooled_output,
     write_manifest,
 )
+from attnserve.server.call import CallRecord
 from attnserve.server.config import ModelSource, ServeConfig
 from attnserve.server.engine.embed import embed
 from attnserve.server.engine.plane import DataPlane
@@ -33,6 +34,7 @@ from attnserve.server.engine.requests import EmbedRequest, Fields, ResponseSize
 from attnserve.server.engine.runner import Runners
 from attnserve.server.errors import NotFound
 from attnserve.server.memory.model import EMBEDDINGS, model_key, save_entries
+from attnserve.server.priority import Priority, for_call
 from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy, register
 from tests.harness import minilm_dir
 from tests.server.reliability import assembled
@@ -199,4 +201,64 @@ def test_models_share_one_budget(artifacts):
         await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
         assert len(b.ran) == runs_of_b + 1 and b.ran[-1] == (2, 300)
         assert runners.budget.in_flight_bytes() == 0
+    asyncio.run(scenario())
+
+
+def test_a_calls_class_reaches_its_models_queue_and_its_series(artifacts):
+    """A call whose door set it bulk (priority.for_call), recorded as a door records it:
+    its sequences wait in the bulk lane, it counts in flight under its model once routed,
+    and its wait and its latency are series of the bulk class."""
+    async def scenario():
+        plane, runners = assemble(artifacts, 1 << 30)
+        runners.start()
+        await runners.warm_up()
+        a = runners.models[0].backend
+        a.gate, a.running = threading.Event(), threading.Event()
+        registry = plane.metrics.registry
+
+        def value(name: str, **labels) -> float:
+            return registry.get_sample_value(name, labels) or 0.0
+
+        async def call(priority: Priority | None):
+            record = CallRecord(plane.metrics, "Embed")
+            if priority is not None:
+                for_call(priority)
+            try:
+                return await embed(plane.model("lookup-a"), request([[1000] * 3, [1001] * 3]),
+                                   plane.holds(), None)
+            finally:
+                record.end()
+
+        async def until(condition) -> None:
+            for _ in range(WAIT_S * 100):
+                if condition():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("never happened")
+
+        queue = runners.models[0].queue
+        # A call of the default class runs first, held at the gate; the bulk call waits.
+        held = asyncio.create_task(call(None))
+        await until(a.running.is_set)
+        task = asyncio.create_task(call(Priority.BULK))
+        await until(lambda: queue.depths()[Priority.BULK] == 1)
+        assert queue.depths()[Priority.INTERACTIVE] == 0
+        assert value("attnserve_inflight_requests", model="lookup-a") == 2
+        assert value("attnserve_inflight_requests", model="") == 0
+        a.gate.set()
+        await asyncio.wait_for(held, WAIT_S)
+        embedded = await asyncio.wait_for(task, WAIT_S)
+        assert [len(r.hidden) for r in embedded.results] == [3, 3]
+        assert value("attnserve_inflight_requests", model="lookup-a") == 0
+        assert value("attnserve_queue_wait_seconds_count", model="lookup-a", priority="bulk") == 1
+        assert value("attnserve_queue_wait_seconds_count", model="lookup-a",
+                     priority="interactive") == 1
+        assert value("attnserve_requests_total", rpc="Embed", code="OK", model="lookup-a",
+                     priority="bulk") == 1
+        # A call of its own, whose door named no class: the default one.
+        record = CallRecord(plane.metrics, "ModelInfo")
+        plane.model("lookup-b")
+        record.end()
+        assert value("attnserve_requests_total", rpc="ModelInfo", code="OK", model="lookup-b",
+                     priority="interactive") == 1
     asyncio.run(scenario())

@@ -22,6 +22,7 @@ from attnserve.server.engine.offload import inference_pool, on_every_thread
 from attnserve.server.engine.queue import Limits
 from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.runner import ModelRunner
+from attnserve.server.memory.batch_time import BatchTimes
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe
@@ -109,11 +110,12 @@ def assembled(backend: OrtBackend, max_batch_tokens: int = 16384) -> ModelRunner
     """The server's own runner of one model on `backend`, its batch loop not started."""
     limits = Limits(max_batch_size=64, max_batch_tokens=max_batch_tokens,
                     max_queue_requests=1024, max_queue_tokens=1 << 20,
-                    memory_budget_bytes=1 << 40, max_wait_s=0.0)
+                    memory_budget_bytes=1 << 40, max_wait_s=0.0, aging_s=1.0,
+                    interactive_window_s=1.0, bulk_batch_s=0.0)
     memory = MemoryBudget(1 << 40, responses_in_budget=False).for_model(
         MODEL, MemoryModel(a=1000.0, b=1.0, c=0.0, d=0.0, source="test"), heads=4, hidden=32)
     return ModelRunner(MODEL, backend.artifact, backend, memory, limits, Metrics(128),
-                       MemoryProbe(cuda=False))
+                       MemoryProbe(cuda=False), BatchTimes(None, heads=4, missing="test"))
 
 
 def counted(core: ModelRunner, name: str, **labels) -> float:

@@ -13,6 +13,7 @@ import pytest
 from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.timings import CallTimes
 from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted
+from attnserve.server.priority import Priority
 from attnserve.server.runtime.backend import Placement, SequenceResult
 from attnserve.server.workers import messages
 from attnserve.server.workers.channel import INLINE_BYTES, Channel, decode, encode
@@ -95,13 +96,13 @@ def test_every_message_reads_back_as_it_was_written(layers, pooled, spans, segme
     segments = np.array([2, 1, 3], dtype=np.int64) if segmented else None
     header, entries = messages.submit(7, 2, Submission(
         sequences, lengths, (1,), 12.5, frozenset({"last_hidden_state"}), 3.0, token_spans,
-        segments))
+        segments, Priority.BULK))
     (got_header, arrays), = asyncio.run(exchange([(header, entries)]))[0]
     assert got_header[:7] == ["submit", 7, 2, [1], 12.5, ["last_hidden_state"], 3.0]
     back = messages.submitted(got_header, arrays)
     assert back.lengths.tolist() == lengths.tolist()
-    assert (back.layers, back.deadline, back.outputs, back.alone) == (
-        (1,), 12.5, frozenset({"last_hidden_state"}), 3.0)
+    assert (back.layers, back.deadline, back.outputs, back.alone, back.priority) == (
+        (1,), 12.5, frozenset({"last_hidden_state"}), 3.0, Priority.BULK)
     assert (None if back.segments is None else back.segments.tolist()) == (
         None if segments is None else segments.tolist())
     assert [s.tolist() for s in back.sequences] == [s.tolist() for s in sequences]

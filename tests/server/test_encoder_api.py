@@ -192,3 +192,14 @@ def test_response_over_the_message_limit_suggests_what_to_change(client):
     assert "message limit" in err.value.details() and "FLOAT16" in err.value.details()
     (half,) = client.embed(["word " * 600], truncate=True, attention_layers=[], float16=True)
     assert half.attentions.shape == (6, 12, 512, 512)
+
+
+def test_the_client_names_its_calls_class(client, minilm_server):
+    """EncoderClient's `priority` reaches the request's field: the calls count as bulk."""
+    before = minilm_server.scrape()
+    client.embed(["hi"], priority="bulk")
+    client.score("a query", ["a text"], priority="bulk")
+    after = minilm_server.scrape()
+    for rpc in ("Embed", "Score"):
+        assert delta(before, after, "attnserve_requests_total", rpc=rpc, code="OK",
+                     priority="bulk") == 1, rpc

@@ -1,18 +1,23 @@
 """`attnserve memory-profile` on the tiny model: the table, the CSV/JSON/PNG, per-graph
-fits saved in memory_model.json under provider/precision/graph and loaded by the
-server's loader; peaks that hold what the graphs keep alive; a second run that counts
-the same bytes. And memory_model.json's formats: format 1 (one model), format 2 (keyed),
-a provider it has no fit for, a damaged file."""
+fits of memory and time saved in memory_model.json under provider/precision/graph and
+loaded by the server's loaders; peaks that hold what the graphs keep alive; a second run
+that counts the same bytes. The fit itself on rows of known coefficients. And
+memory_model.json's formats: format 1 (one model), format 2 (keyed), a provider it has no
+fit for, entries without a time model, a damaged file."""
 
 import csv
 import json
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from attnserve.artifact import MEMORY_MODEL, load_artifact
+from attnserve.server.memory.batch_time import TIME, TimeModel, load_time_model
+from attnserve.server.memory.fit import BATCH_TIME, PEAK, fit_with_holdout
 from attnserve.server.memory.model import (
     ATTENTION,
     EMBEDDINGS,
@@ -59,10 +64,17 @@ def test_table_files_and_fit(profiled):
     assert {(g, int(b), int(s)) for g, b, s in printed} == shapes, stdout
     assert "held-out error" in stdout and "fit, embeddings graph" in stdout
     assert "fit, attention graph" in stdout and "memray" in stdout
+    assert "time fit, embeddings graph" in stdout and "time fit, attention graph" in stdout
+    assert "time held-out error" in stdout and "time in-sample error" in stdout
     with (out / "memory_profile.csv").open() as stream:
         table = list(csv.DictReader(stream))
     assert len(table) == len(shapes)
-    assert {"graph", "batch", "seq", "returned_layers", "peak_bytes", "predicted_bytes"} <= set(table[0])
+    assert {"graph", "batch", "seq", "returned_layers", "peak_bytes", "predicted_bytes",
+            "batch_seconds", "predicted_seconds"} <= set(table[0])
+    # Each shape's time: the median of the default three timed runs.
+    for r in report["rows"]:
+        assert len(r["batch_runs"]) == 3 and r["batch_seconds"] == np.median(r["batch_runs"]) > 0
+    assert report["fit"]["time"]["holdout"]["train_shapes"] > 0
     assert report["provider"] == CPU
     returned = {r["returned_layers"] for r in report["rows"] if r["graph"] == ATTENTION}
     assert returned == {1, manifest.num_layers}
@@ -73,12 +85,18 @@ def test_table_files_and_fit(profiled):
     assert saved["format_version"] == 2
     assert set(saved["models"]) == {model_key(CPU, "fp32", k) for k in (EMBEDDINGS, ATTENTION)}
     models = load_memory_model(artifact.directory, manifest, CPU, "fp32")
+    times = load_time_model(artifact.directory, manifest, CPU, "fp32")
     for kind in (EMBEDDINGS, ATTENTION):
         entry = report["fit"]["models"][model_key(CPU, "fp32", kind)]
         model = models.for_graph(kind)
         assert model.source.startswith(f"fitted on {CPU} fp32")
         assert [model.a, model.b, model.c, model.d] == [entry[c] for c in "abcd"]
         assert min(min(phase) for phase in model.phases) >= 0
+        time_model = times.for_graph(kind)
+        assert isinstance(time_model, TimeModel) and time_model.source == model.source
+        assert [time_model.a, time_model.b, time_model.c, time_model.d] == [entry[TIME][c] for c in "abcd"]
+        assert time_model.other_phases == () and min(time_model.phases[0]) >= 0
+        assert entry[TIME]["runs"] == 3
 
 
 def test_peaks_hold_what_the_graphs_keep_and_the_fit_follows_them(profiled):
@@ -139,6 +157,44 @@ def test_without_memray_the_cpu_profile_says_how_to_get_it(tiny_artifact, tmp_pa
     assert done.returncode == 2 and "pip install 'attnserve[profile]'" in done.stderr, done.stderr
 
 
+# --- the fit ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    graph: str
+    batch: int
+    seq: int
+    returned_layers: int
+    peak_bytes: float
+    batch_seconds: float
+
+
+def test_the_fit_recovers_known_coefficients():
+    """Rows made from known coefficients, a per-row wobble of ±1 % on top: the time fit (one
+    phase) and the memory fit recover each graph's coefficients, and score the held-out
+    rows within the wobble."""
+    heads = 4
+    known = {EMBEDDINGS: (2e-3, 4e-6, 3e-9, 0.0), ATTENTION: (2e-3, 4e-6, 5e-9, 2e-9)}
+    rng = np.random.default_rng(0)
+    rows = []
+    for graph, (a, b, c, d) in known.items():
+        for i, batch in enumerate((1, 4, 16, 32)):
+            for j, seq in enumerate((16, 32, 64, 128, 256)):
+                maps = (heads if (i + j) % 2 else 1) if graph == ATTENTION else 0
+                quadratic = batch * heads * seq * seq
+                exact = a + b * batch * seq + c * quadratic + d * quadratic * maps
+                wobble = 1 + rng.uniform(-0.01, 0.01)
+                rows.append(Row(graph, batch, seq, maps, exact * wobble * 1e9, exact * wobble))
+    for target, scale in ((BATCH_TIME, 1.0), (PEAK, 1e9)):
+        result = fit_with_holdout(rows, heads, 3, target)
+        for graph, coefficients in known.items():
+            (phase,) = result["fits"][graph]
+            np.testing.assert_allclose(phase, np.array(coefficients) * scale, rtol=0.05,
+                                       atol=1e-12 * scale)
+        assert result["holdout"]["max_rel_error"] < 0.03, result["holdout"]
+
+
 # --- memory_model.json ----------------------------------------------------------------
 
 
@@ -169,6 +225,31 @@ def test_keyed_models_by_provider_precision_and_graph(tiny_artifact, tmp_path):
     assert cuda.embeddings.source == "cuda"
     assert cuda.attention.source.startswith("analytic bound (memory_model.json has no "
                                             "CUDAExecutionProvider/fp16 fit)")
+
+
+def test_time_models_load_from_format_2_entries_that_hold_them(tiny_artifact, tmp_path):
+    """An entry's "time" is its graph's time model; a file without one for every graph the
+    server runs (format 1, entries from before the time model) has none, and the server
+    measures batch times instead; a damaged time model is refused."""
+    manifest = load_artifact(tiny_artifact).manifest
+    memory = MemoryModel(1.0, 1.0, 0.0, 0.0, "cpu").entry()
+    times = {EMBEDDINGS: TimeModel(1e-3, 2e-6, 0.0, 0.0, "cpu embeddings"),
+             ATTENTION: TimeModel(1e-3, 2e-6, 1e-9, 1e-9, "cpu attention")}
+    MemoryModel(1.0, 1.0, 0.0, 0.0, "format 1").save(tmp_path)
+    assert load_time_model(tmp_path, manifest, CPU, "fp32") is None
+    (tmp_path / MEMORY_MODEL).unlink()
+    save_entries(tmp_path, {model_key(CPU, "fp32", EMBEDDINGS): memory | {TIME: times[EMBEDDINGS].entry()},
+                            model_key(CPU, "fp32", ATTENTION): memory})
+    assert load_time_model(tmp_path, manifest, CPU, "fp32") is None
+    save_entries(tmp_path, {model_key(CPU, "fp32", ATTENTION): memory | {TIME: times[ATTENTION].entry()}})
+    loaded = load_time_model(tmp_path, manifest, CPU, "fp32")
+    assert (loaded.embeddings, loaded.attention) == (times[EMBEDDINGS], times[ATTENTION])
+    assert loaded.predict(2, 10, 4, 0) == pytest.approx(1e-3 + 2e-6 * 20)
+    assert loaded.predict(2, 10, 4, 1) == pytest.approx(1e-3 + 2e-6 * 20 + 2e-9 * 800)
+    assert load_time_model(tmp_path, manifest, "CUDAExecutionProvider", "fp16") is None
+    save_entries(tmp_path, {model_key(CPU, "fp32", ATTENTION): memory | {TIME: {"a": -1.0}}})
+    with pytest.raises(ValueError, match="attention: time: entry lacks b, c, d, source"):
+        load_time_model(tmp_path, manifest, CPU, "fp32")
 
 
 @pytest.mark.parametrize("text", ['{"a": "lots"}', '{"format_version": 2, "models": {"x": {"a": -1}}}',

@@ -1,6 +1,6 @@
 """`attnserve memory-profile` as `make serve` runs it: the grid leaves out shapes over
 --max-tokens (the large-batch, long-length corner), and --unless-fitted keeps a fit that
-memory_model.json already holds for the provider."""
+memory_model.json already holds for the provider, the memory model and the time model both."""
 
 import json
 import shutil
@@ -8,7 +8,8 @@ import subprocess
 
 from attnserve.artifact import MEMORY_MODEL
 from attnserve.memory_profile import Shape, shapes_for
-from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, model_key
+from attnserve.server.memory.batch_time import TIME
+from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, model_key, save_entries
 from tests.conftest import ATTNSERVE, REPO
 
 CPU = "CPUExecutionProvider"
@@ -40,7 +41,7 @@ def test_unless_fitted_measures_once_then_keeps_the_fit(tiny_artifact, tmp_path)
     artifact = tmp_path / "artifact"
     shutil.copytree(tiny_artifact, artifact)
     first = profile(artifact, tmp_path / "out", "--unless-fitted")
-    assert "memory model saved to" in first.stdout
+    assert "memory and time models saved to" in first.stdout
     saved = (artifact / MEMORY_MODEL).read_text()
     assert set(json.loads(saved)["models"]) == {model_key(CPU, "fp32", k) for k in (EMBEDDINGS, ATTENTION)}
 
@@ -48,3 +49,12 @@ def test_unless_fitted_measures_once_then_keeps_the_fit(tiny_artifact, tmp_path)
     assert again.stdout.strip() == (f"memory-profile: {artifact / MEMORY_MODEL} already holds a fit "
                                     f"for {CPU}; kept (run without --unless-fitted to measure again)")
     assert (artifact / MEMORY_MODEL).read_text() == saved
+
+    # A fit from before the time model (memory alone) is measured again, to add it.
+    entries = json.loads(saved)["models"]
+    for entry in entries.values():
+        del entry[TIME]
+    save_entries(artifact, entries)
+    third = profile(artifact, tmp_path / "out", "--unless-fitted")
+    assert "memory and time models saved to" in third.stdout
+    assert all(TIME in e for e in json.loads((artifact / MEMORY_MODEL).read_text())["models"].values())

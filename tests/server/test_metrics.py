@@ -132,7 +132,9 @@ def test_requests_counted_by_rpc_and_code(scrape):
                for labels in s.label_sets("attnserve_requests_total")}
     assert counted == expected
     for (rpc, code), count in expected.items():
-        assert s.value("attnserve_request_duration_seconds_count", rpc=rpc, code=code) == count
+        # No door names a class yet: every call is of the default one.
+        assert s.value("attnserve_request_duration_seconds_count", rpc=rpc, code=code,
+                       priority="interactive") == count
 
 
 def test_every_model_series_names_the_model(scrape):
@@ -204,6 +206,22 @@ def test_inference_and_memory_by_bucket_and_attention(scrape):
 def test_memory_model_loaded_from_artifact(scrape):
     _, log, expected = scrape
     assert f"memory_model='{expected['model']}: written by test_metrics'" in log
+    # A format-1 file holds no time model: bulk batches are sized by measured batch times.
+    assert (f"time_model='{expected['model']}: measured batch times (memory_model.json has no "
+            "time model for CPUExecutionProvider/fp32)'") in log
+
+
+def test_queue_series_by_priority_class(scrape):
+    """Every class's depth is a series (0 here), each request's wait is counted under its
+    call's class (the default one: no door names a class yet), and nothing was dropped."""
+    s, _, _ = scrape
+    for priority in ("interactive", "bulk"):
+        assert s.value("attnserve_queue_depth", priority=priority) == 0
+    assert s.types["attnserve_queue_wait_seconds"] == "histogram"
+    waits = {dict(labels)["priority"]: s.samples[("attnserve_queue_wait_seconds_count", labels)]
+             for labels in s.label_sets("attnserve_queue_wait_seconds_count")}
+    assert waits == {"interactive": len(REQUESTS)}
+    assert s.models["attnserve_queue_wait_seconds_count"] == {scrape[2]["model"]}
 
 
 def test_gauges_and_info(scrape):
@@ -211,8 +229,9 @@ def test_gauges_and_info(scrape):
     used = s.value("attnserve_device_memory_used_bytes", device="cpu")
     total = s.value("attnserve_device_memory_total_bytes", device="cpu")
     assert 0 < used < total
-    assert s.value("attnserve_queue_depth") == 0
     assert s.value("attnserve_inflight_requests") == 0
+    # Each call was counted under "" until routed, then under its model.
+    assert s.models["attnserve_inflight_requests"] == {expected["model"], ""}
     assert s.value("attnserve_health_serving") == 1
     infos = s.label_sets("attnserve_info")
     assert len(infos) == 1
@@ -258,6 +277,7 @@ def test_a_scrape_passes_over_a_front_ends_file_being_created(tmp_path):
     (tmp_path / "counter_4242.db").touch()
     (tmp_path / "histogram_4242.db").touch()
     metrics = Metrics(128, str(tmp_path))
-    metrics.requests.labels("Embed", "OK", "m").inc()
+    metrics.requests.labels("Embed", "OK", "m", "bulk").inc()
     exposition = generate_latest(metrics.registry).decode()
-    assert 'attnserve_requests_total{code="OK",model="m",rpc="Embed"} 1.0' in exposition
+    assert ('attnserve_requests_total{code="OK",model="m",priority="bulk",rpc="Embed"} 1.0'
+            in exposition)

@@ -201,7 +201,7 @@ def test_the_metrics_carry_the_model(server):
         assert sample(after, "attnserve_batch_size_sum", model=model) - \
             sample(before, "attnserve_batch_size_sum", model=model) == sequences
         assert sample(after, "attnserve_info", model=model) == 1
-        assert (("attnserve_queue_depth", frozenset({("model", model)})) in after)
+        assert ("attnserve_queue_depth", frozenset({("model", model), ("priority", "interactive")})) in after
 
 
 def failed_start(*flags: str) -> str:

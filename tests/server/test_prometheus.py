@@ -1,6 +1,6 @@
 """A real Prometheus server (Debian's `prometheus` package) on loopback scrapes a running
-attnserve every second; a query through its HTTP API returns the request count this test
-produced."""
+attnserve every second; queries through its HTTP API return the request count this test
+produced, and its queue series by priority class."""
 
 import json
 import shutil
@@ -28,16 +28,19 @@ def query(port: int, expression: str) -> list[dict]:
 
 
 class Prometheus:
-    def __init__(self, target: str, directory):
+    def __init__(self, target: str, directory, labels: dict[str, str] | None = None):
+        """Scraping `target` every second; `labels`: added to its series, as Kubernetes
+        service discovery adds a pod's namespace and name."""
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("prometheus not found: install Debian's `prometheus` package "
                         "(apt-get install -y prometheus)")
         config = directory / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: attnserve\n    static_configs:\n"
-            f"      - targets: ['{target}']\n")
+        # JSON is YAML: the configuration as Prometheus reads it.
+        config.write_text(json.dumps({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "attnserve", "static_configs": [
+                {"targets": [target], "labels": labels or {}}]}]}))
         self.port = free_port()
         self.log = (directory / "prometheus.log").open("w+")
         self.proc = subprocess.Popen(
@@ -104,6 +107,13 @@ def test_prometheus_scrapes_the_request_count(tiny_artifact, tmp_path):
                        'sum by (code) (attnserve_requests_total{code!="OK"})')
         assert {r["metric"]["code"]: float(r["value"][1]) for r in errors} == {
             "INVALID_ARGUMENT": 1.0}
+        # The five embeddings queued, each under its call's class: the default one, as no
+        # caller named one; the bad one was refused before it queued.
+        waits = query(prometheus.port, "sum by (priority) (attnserve_queue_wait_seconds_count)")
+        assert {r["metric"]["priority"]: float(r["value"][1]) for r in waits} == {"interactive": 5.0}
+        depth = query(prometheus.port, "sum by (priority) (attnserve_queue_depth)")
+        assert {r["metric"]["priority"]: float(r["value"][1]) for r in depth} == {
+            "interactive": 0.0, "bulk": 0.0}
     finally:
         if prometheus is not None:
             prometheus.stop()

@@ -5,9 +5,9 @@ against the document that app serves."""
 import orjson
 import pytest
 
-from attnserve.server.call import ApiKeys
 from attnserve.server.config import ModelSource, ServeConfig
 from attnserve.server.http.server import HttpServers
+from attnserve.server.keys import ApiKeys
 from tests.server.reliability import assembled
 
 
