@@ -39,7 +39,9 @@ from onnxruntime.quantization.onnx_model import ONNXModel
 from tokenizers import Tokenizer
 
 from attnserve.artifact import LOGITS_OUTPUT, TOKEN_TYPES, Parity, ScoreParity, pooled_output
+from attnserve.export.graph_files import remove, save, scratch
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
+from attnserve.export.onnx_graphs import POOL_SCOPE
 from attnserve.export.verify import session
 
 log = logging.getLogger("attnserve.export")
@@ -67,7 +69,7 @@ MAX_OUTLIER_SHARE = 0.05
 PARITY_BATCH = 16
 CALIBRATION_BATCH = 8
 # Inputs of these are smoothed (the op types the transformer optimiser leaves in a graph).
-_LAYER_NORMS = ("LayerNormalization",)
+_LAYER_NORMS = ("LayerNormalization", "SimplifiedLayerNormalization")
 
 
 class Int8ParityError(RuntimeError):
@@ -151,11 +153,19 @@ def _feeds(rows: list[Row], batch: int, pad_id: int) -> Iterator[dict[str, np.nd
 
 
 def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """What dynamic quantization would turn into int8: fused Attention (its Q/K/V weights)
-    and matmuls whose second input is a weight, not an activation (QKᵀ, probabilities·V)."""
+    """What dynamic quantization turns into int8: fused Attention (its Q/K/V weights) and
+    matmuls whose second input is a weight, not an activation (QKᵀ, probabilities·V),
+    outside the pooling (_pooling_matmuls)."""
     weights = {i.name for i in model.graph.initializer}
-    return [n for n in model.graph.node
-            if n.op_type == "Attention" or (n.op_type == "MatMul" and n.input[1] in weights)]
+    return [n for n in model.graph.node if not n.name.startswith(POOL_SCOPE) and (
+        n.op_type == "Attention" or (n.op_type == "MatMul" and n.input[1] in weights))]
+
+
+def _pooling_matmuls(model: onnx.ModelProto) -> list[str]:
+    """The Dense layers' matmuls, which stay float32: they run once a pooled vector, where
+    int8 would save nothing and cost the served vector precision."""
+    return [n.name for n in model.graph.node
+            if n.name.startswith(POOL_SCOPE) and n.op_type == "MatMul"]
 
 
 def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
@@ -274,33 +284,40 @@ def _quantize(model: onnx.ModelProto, target: Path, exclude: list[str]) -> None:
     # need here: every quantized weight is a constant of known shape).
     logging.disable(logging.WARNING)
     try:
-        quantize_dynamic(
-            model, target,
-            op_types_to_quantize=["MatMul", "Attention"],
-            per_channel=True,
-            weight_type=QuantType.QInt8,
-            nodes_to_exclude=exclude,
-            # Shape inference cannot type the outputs of com.microsoft ops (fused Attention,
-            # BiasGelu); they are all float.
-            extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
-        )
+        with scratch(target.parent) as directory:
+            # Written with its data beside it whatever its size, then kept as graph_files
+            # saves every graph of the artifact.
+            written = directory / target.name
+            quantize_dynamic(
+                model, written,
+                op_types_to_quantize=["MatMul", "Attention"],
+                per_channel=True,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=exclude,
+                use_external_data_format=True,
+                # Shape inference cannot type the outputs of com.microsoft ops (fused
+                # Attention, BiasGelu); they are all float.
+                extra_options={"MatMulConstBOnly": True,
+                               "DefaultTensorType": onnx.TensorProto.FLOAT},
+            )
+            save(onnx.load(str(written)), target)
     finally:
         logging.disable(logging.NOTSET)
 
 
-def _pooled(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> np.ndarray:
-    (vectors,) = session.run([pooled_output("mean", normalized=True)], feed)
-    return vectors
-
-
 def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
-                   pad_id: int) -> np.ndarray:
-    """Per text of PARITY_TEXTS, the worse of two cosines between the graphs' pooled (mean,
-    L2-normalised) embeddings: the text alone, and in a padded batch (texts in their fixed
-    order, so short and long share one), as the server runs them."""
+                   pad_id: int, pooling: str = "mean") -> np.ndarray:
+    """Per text of PARITY_TEXTS, the worse of two cosines between the graphs' pooled
+    (`pooling`, L2-normalised) embeddings: the text alone, and in a padded batch (texts in
+    their fixed order, so short and long share one), as the server runs them."""
     rows = encode_texts(tokenizer, PARITY_TEXTS, max_positions)
     reference, quantized = session(fp32), session(int8, "int8")
-    cosines = np.concatenate([(_pooled(reference, feed) * _pooled(quantized, feed)).sum(axis=1)
+    name = pooled_output(pooling, normalized=True)
+
+    def pooled(runner: ort.InferenceSession, feed: dict[str, np.ndarray]) -> np.ndarray:
+        return runner.run([name], feed)[0]
+
+    cosines = np.concatenate([(pooled(reference, feed) * pooled(quantized, feed)).sum(axis=1)
                               for feed in _feeds(rows, PARITY_BATCH, pad_id)])
     alone, batched = cosines[: len(rows)], cosines[len(rows):]
     return np.minimum(alone, batched)
@@ -351,19 +368,22 @@ class Gate(Protocol):
 
 @dataclass(frozen=True)
 class EmbeddingGate:
-    """Each text's pooled cosine against fp32 at least `min_cosine`."""
+    """Each text's pooled cosine against fp32 at least `min_cosine`, pooled as the model
+    pools (`pooling`): a last token's vector loses more to int8 than a mean."""
 
     tokenizer: Path
     max_positions: int
     pad_id: int
     min_cosine: float = INT8_MIN_COSINE
+    pooling: str = "mean"
 
     def calibration(self) -> list[dict[str, np.ndarray]]:
         return list(_feeds(encode_texts(self.tokenizer, CALIBRATION_TEXTS, self.max_positions),
                            CALIBRATION_BATCH, self.pad_id))
 
     def measure(self, reference: Path, target: Path) -> np.ndarray:
-        return pooled_cosines(reference, target, self.tokenizer, self.max_positions, self.pad_id)
+        return pooled_cosines(reference, target, self.tokenizer, self.max_positions, self.pad_id,
+                              self.pooling)
 
     def passes(self, values: np.ndarray) -> bool:
         return bool(values.min() >= self.min_cosine)
@@ -371,10 +391,12 @@ class EmbeddingGate:
     def parity(self, values: np.ndarray, reference: Path) -> Parity:
         return Parity(reference=reference.name, texts=len(values), batch=PARITY_BATCH,
                       pooled_cosine_min=round(float(values.min()), 5),
-                      pooled_cosine_mean=round(float(values.mean()), 5), min_cosine=self.min_cosine)
+                      pooled_cosine_mean=round(float(values.mean()), 5), min_cosine=self.min_cosine,
+                      pooling=self.pooling)
 
     def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
-        return (f"{target.name}: pooled cosine against {reference.name} is {values.min():.4f} "
+        return (f"{target.name}: {self.pooling}-pooled cosine against {reference.name} is "
+                f"{values.min():.4f} "
                 f"at worst over {len(values)} texts (one at a time and in batches of "
                 f"{PARITY_BATCH}), below the required {self.min_cosine}; worst text: "
                 f"{PARITY_TEXTS[int(values.argmin())][:60]!r}")
@@ -440,7 +462,7 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
 
     def attempt(split: dict[str, np.ndarray], fp32: list[str]) -> np.ndarray:
         prepared, outlier_matmuls = _split_outliers(smoothed, split, stats)
-        _quantize(prepared, target, fp32 + outlier_matmuls)
+        _quantize(prepared, target, fp32 + outlier_matmuls + _pooling_matmuls(prepared))
         return gate.measure(reference, target)
 
     values = attempt(split, fp32)
@@ -454,6 +476,6 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
     log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,
              result.quantized, result.split, result.kept_fp32, parity)
     if not gate.passes(values):
-        target.unlink()
+        remove(target)
         raise Int8ParityError(gate.refusal(values, target, reference))
     return result

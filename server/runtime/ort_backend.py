@@ -28,7 +28,6 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 from attnserve.artifact import (
     HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
-    POOLED_OUTPUTS,
     RERANKER,
     TOKEN_TYPES,
     Artifact,
@@ -223,7 +222,7 @@ class BoundRunner:
         if m.kind == RERANKER:
             return {LOGITS_OUTPUT: (batch, len(m.labels))}
         return {HIDDEN_OUTPUT: (batch, seq, m.hidden_size)} | {
-            name: (batch, m.hidden_size) for name in POOLED_OUTPUTS}
+            name: (batch, m.embedding_size) for name in m.pooled_outputs}
 
     def _new_slot(self, shape: Shape) -> _Slot:
         def buffer(dims: tuple[int, ...], dtype: type) -> ort.OrtValue:

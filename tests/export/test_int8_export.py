@@ -144,7 +144,7 @@ def test_parity_gate_refuses_the_export_loudly(tmp_path, wide_checkpoint):
          "--int8-min-cosine", "0.9999"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stderr
-    assert "encoder_int8.onnx: pooled cosine against encoder_opt.onnx is 0.99" in result.stderr
+    assert "encoder_int8.onnx: mean-pooled cosine against encoder_opt.onnx is 0.99" in result.stderr
     assert "below the required 0.9999" in result.stderr
     assert not (out / MANIFEST).exists() and not (out / "encoder_int8.onnx").exists()
     with pytest.raises(ArtifactError, match="missing"):
@@ -178,7 +178,7 @@ def test_a_newer_format_is_refused_by_name(tmp_path, int8_artifact):
     newer = FORMAT_VERSION + 1
     _copy_with_manifest(int8_artifact, tmp_path / "newer", lambda data: data.update(format_version=newer))
     with pytest.raises(ArtifactError, match=rf"format_version {newer}, this server reads 1 and 2 and 3 "
-                                            rf"and 4$"):
+                                            rf"and 4 and 5$"):
         load_artifact(tmp_path / "newer")
 
 
