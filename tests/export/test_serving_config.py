@@ -77,7 +77,7 @@ def test_export_refuses_sizes_past_the_hidden_size(tmp_path, tiny_checkpoint):
     done = subprocess.run([*ATTNSERVE, "export", "--from", str(tiny_checkpoint), "--out", str(out),
                            "--matryoshka-dims", "16,64"], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip() == ("attnserve export: --matryoshka-dims: Matryoshka sizes "
                                    "[16, 64]; expected sizes from 1 to the vectors' size, 32")
     assert not (out / MANIFEST).exists()
