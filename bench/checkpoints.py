@@ -1,0 +1,48 @@
+"""Random checkpoints at the sizes users serve, for the speed benchmarks: random weights
+cost the time real ones do. Each is saved as sentence-transformers saves a model, so the
+benchmarks' reference (`SentenceTransformer.encode`) loads the same directory.
+
+- bert-base: BERT-base's shape (12 layers, hidden 768, 12 heads, feed-forward 3072, 512
+  positions), MiniLM's tokenizer and modules (mean pooling, Normalize);
+- qwen3-0.6b: Qwen3-Embedding-0.6B's shape (28 layers, hidden 1024, 16 query and 8
+  key/value heads of 128, feed-forward 3072, vocabulary 151669, 32768 positions, tied
+  embeddings) and modules (last-token pooling, Normalize, its query instruction), with a
+  small byte-level tokenizer that appends <|endoftext|> and pads on the left as Qwen3's does.
+
+    python -m bench.checkpoints qwen3-0.6b DIR
+"""
+
+import argparse
+import shutil
+from pathlib import Path
+
+SHAPES = {
+    "bert-base": ("bert", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                               intermediate_size=3072, max_position_embeddings=512,
+                               initializer_range=0.02)),
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                                 vocab_size=151669, max_position_embeddings=32768,
+                                 initializer_range=0.02)),
+}
+
+
+def make(shape: str, directory: Path) -> Path:
+    """The random checkpoint of `shape` (one of SHAPES) in `directory`, replacing it."""
+    from tests.families import make_sentence_transformer
+
+    family, config = SHAPES[shape]
+    shutil.rmtree(directory, ignore_errors=True)
+    return make_sentence_transformer(family, directory, **config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("directory", type=Path)
+    args = parser.parse_args()
+    print(make(args.shape, args.directory))
+
+
+if __name__ == "__main__":
+    main()
