@@ -40,8 +40,17 @@ def save(model: onnx.ModelProto, path: Path) -> None:
         return
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data.name, size_threshold=1024)
+    share_mode(path)
     # Saving moved the weights out of `model`; a caller may still run or change it.
     load_external_data_for_model(model, str(path.parent))
+
+
+def share_mode(graph: Path) -> None:
+    """The data file readable by whoever may read the graph (onnx creates it for its owner
+    alone): a server in a container, under another user, reads both."""
+    data = data_file(graph)
+    if data.is_file():
+        data.chmod(graph.stat().st_mode & 0o777)
 
 
 def remove(path: Path) -> None:

@@ -11,7 +11,7 @@ from onnxruntime.transformers.fusion_options import FusionOptions
 from onnxruntime.transformers.optimizer import optimize_model
 
 from attnserve.artifact import POOLED_OUTPUTS
-from attnserve.export.graph_files import large
+from attnserve.export.graph_files import large, share_mode
 from attnserve.export.onnx_graphs import POOL_SCOPE
 from attnserve.model import EncoderShape
 
@@ -116,6 +116,7 @@ def optimize(source: Path, target: Path, config: EncoderShape, fuse_attention: b
             _put_back(model.model.graph, pooling)
         # Its data file, when it needs one, named as graph_files.data_file names it.
         model.save_model_to_file(str(target), use_external_data_format=large(model.model))
+        share_mode(target)
         fused = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
     finally:
         logging.disable(logging.NOTSET)

@@ -16,6 +16,15 @@ _MPNET_PAD_ID = 1
 _MPNET_BUCKETS = 32
 
 
+def _shape(hf: dict, eps_key: str, eps: float) -> dict:
+    """The shape config.json gives under transformers' common names (the norms' epsilon
+    under `eps_key`, `eps` when it says none)."""
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                intermediate_size=hf["intermediate_size"], layer_norm_eps=hf.get(eps_key, eps),
+                model_type=hf["model_type"])
+
+
 def _activation(hf: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
     name = hf.get(key, default)
     if name not in allowed:
@@ -108,16 +117,10 @@ class EncoderConfig(EncoderShape):
             raise ValueError(f"max_position_embeddings {table} leaves no position after the "
                              f"padding id {pad}")
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
+            **_shape(hf, "layer_norm_eps", 1e-12),
             max_positions=longest,
             type_vocab_size=hf.get("type_vocab_size", 2),
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
             pad_token_id=pad,
-            model_type=hf["model_type"],
             positions_after_padding=after_padding,
             pooler=pooler,
         )
@@ -135,18 +138,11 @@ class EncoderConfig(EncoderShape):
         if buckets != _MPNET_BUCKETS:
             raise ValueError(f"relative_attention_num_buckets {buckets} is not supported "
                              f"({_MPNET_BUCKETS}, the buckets MPNet computes)")
-        table = hf["max_position_embeddings"]
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            max_positions=table - pad - 1,
+            **_shape(hf, "layer_norm_eps", 1e-12),
+            max_positions=hf["max_position_embeddings"] - pad - 1,
             type_vocab_size=0,
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
             pad_token_id=pad,
-            model_type=hf["model_type"],
             positions_after_padding=True,
             relative_attention_buckets=buckets,
             activation=activation,
@@ -189,6 +185,13 @@ def _rope_thetas(hf: dict, legacy: dict[str, tuple[str, float]]) -> dict[str, fl
             for layer_type, (name, default) in legacy.items()}
 
 
+def _check_layer_kinds(kinds: tuple[str, ...], layers: int) -> None:
+    if len(kinds) != layers:
+        raise ValueError(f"{len(kinds)} layer types for {layers} layers")
+    if set(kinds) - {"global", "local"}:
+        raise ValueError(f"layer types {kinds} are not all global or local")
+
+
 def _layer_kinds(named: list[str]) -> tuple[str, ...]:
     """Hugging Face's layer_types -> ours: global (the whole sequence) or local (a window)."""
     kinds = {"full_attention": "global", "sliding_attention": "local"}
@@ -215,10 +218,7 @@ class ModernBertConfig(EncoderShape):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
-        if set(self.layer_types) - {"global", "local"}:
-            raise ValueError(f"layer types {self.layer_types} are not all global or local")
+        _check_layer_kinds(self.layer_types, self.num_layers)
 
     @property
     def window_radius(self) -> int:
@@ -241,15 +241,9 @@ class ModernBertConfig(EncoderShape):
         thetas = _rope_thetas(hf, {"full_attention": ("global_rope_theta", 160_000.0),
                                    "sliding_attention": ("local_rope_theta", 10_000.0)})
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=layers,
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
+            **_shape(hf, "norm_eps", 1e-5),
             max_positions=hf["max_position_embeddings"],
-            layer_norm_eps=hf.get("norm_eps", 1e-5),
             pad_token_id=hf.get("pad_token_id", 50283),
-            model_type=hf["model_type"],
             layer_types=_layer_kinds(named),
             local_attention=hf.get("local_attention", 128),
             global_rope_theta=thetas["full_attention"],
@@ -289,12 +283,18 @@ class DecoderConfig(EncoderShape):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
-        if set(self.layer_types) - {"global", "local"}:
-            raise ValueError(f"layer types {self.layer_types} are not all global or local")
+        _check_layer_kinds(self.layer_types, self.num_layers)
         if "local" in self.layer_types and self.causal:
             raise ValueError("a causal decoder with sliding-window layers is not supported")
+
+    @staticmethod
+    def _shape(hf: dict, head_dim: int, max_positions: int) -> dict:
+        """A decoder config.json's shape; `head_dim`, `max_positions`: its family's defaults."""
+        return _shape(hf, "rms_norm_eps", 1e-6) | dict(
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim", head_dim),
+            max_positions=hf.get("max_position_embeddings", max_positions),
+        )
 
     @classmethod
     def qwen3_from_hf(cls, hf: dict, pooler: bool) -> "DecoderConfig":
@@ -307,20 +307,11 @@ class DecoderConfig(EncoderShape):
         layers = hf["num_hidden_layers"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         theta = _rope_theta(rope, "rope_parameters", hf.get("rope_theta", 10_000.0))
-        pad = hf.get("pad_token_id")
+        pad, eos = hf.get("pad_token_id"), hf.get("eos_token_id")
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=layers,
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim", 128),
-            intermediate_size=hf["intermediate_size"],
-            max_positions=hf.get("max_position_embeddings", 32768),
-            layer_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            **cls._shape(hf, head_dim=128, max_positions=32768),
             # The server fills padding with it; any id does under the mask.
-            pad_token_id=pad if pad is not None else hf.get("eos_token_id") or 0,
-            model_type=hf["model_type"],
+            pad_token_id=pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0,
             layer_types=_layer_kinds(hf.get("layer_types") or ["full_attention"] * layers),
             global_rope_theta=theta,
             causal=True,
@@ -349,17 +340,8 @@ class DecoderConfig(EncoderShape):
         thetas = _rope_thetas(hf, {"full_attention": ("rope_theta", 1_000_000.0),
                                    "sliding_attention": ("rope_local_base_freq", 10_000.0)})
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=layers,
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim", 256),
-            intermediate_size=hf["intermediate_size"],
-            max_positions=hf.get("max_position_embeddings", 131_072),
-            layer_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            **cls._shape(hf, head_dim=256, max_positions=131_072),
             pad_token_id=hf.get("pad_token_id", 0),
-            model_type=hf["model_type"],
             layer_types=_layer_kinds(named),
             window_radius=hf.get("sliding_window", 4096) // 2,
             global_rope_theta=thetas["full_attention"],

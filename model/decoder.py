@@ -15,10 +15,10 @@ with global ones, each kind with a RoPE base of its own.
 import torch
 from torch import nn
 
-from attnserve.model.attention import MultiHeadAttention, key_mask, window_mask
+from attnserve.model.attention import MultiHeadAttention
 from attnserve.model.config import DecoderConfig
-from attnserve.model.encoder import EncoderOutput
 from attnserve.model.feed_forward import GatedFeedForward
+from attnserve.model.layer_kinds import LayerKindStack, rotaries
 from attnserve.model.positions import RotaryEmbedding
 
 
@@ -64,39 +64,19 @@ class DecoderBlock(nn.Module):
         return x, probs
 
 
-class Decoder(nn.Module):
+class Decoder(LayerKindStack):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
-        rotary = {kind: RotaryEmbedding(config.head_dim, config.max_positions, base, pairs="halves")
-                  for kind, base in (("global", config.global_rope_theta),
-                                     ("local", config.local_rope_theta))
-                  if kind in config.layer_types}
+        rotary = rotaries(config)
         self.word = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(config, i, rotary[kind])
                                     for i, kind in enumerate(config.layer_types))
         self.final_norm = _norm(config)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
-    ) -> EncoderOutput:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        whole = key_mask(attention_mask)
-        window = window_mask(attention_mask, self.config.window_radius) if any(
-            layer.local for layer in self.layers) else None
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.word(input_ids)
         if self.config.embedding_scale:
             # A float32 constant, as Gemma multiplies by it.
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        attentions = []
-        for layer in self.layers:
-            x, probs = layer(x, window if layer.local else whole)
-            attentions.append(probs)
-        return EncoderOutput(
-            last_hidden_state=self.final_norm(x),
-            attentions=tuple(attentions) if output_attentions else None,
-        )
+            return x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        return x

@@ -1,19 +1,18 @@
 """ModernBERT: token embeddings then LayerNorm, pre-LN blocks of rotary attention and a
 GeGLU feed-forward, a final LayerNorm; no biases anywhere (by its configuration).
 
-Attention alternates: a global layer lets every token look at the whole sequence; a
-local one only at the tokens at most `local_attention // 2` positions away on either
-side, a window applied as a mask before the softmax, like padding. Each kind rotates its
-queries and keys with a RoPE base of its own.
+Attention alternates (model/layer_kinds.py): a global layer lets every token look at the
+whole sequence; a local one only at the tokens at most `local_attention // 2` positions
+away on either side. Each kind rotates its queries and keys with a RoPE base of its own.
 """
 
 import torch
 from torch import nn
 
-from attnserve.model.attention import MultiHeadAttention, key_mask, window_mask
+from attnserve.model.attention import MultiHeadAttention
 from attnserve.model.config import ModernBertConfig
-from attnserve.model.encoder import EncoderOutput
 from attnserve.model.feed_forward import GatedFeedForward
+from attnserve.model.layer_kinds import LayerKindStack, rotaries
 from attnserve.model.positions import RotaryEmbedding
 
 
@@ -55,34 +54,15 @@ class ModernBertBlock(nn.Module):
         return x, probs
 
 
-class ModernBertEncoder(nn.Module):
+class ModernBertEncoder(LayerKindStack):
     def __init__(self, config: ModernBertConfig):
         super().__init__()
         self.config = config
-        rotary = {kind: RotaryEmbedding(config.head_dim, config.max_positions, base, pairs="halves")
-                  for kind, base in (("global", config.global_rope_theta),
-                                     ("local", config.local_rope_theta))}
+        rotary = rotaries(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(ModernBertBlock(config, i, rotary[kind])
                                     for i, kind in enumerate(config.layer_types))
         self.final_norm = _norm(config)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
-    ) -> EncoderOutput:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        whole, window = key_mask(attention_mask), window_mask(attention_mask,
-                                                              self.config.window_radius)
-        x = self.embeddings(input_ids)
-        attentions = []
-        for layer in self.layers:
-            x, probs = layer(x, window if layer.local else whole)
-            attentions.append(probs)
-        return EncoderOutput(
-            last_hidden_state=self.final_norm(x),
-            attentions=tuple(attentions) if output_attentions else None,
-        )
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids)

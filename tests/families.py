@@ -104,15 +104,23 @@ def _xlm_roberta_tokenizer():
     return tokenizer
 
 
-def _modernbert_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def _byte_level_bpe(specials: list[str]):
+    """Byte-level BPE, its special tokens after the vocabulary (ModernBERT's, Qwen3's)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator(TRAINING_TEXTS, trainers.BpeTrainer(
         vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in _MODERNBERT_SPECIALS])
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    return tokenizer
+
+
+def _modernbert_tokenizer():
+    from tokenizers import processors
+
+    tokenizer = _byte_level_bpe(_MODERNBERT_SPECIALS)
     cls, sep = (tokenizer.token_to_id(token) for token in ("[CLS]", "[SEP]"))
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
@@ -157,20 +165,23 @@ def _wordpiece_tokenizer(specials: list[str], unk: str):
     return tokenizer
 
 
-def _random_vectors(model, scale: float = 0.2) -> None:
-    """Every vector parameter (norm scales, biases) drawn at random around its value, so a
-    norm or bias loaded in the wrong place shows."""
+def _save_random(model_class, config, directory: Path) -> None:
+    """A seeded random `model_class` of `config`, every vector parameter (norm scales,
+    biases) drawn at random around its value too, so that a norm or a bias loaded in the
+    wrong place shows; saved as transformers saves it."""
     import torch
 
+    torch.manual_seed(0)
+    model = model_class(config).eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 1:
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
 
 
 def _mpnet(directory: Path, overrides: dict) -> Path:
-    import torch
     from tokenizers import processors
     from transformers import MPNetConfig, MPNetModel
 
@@ -181,10 +192,7 @@ def _mpnet(directory: Path, overrides: dict) -> Path:
     config = MPNetConfig(**(SHAPE | dict(
         vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=ROBERTA_POSITIONS,
         pad_token_id=1, bos_token_id=0, eos_token_id=2) | overrides))
-    torch.manual_seed(0)
-    model = MPNetModel(config).eval()
-    _random_vectors(model)
-    model.save_pretrained(directory, safe_serialization=True)
+    _save_random(MPNetModel, config, directory)
     _save_tokenizer(tokenizer, directory, bos_token="<s>", eos_token="</s>", cls_token="<s>",
                     sep_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
                     model_input_names=["input_ids", "attention_mask"])
@@ -192,7 +200,6 @@ def _mpnet(directory: Path, overrides: dict) -> Path:
 
 
 def _distilbert(directory: Path, overrides: dict) -> Path:
-    import torch
     from tokenizers import processors
     from transformers import DistilBertConfig, DistilBertModel
 
@@ -203,10 +210,7 @@ def _distilbert(directory: Path, overrides: dict) -> Path:
     config = DistilBertConfig(**(dict(
         vocab_size=tokenizer.get_vocab_size(), dim=32, n_layers=2, n_heads=4, hidden_dim=64,
         max_position_embeddings=128, pad_token_id=0) | overrides))
-    torch.manual_seed(0)
-    model = DistilBertModel(config).eval()
-    _random_vectors(model)
-    model.save_pretrained(directory, safe_serialization=True)
+    _save_random(DistilBertModel, config, directory)
     _save_tokenizer(tokenizer, directory, cls_token="[CLS]", sep_token="[SEP]",
                     pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
                     model_input_names=["input_ids", "attention_mask"])
@@ -214,14 +218,9 @@ def _distilbert(directory: Path, overrides: dict) -> Path:
 
 
 def _qwen3_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(TRAINING_TEXTS, trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in _QWEN3_SPECIALS])
+    tokenizer = _byte_level_bpe(_QWEN3_SPECIALS)
     end = tokenizer.token_to_id("<|endoftext|>")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
@@ -230,7 +229,6 @@ def _qwen3_tokenizer():
 
 
 def _qwen3(directory: Path, overrides: dict) -> Path:
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = _qwen3_tokenizer()
@@ -240,17 +238,13 @@ def _qwen3(directory: Path, overrides: dict) -> Path:
                                                                  "rope_theta": 1_000_000.0},
         tie_word_embeddings=True, pad_token_id=end, bos_token_id=end, eos_token_id=end)
         | overrides))
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    _random_vectors(model)
-    model.save_pretrained(directory, safe_serialization=True)
+    _save_random(Qwen3ForCausalLM, config, directory)
     _save_tokenizer(tokenizer, directory, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                     padding_side="left", model_input_names=["input_ids", "attention_mask"])
     return directory
 
 
 def _gemma3(directory: Path, overrides: dict) -> Path:
-    import torch
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import Gemma3TextConfig, Gemma3TextModel
 
@@ -269,10 +263,7 @@ def _gemma3(directory: Path, overrides: dict) -> Path:
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
         pad_token_id=0, eos_token_id=1, bos_token_id=2) | overrides))
-    torch.manual_seed(0)
-    model = Gemma3TextModel(config).eval()
-    _random_vectors(model)
-    model.save_pretrained(directory, safe_serialization=True)
+    _save_random(Gemma3TextModel, config, directory)
     _save_tokenizer(tokenizer, directory, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                     unk_token="<unk>", model_input_names=["input_ids", "attention_mask"])
     return directory

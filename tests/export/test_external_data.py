@@ -30,6 +30,8 @@ def test_every_graph_keeps_its_weights_in_a_listed_hashed_file(artifact):
         large = [t for t in model.graph.initializer if t.ByteSize() > 4096 or
                  t.data_location == onnx.TensorProto.EXTERNAL]
         assert large and all(t.data_location == onnx.TensorProto.EXTERNAL for t in large)
+        modes = {artifact.path(name).stat().st_mode & 0o777 for name in graph.files}
+        assert len(modes) == 1, (graph.file, modes)  # readable by whoever reads the graph
     assert not list(artifact.directory.glob(".scratch-*"))  # nothing left behind
 
 
