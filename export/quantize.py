@@ -28,7 +28,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import onnx
@@ -101,6 +101,14 @@ class _Stats:
         return self.token_max / max(self.token_median, 1e-12)
 
 
+class _Site(NamedTuple):
+    """A node to quantize, by name: its op and the activation it multiplies."""
+
+    name: str
+    op_type: str
+    input: str
+
+
 Row = tuple[np.ndarray, np.ndarray | None]
 """a sequence's ids, and its token types (None where the graph takes none)"""
 
@@ -168,27 +176,62 @@ def _pooling_matmuls(model: onnx.ModelProto) -> list[str]:
             if n.name.startswith(POOL_SCOPE) and n.op_type == "MatMul"]
 
 
-def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    existing = {o.name for o in probe.graph.output}
-    for name in names:
-        if name not in existing:
-            probe.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    return probe
+def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
+    """A session of the graph saved at `graph` that also outputs, for each tensor of
+    `names`, its largest |value| per channel (`<name>/channel_max`) and per token
+    (`<name>/token_max`), computed in the graph right after the tensor is made: the
+    activations themselves never leave onnxruntime, nor outlive their use in it (all of
+    Qwen3-0.6B's at once passed 20 GB). Its weights stay where `graph` keeps them: the
+    probe is saved beside it."""
+    probe = onnx.load(str(graph), load_external_data=False)
+    wanted = set(names)
+    width = [helper.make_tensor(name, onnx.TensorProto.INT64, [1], [value]) for name, value in
+             (("probe/minus_one", -1), ("probe/last", -1), ("probe/end", np.iinfo(np.int64).max))]
+    probe.graph.initializer.extend(width)
+    nodes = []
+    for node in probe.graph.node:
+        nodes.append(node)
+        for name in (out for out in node.output if out in wanted):
+            tag = f"probe/{name}"
+            nodes += [
+                helper.make_node("Abs", [name], [f"{tag}/abs"]),
+                helper.make_node("Shape", [name], [f"{tag}/shape"]),
+                helper.make_node("Slice", [f"{tag}/shape", "probe/last", "probe/end"],
+                                 [f"{tag}/width"]),
+                helper.make_node("Concat", ["probe/minus_one", f"{tag}/width"], [f"{tag}/2d"],
+                                 axis=0),
+                helper.make_node("Reshape", [f"{tag}/abs", f"{tag}/2d"], [f"{tag}/rows"]),
+                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/channel_max"], axes=[0],
+                                 keepdims=0),
+                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/token_max"], axes=[1],
+                                 keepdims=0),
+            ]
+    del probe.graph.node[:]
+    probe.graph.node.extend(nodes)
+    probe.graph.output.extend(helper.make_tensor_value_info(f"{name}/{kind}",
+                                                            onnx.TensorProto.FLOAT, None)
+                              for name in names for kind in ("channel_max", "token_max"))
+    path = graph.with_name(f"probe-{graph.name}")
+    onnx.save_model(probe, str(path))
+    try:
+        return session(path)
+    finally:
+        path.unlink()
 
 
-def _activation_stats(model: onnx.ModelProto, names: list[str], feeds: list[dict]
-                      ) -> dict[str, _Stats]:
-    runner = session(_with_outputs(model, names))
+def _activation_stats(graph: Path, names: list[str], feeds: list[dict]) -> dict[str, _Stats]:
+    """Each tensor of `names` of the graph saved at `graph`, over `feeds`: its largest
+    |value| per channel, and the largest and the median over tokens of a token's largest."""
+    runner = _probe(graph, names)
+    outputs = [f"{name}/{kind}" for name in names for kind in ("channel_max", "token_max")]
     channel: dict[str, np.ndarray] = {}
     tokens: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in feeds:
-        for name, value in zip(names, runner.run(names, feed), strict=True):
-            flat = np.abs(value.reshape(-1, value.shape[-1]))
-            top = flat.max(axis=0)
+        got = dict(zip(outputs, runner.run(outputs, feed), strict=True))
+        for name in names:
+            top = got[f"{name}/channel_max"]
             channel[name] = np.maximum(channel[name], top) if name in channel else top
-            tokens[name].append(flat.max(axis=1))
+            tokens[name].append(got[f"{name}/token_max"])
     stats = {}
     for name, per_token in tokens.items():
         joined = np.concatenate(per_token)
@@ -205,8 +248,8 @@ def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _smooth(model: onnx.ModelProto, stats: dict[str, _Stats]) -> onnx.ModelProto:
     """Divide the LayerNorm outputs that feed quantized sites by per-channel factors (one Mul
-    per tensor, shared by its sites) and multiply the sites' weight rows by the same."""
-    model = _with_outputs(model, [])  # a copy
+    per tensor, shared by its sites) and multiply the sites' weight rows by the same; in
+    place."""
     graph = model.graph
     weights = {i.name: i for i in graph.initializer}
     producer = {out: n for n in graph.node for out in n.output}
@@ -244,9 +287,8 @@ def _split_outliers(model: onnx.ModelProto, outliers: dict[str, np.ndarray], sta
                     ) -> tuple[onnx.ModelProto, list[str]]:
     """For each matmul named in `outliers`: y = x·W becomes (x/s, those channels zeroed)·(s·W),
     to be quantized, plus x[..., outliers]·W[outliers], a small fp32 matmul. The smoothing s
-    rides on the mask's Mul, so it costs nothing more. Returns the model and the names of the
-    fp32 matmuls (to keep out of quantization)."""
-    model = _with_outputs(model, [])  # a copy
+    rides on the mask's Mul, so it costs nothing more. In place; returns the model and the
+    names of the fp32 matmuls (to keep out of quantization)."""
     graph = model.graph
     weights = {i.name: i for i in graph.initializer}
     added, fp32 = [], []
@@ -279,7 +321,9 @@ def _split_outliers(model: onnx.ModelProto, outliers: dict[str, np.ndarray], sta
     return _sorted(model), fp32
 
 
-def _quantize(model: onnx.ModelProto, target: Path, exclude: list[str]) -> None:
+def _quantize(source: Path, target: Path, exclude: list[str]) -> None:
+    """The graph in `source` quantized into `target`. Given a file, the quantizer holds one
+    copy of the graph besides its own work (given a graph in memory, it copies it twice)."""
     # The quantizer warns that the model was not "pre-processed" (shape inference it does not
     # need here: every quantized weight is a constant of known shape).
     logging.disable(logging.WARNING)
@@ -289,7 +333,7 @@ def _quantize(model: onnx.ModelProto, target: Path, exclude: list[str]) -> None:
             # saves every graph of the artifact.
             written = directory / target.name
             quantize_dynamic(
-                model, written,
+                source, written,
                 op_types_to_quantize=["MatMul", "Attention"],
                 per_channel=True,
                 weight_type=QuantType.QInt8,
@@ -441,28 +485,59 @@ class ScoreGate:
 def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> QuantizedGraph:
     """Write the int8 version of the optimised fp32 graph `source`, or raise Int8ParityError
     (leaving no `target`) when it does not pass `gate` against the artifact's fp32 graph
-    `reference` (the same outputs)."""
-    model = onnx.load(str(source))
+    `reference` (the same outputs). One copy of the graph is in memory at a time (Qwen3-0.6B's
+    is 2.4 GB); between the steps it waits in a scratch file."""
     calibration = gate.calibration()
-    smoothed = _smooth(model, _activation_stats(model, sorted({n.input[0] for n in _sites(model)}),
-                                                calibration))
-    sites = _sites(smoothed)
-    stats = _activation_stats(smoothed, sorted({n.input[0] for n in sites}), calibration)
+    with scratch(target.parent) as directory:
+        model = onnx.load(str(source))
+        stats = _activation_stats(source, sorted({n.input[0] for n in _sites(model)}),
+                                  calibration)
+        _smooth(model, stats)
+        # Names only: a node held keeps its whole graph in memory.
+        sites = [_Site(n.name, n.op_type, n.input[0]) for n in _sites(model)]
+        site_count, pooling = len(sites), _pooling_matmuls(model)
+        smoothed = directory / "smoothed.onnx"
+        save(model, smoothed)
+        del model
+        stats = _activation_stats(smoothed, sorted({site.input for site in sites}), calibration)
+        values, split, fp32 = _quantize_gated(smoothed, sites, stats, reference, target, gate,
+                                              pooling)
+    parity = gate.parity(values, reference)
+    result = QuantizedGraph(parity, site_count - len(fp32), len(split), len(fp32))
+    log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,
+             result.quantized, result.split, result.kept_fp32, parity)
+    if not gate.passes(values):
+        remove(target)
+        raise Int8ParityError(gate.refusal(values, target, reference))
+    return result
+
+
+def _quantize_gated(smoothed: Path, sites: list["_Site"], stats: dict[str, _Stats],
+                    reference: Path, target: Path, gate: Gate, pooling: list[str]
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
+    """Quantize the smoothed graph into `target`, the matmuls with outlier tokens split
+    (or, should that miss the gate, kept fp32); returns the gate's measure, the split
+    matmuls and those kept fp32."""
     split: dict[str, np.ndarray] = {}
     fp32: list[str] = []
-    for node in sites:
-        input_stats = stats[node.input[0]]
+    for site in sites:
+        input_stats = stats[site.input]
         if input_stats.ratio <= MAX_TOKEN_RANGE_RATIO:
             continue
         outliers = np.flatnonzero(input_stats.channel_max > OUTLIER_FACTOR * input_stats.token_median)
-        if node.op_type == "MatMul" and len(outliers) <= MAX_OUTLIER_SHARE * len(input_stats.channel_max):
-            split[node.name] = outliers
+        if site.op_type == "MatMul" and len(outliers) <= MAX_OUTLIER_SHARE * len(input_stats.channel_max):
+            split[site.name] = outliers
         else:
-            fp32.append(node.name)
+            fp32.append(site.name)
 
     def attempt(split: dict[str, np.ndarray], fp32: list[str]) -> np.ndarray:
-        prepared, outlier_matmuls = _split_outliers(smoothed, split, stats)
-        _quantize(prepared, target, fp32 + outlier_matmuls + _pooling_matmuls(prepared))
+        prepared, outlier_matmuls = smoothed, []
+        if split:
+            model, outlier_matmuls = _split_outliers(onnx.load(str(smoothed)), split, stats)
+            prepared = smoothed.with_name("split.onnx")
+            save(model, prepared)
+            del model
+        _quantize(prepared, target, fp32 + outlier_matmuls + pooling)
         return gate.measure(reference, target)
 
     values = attempt(split, fp32)
@@ -471,11 +546,4 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
                     "gate; those matmuls stay fp32'", target.name, gate.parity(values, reference))
         fp32, split = fp32 + list(split), {}
         values = attempt(split, fp32)
-    parity = gate.parity(values, reference)
-    result = QuantizedGraph(parity, len(sites) - len(fp32), len(split), len(fp32))
-    log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,
-             result.quantized, result.split, result.kept_fp32, parity)
-    if not gate.passes(values):
-        remove(target)
-        raise Int8ParityError(gate.refusal(values, target, reference))
-    return result
+    return values, split, fp32

@@ -45,13 +45,13 @@ class Dense(nn.Module):
         self.linear = nn.Linear(in_features, out_features, bias=bias)
         self.activation = activation
         self.use_residual = residual
-        if residual and in_features != out_features:
-            self.residual = nn.Linear(in_features, out_features, bias=False)
+        self.residual = (nn.Linear(in_features, out_features, bias=False)
+                         if residual and in_features != out_features else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.activation(self.linear(x))
         if self.use_residual:
-            out = out + (self.residual(x) if hasattr(self, "residual") else x)
+            out = out + (x if self.residual is None else self.residual(x))
         return out
 
 
