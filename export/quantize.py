@@ -42,7 +42,7 @@ from attnserve.artifact import LOGITS_OUTPUT, TOKEN_TYPES, Parity, ScoreParity, 
 from attnserve.export.graph_files import remove, save, scratch
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
 from attnserve.export.onnx_graphs import POOL_SCOPE
-from attnserve.export.verify import session
+from attnserve.export.verify import beside, session
 
 log = logging.getLogger("attnserve.export")
 
@@ -181,8 +181,7 @@ def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
     `names`, its largest |value| per channel (`<name>/channel_max`) and per token
     (`<name>/token_max`), computed in the graph right after the tensor is made: the
     activations themselves never leave onnxruntime, nor outlive their use in it (all of
-    Qwen3-0.6B's at once passed 20 GB). Its weights stay where `graph` keeps them: the
-    probe is saved beside it."""
+    Qwen3-0.6B's at once passed 20 GB). Its weights stay where `graph` keeps them."""
     probe = onnx.load(str(graph), load_external_data=False)
     wanted = set(names)
     width = [helper.make_tensor(name, onnx.TensorProto.INT64, [1], [value]) for name, value in
@@ -208,15 +207,13 @@ def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
             ]
     del probe.graph.node[:]
     probe.graph.node.extend(nodes)
+    # Its own outputs only: the graph's (an attention graph's maps) would be held to the end.
+    del probe.graph.output[:]
     probe.graph.output.extend(helper.make_tensor_value_info(f"{name}/{kind}",
                                                             onnx.TensorProto.FLOAT, None)
                               for name in names for kind in ("channel_max", "token_max"))
-    path = graph.with_name(f"probe-{graph.name}")
-    onnx.save_model(probe, str(path))
-    try:
+    with beside(graph, probe) as path:
         return session(path)
-    finally:
-        path.unlink()
 
 
 def _activation_stats(graph: Path, names: list[str], feeds: list[dict]) -> dict[str, _Stats]:
@@ -355,8 +352,8 @@ def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
     (`pooling`, L2-normalised) embeddings: the text alone, and in a padded batch (texts in
     their fixed order, so short and long share one), as the server runs them."""
     rows = encode_texts(tokenizer, PARITY_TEXTS, max_positions)
-    reference, quantized = session(fp32), session(int8, "int8")
     name = pooled_output(pooling, normalized=True)
+    reference, quantized = session(fp32, outputs=[name]), session(int8, "int8", outputs=[name])
 
     def pooled(runner: ort.InferenceSession, feed: dict[str, np.ndarray]) -> np.ndarray:
         return runner.run([name], feed)[0]
