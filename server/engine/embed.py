@@ -64,8 +64,8 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
 
 
 def _dimensions(model: ServedModel, request: EmbedRequest) -> int:
-    """The size pooled vectors are cut to, checked; 0: the hidden size (no cut)."""
-    dimensions, hidden = request.dimensions, model.manifest.hidden_size
+    """The size pooled vectors are cut to, checked; 0: the vectors' size (no cut)."""
+    dimensions, hidden = request.dimensions, model.manifest.embedding_size
     if dimensions in (0, hidden):
         return 0
     if not model.manifest.matryoshka_dims:
