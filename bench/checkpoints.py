@@ -9,10 +9,10 @@ benchmarks' reference (`SentenceTransformer.encode`) loads the same directory.
   embeddings) and modules (last-token pooling, Normalize, its query instruction), with a
   small byte-level tokenizer that appends <|endoftext|> and pads on the left as Qwen3's does.
 
-    python -m bench.checkpoints qwen3-0.6b DIR
+`python -m bench families` makes them (QUICK: each shape's family at a tiny size, for a run
+that only proves the command works).
 """
 
-import argparse
 import shutil
 from pathlib import Path
 
@@ -25,24 +25,18 @@ SHAPES = {
                                  vocab_size=151669, max_position_embeddings=32768,
                                  initializer_range=0.02)),
 }
+QUICK = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+"""what --quick puts over each shape (a decoder keeps its grouping: 4 query heads over 2)"""
+_QUICK_DECODER = dict(num_key_value_heads=2, head_dim=16)
 
 
-def make(shape: str, directory: Path) -> Path:
-    """The random checkpoint of `shape` (one of SHAPES) in `directory`, replacing it."""
+def make(shape: str, directory: Path, quick: bool = False) -> Path:
+    """The random checkpoint of `shape` (one of SHAPES) in `directory`, replacing it;
+    `quick`: at QUICK's size."""
     from tests.families import make_sentence_transformer
 
     family, config = SHAPES[shape]
+    if quick:
+        config = config | QUICK | (_QUICK_DECODER if "num_key_value_heads" in config else {})
     shutil.rmtree(directory, ignore_errors=True)
     return make_sentence_transformer(family, directory, **config)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("shape", choices=sorted(SHAPES))
-    parser.add_argument("directory", type=Path)
-    args = parser.parse_args()
-    print(make(args.shape, args.directory))
-
-
-if __name__ == "__main__":
-    main()

@@ -27,33 +27,36 @@ def _markers(key: str) -> tuple[str, str]:
     return f"<!-- python -m bench: {key} -->", f"<!-- /python -m bench: {key} -->"
 
 
-def docs_section(result: dict, tables: str, plot_file: str | None) -> tuple[str, str]:
-    """(the machine, its section of the page): a heading naming the machine and the date,
-    the command and versions measured, the plot, the tables."""
+def docs_section(result: dict, tables: str, plot_file: str | None,
+                 benchmark: str = "engines") -> tuple[str, str]:
+    """(its key, its section of the page): a heading naming the machine and the date, the
+    command and versions measured, the plot, the tables. The key is the machine's, for
+    `python -m bench engines`; another benchmark's sections are keyed by its name too."""
     environment = result["environment"]
-    key = machine(environment)
+    name = machine(environment)
+    key = name if benchmark == "engines" else f"{benchmark} on {name}"
     begin, end = _markers(key)
     lines = [begin,
-             f"### {key}, {environment['date']}", "",
+             f"### {name}, {environment['date']}", "",
              f"`{environment['command']}` ({result['seconds']:.0f} s): attnserve "
              f"{environment['attnserve']}, onnxruntime {environment['onnxruntime']}, Python "
              f"{environment['python']}, {environment['threads']} threads.", ""]
     if plot_file:
-        lines += [f"![python -m bench engines on {key}]({plot_file})", ""]
+        lines += [f"![python -m bench {benchmark} on {name}]({plot_file})", ""]
     lines += [tables, end]
     return key, "\n".join(lines)
 
 
-def update_page(page: str, key: str, section: str) -> str:
-    """`page` with `section` in place of the earlier section of the same machine, or, for
-    a machine not in it yet, first below RUNS_MARKER; the rest of the page as it was."""
+def update_page(page: str, key: str, section: str, marker: str = RUNS_MARKER) -> str:
+    """`page` with `section` in place of the earlier section of the same key, or, for a
+    key not in it yet, first below `marker`; the rest of the page as it was."""
     begin, end = _markers(key)
     start = page.find(begin)
     if start >= 0 and page.find(end, start) >= 0:
         stop = page.find(end, start) + len(end)
         return page[:start] + section + page[stop:]
-    at = page.find(RUNS_MARKER)
+    at = page.find(marker)
     if at < 0:
-        raise ValueError(f"the page has no line {RUNS_MARKER!r} to put the run below")
-    at += len(RUNS_MARKER)
+        raise ValueError(f"the page has no line {marker!r} to put the run below")
+    at += len(marker)
     return page[:at] + "\n\n" + section + page[at:]

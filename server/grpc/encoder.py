@@ -135,9 +135,7 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
         heads = _indexes(options.heads, manifest.num_heads, "attention.heads", "head")
         attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
                                   options.average_heads)
-    # A model whose modules end in Normalize returns unit vectors, asked to or not.
-    plan = EmbedPlan(pooling, request.normalize or manifest.normalize,
-                     request.return_token_embeddings,
+    plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
                      DTYPES[request.dtype], attention, _chunking(request, manifest))
     kind = EMBEDDING_TYPES[request.embedding_type]
     if kind is EmbeddingType.FLOAT:

@@ -151,9 +151,7 @@ class TeiDoor(Door):
         body = await self.calls.json_body(request, holds, TeiEmbed)
         model = self.plane.model(None)
         size = body.dimensions or model.manifest.embedding_size
-        # A model whose modules end in Normalize returns unit vectors, asked to or not.
-        pooled = pooled_output(model.manifest.default_pooling,
-                               body.normalize or model.manifest.normalize)
+        pooled = pooled_output(model.manifest.default_pooling, body.normalize)
         inputs, names = sequences(body.inputs, "inputs", Empty)
         embedded = await embed.embed(model, EmbedRequest(
             names=names, size=self._size(LIST_BYTES + size * JSON_FLOAT_BYTES, 0),
