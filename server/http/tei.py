@@ -87,6 +87,9 @@ STATUSES = {400: (422, "Validation"), 429: (429, "Overloaded"), 500: (424, "Back
 RERANK = Fields("texts")
 SIMILARITY = Fields("inputs.sentences", query="inputs.source_sentence")
 
+# TEI's name of a pooling where it differs from ours (its /info).
+TEI_POOLINGS = {"lasttoken": "last_token"}
+
 
 class Empty(InvalidArgument):
     """TEI's Empty: an empty input, list or text."""
@@ -265,7 +268,8 @@ class TeiDoor(Door):
                 {str(i): label for i, label in enumerate(info.labels)},
                 {label: i for i, label in enumerate(info.labels)}))
         else:
-            kind = TeiModelType(embedding=TeiEmbedding(info.default_pooling))
+            kind = TeiModelType(embedding=TeiEmbedding(
+                TEI_POOLINGS.get(info.default_pooling, info.default_pooling)))
         return json_response(TeiInfo(
             model_id=info.model, model_sha=info.artifact_sha256,
             model_dtype=DTYPES.get(info.precision, info.precision), served_model_name=info.model,

@@ -16,21 +16,22 @@ server a family holding both:
 - the rerankers over gRPC, Cohere's /v1/rerank and TEI's /rerank against
   sentence-transformers' CrossEncoder."""
 
+import json
+import urllib.request
+
 import numpy as np
 import pytest
 import torch
 
 from attnserve.client import EncoderClient
+
+# The export's tests' texts (one past Gemma3's window) and measure.
+from tests.export.test_sentence_families import MIN_COSINE, TEXTS, cosines
 from tests.families import CLASSIFIER_FAMILIES, GEMMA3_WINDOW, SENTENCE_FAMILIES
 from tests.harness import ServerProcess
 from tests.server.test_http import post_json
 
-MIN_COSINE = 0.99999
 RERANK_ATOL = 1e-4
-TEXTS = ["Hello world, don't panic!", "ok",
-         "The quick brown fox jumps over the lazy dog. Self-attention lets every token look "
-         "at every other token.",
-         "服务 A 调用了配置中心 B。"]
 # Past every tiny model's 128 positions.
 LONG = "Le chat dort sur le canapé pendant que la pluie tombe doucement. " * 12
 # Within one window of every tiny model: its late chunks are pooled from the text run whole.
@@ -76,11 +77,6 @@ def st(exported):
     return model
 
 
-def cosines(got, want) -> np.ndarray:
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    return (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-
-
 def vectors(door: str, server, client, family: str, texts: list[str], prompt: str | None):
     """Each text's vector from `door`, normalised (OpenAI's and TEI's are)."""
     if door == "grpc":
@@ -105,6 +101,14 @@ def test_vectors_equal_sentence_transformers(door, server, client, family, st, e
         got = vectors(door, server, client, family, TEXTS, prompt)
         assert got.shape == want.shape
         assert cosines(got, want).min() >= MIN_COSINE, (door, prompt)
+
+
+def test_teis_info_names_the_pooling_as_tei_does(server, exported):
+    with urllib.request.urlopen(server.http_url + "/info", timeout=30) as response:
+        info = json.loads(response.read())
+    pooling = exported[1].manifest.default_pooling
+    assert info["model_type"] == {"embedding": {"pooling": {"lasttoken": "last_token"}.get(
+        pooling, pooling)}}
 
 
 def test_unnormalised_vectors_are_sentence_transformers_own(client, family, st, exported):
@@ -141,7 +145,7 @@ def test_a_cut_text_keeps_the_checkpoints_special_tokens(client, family, st, exp
         tokenizer.truncation_side = "right"
     assert want_ids[-1] == whole[-1]  # the closing special token, kept
     assert result.token_ids == want_ids
-    assert cosines([result.pooled], want).min() >= MIN_COSINE
+    assert cosines(result.pooled[None], want).min() >= MIN_COSINE
 
 
 def head_tokens(tokenizer, text: str) -> int:
