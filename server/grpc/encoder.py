@@ -128,6 +128,10 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
     if request.embedding_type not in EMBEDDING_TYPES:
         raise InvalidArgument("embedding_type", f"unknown value {request.embedding_type}")
     pooling = request.pooling or POOLING_NAMES[manifest.default_pooling]
+    if pooling == pb.POOLING_LAST_TOKEN and pooled_output("lasttoken", False) not in manifest.pooled_outputs:
+        raise InvalidArgument("pooling", f"POOLING_LAST_TOKEN: model {model!r} was exported without "
+                              f"last-token vectors (manifest format_version "
+                              f"{manifest.format_version}): export it again")
     attention = None
     if request.HasField("attention"):
         options = request.attention

@@ -16,6 +16,7 @@ server a family holding both:
 - the rerankers over gRPC, Cohere's /v1/rerank and TEI's /rerank against
   sentence-transformers' CrossEncoder."""
 
+import dataclasses
 import json
 import urllib.request
 
@@ -250,3 +251,22 @@ def test_rerankers_score_as_the_cross_encoder_on_every_door(server, client, cros
     assert status == 200, answer
     tei = {r["index"]: r["score"] for r in answer}
     np.testing.assert_allclose([tei[i] for i in range(len(TEXTS))], logits, atol=RERANK_ATOL)
+
+
+# --- refusals ----------------------------------------------------------------------------
+
+
+def test_last_token_pooling_is_refused_for_an_artifact_exported_without_it(tiny_artifact):
+    from attnserve.artifact import load_artifact
+    from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+    from attnserve.server.errors import InvalidArgument
+    from attnserve.server.grpc.encoder import plan_embed
+
+    manifest = load_artifact(tiny_artifact).manifest
+    request = pb.EmbedRequest(texts=["a"], pooling=pb.POOLING_LAST_TOKEN)
+    assert plan_embed(request, manifest, "tiny").pooling == pb.POOLING_LAST_TOKEN
+    older = dataclasses.replace(manifest, format_version=4)
+    with pytest.raises(InvalidArgument) as refused:
+        plan_embed(request, older, "tiny")
+    assert refused.value.field == "pooling"
+    assert "exported without last-token vectors (manifest format_version 4)" in str(refused.value)
