@@ -223,4 +223,4 @@ class ServedModel:
             artifact_sha256=self.artifact.manifest_sha256,
             inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in m.inputs],
             outputs=outputs, prompts=dict(m.prompts), default_prompt_name=self.default_prompt,
-            matryoshka_dims=list(m.matryoshka_dims))
+            matryoshka_dims=list(m.matryoshka_dims), embedding_size=m.embedding_size)

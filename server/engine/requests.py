@@ -344,4 +344,6 @@ class ModelInfo:
     default_prompt_name: str | None = None
     """the prompt a request that names none gets"""
     matryoshka_dims: list[int] = field(default_factory=list)
-    """the sizes a pooled vector may be cut to besides the hidden size, largest first"""
+    """the sizes a pooled vector may be cut to besides embedding_size, largest first"""
+    embedding_size: int = 0
+    """the pooled vectors' size (past any Dense layers)"""

@@ -293,7 +293,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family,
             kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
             prompts=info.prompts, default_prompt_name=info.default_prompt_name or "",
-            matryoshka_dims=info.matryoshka_dims)
+            matryoshka_dims=info.matryoshka_dims, embedding_size=info.embedding_size)
 
 
 def _head_bytes(model: str) -> int:

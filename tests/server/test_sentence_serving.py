@@ -104,6 +104,13 @@ def test_vectors_equal_sentence_transformers(door, server, client, family, st, e
         assert cosines(got, want).min() >= MIN_COSINE, (door, prompt)
 
 
+def test_model_info_gives_the_vectors_size(client, family, exported):
+    info = client.model_info(model=family)
+    assert (info.embedding_size, info.hidden_size) == (exported[1].manifest.embedding_size, 32)
+    assert info.default_pooling == {"mean": 1, "cls": 2, "lasttoken": 4}[
+        exported[1].manifest.default_pooling]
+
+
 def test_teis_info_names_the_pooling_as_tei_does(server, exported):
     with urllib.request.urlopen(server.http_url + "/info", timeout=30) as response:
         info = json.loads(response.read())
