@@ -43,15 +43,16 @@ def families(args) -> Result:
 
     Each shape's random checkpoint (bench/checkpoints.py: BERT-base's, Qwen3-0.6B's; random
     weights cost what real ones do) is made once under --out-dir and exported by `attnserve
-    export --int8` (the Qwen3 export takes about half an hour and 12 GiB on 2 cores). One
-    caller sends the same request back to back, --reps times after one warm-up call: 32
-    texts of 128 tokens, 32 of 512, 1 of 16 (special tokens included). attnserve runs at
-    its defaults (fp32) and with `--precision int8`; sentence-transformers runs in a
-    process of its own at its defaults (encode, batch_size 32; no progress bar), its max_seq_length raised
-    where it would cut the 512-token texts. It prints p50 per call, each engine's speed as
-    a ratio to sentence-transformers', and the cosine of each engine's vectors against
-    sentence-transformers' and of int8's against fp32's, the worst text of the 32x128
-    request. --quick: both shapes at a tiny size (bench/checkpoints.QUICK), 2 reps."""
+    export --int8` (the Qwen3 one: 20 minutes or more on 2 cores, about 15 GiB at its
+    peak, while quantizing). One caller sends the same request back to back, --reps times
+    after one warm-up call: 32 texts of 128 tokens, 32 of 512, 1 of 16 (special tokens
+    included). attnserve runs at its defaults (fp32) and with `--precision int8`;
+    sentence-transformers runs in a process of its own at its defaults (encode, batch_size
+    32; no progress bar), its max_seq_length raised where it would cut the 512-token texts.
+    It prints p50 per call, each engine's speed as a ratio to sentence-transformers', and
+    the cosine of each engine's vectors against sentence-transformers' and of int8's
+    against fp32's, the worst text of the 32x128 request. --quick: both shapes at a tiny
+    size (bench/checkpoints.QUICK), 2 reps."""
     if args.docs and args.quick:
         raise SystemExit("python -m bench families: --docs records a full run's figures; drop --quick")
     started = time.perf_counter()
