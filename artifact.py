@@ -20,9 +20,13 @@ MEMORY_MODEL = "memory_model.json"
 # manifest names the graphs' runtime and the checkpoint's family (model_type). 4: the
 # artifact's kind (an embedder, or a reranker with its labels and, for BERT, token types),
 # an embedder's pooled vectors' ranges over the calibration texts (`EmbeddingRanges`), the
-# checkpoint's prompts, whether pooling takes their tokens, and its Matryoshka sizes.
-FORMAT_VERSION = 4
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
+# checkpoint's prompts, whether pooling takes their tokens, and its Matryoshka sizes. 5:
+# last-token pooled outputs; sentence-transformers' Dense layers (in the pooled outputs,
+# and as a graph of their own for vectors the server pools) and Normalize; the vectors'
+# size; grouped key/value heads, head and feed-forward widths; a graph's weights in an
+# external data file past ONNX's 2 GB limit.
+FORMAT_VERSION = 5
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 INPUT_NAMES = ("input_ids", "attention_mask")
 TOKEN_TYPES = "token_type_ids"
 """a reranker graph's third input, where its family has segments (BERT): 0 for the query's
@@ -30,7 +34,12 @@ side of a pair, 1 for the text's"""
 HIDDEN_OUTPUT = "last_hidden_state"
 LOGITS_OUTPUT = "logits"
 """a reranker graph's one output: [batch, labels] float32"""
-POOLINGS = ("mean", "cls")
+POOLINGS = ("mean", "cls", "lasttoken")
+# The poolings of the graphs of format_version 4 and older.
+_EARLIER_POOLINGS = ("mean", "cls")
+DENSE_INPUT, DENSE_OUTPUT = "pooled", "dense"
+"""the Dense layers' graph: pooled vectors [batch, hidden_size] float32 in, the vectors
+after every Dense layer [batch, embedding_size] out"""
 EMBEDDER, RERANKER = "embedder", "reranker"
 KINDS = (EMBEDDER, RERANKER)
 
@@ -40,12 +49,14 @@ def attention_output(layer: int) -> str:
 
 
 def pooled_output(pooling: str, normalized: bool) -> str:
-    """The graph output of one pooled vector per sequence, [batch, hidden] float32:
-    `mean` over the attention mask or the first token's (`cls`), L2-normalised or not."""
+    """The graph output of one vector per sequence, [batch, embedding_size] float32: `mean`
+    over the attention mask, the first token's (`cls`) or the last real token's
+    (`lasttoken`), through the checkpoint's Dense layers, L2-normalised or not."""
     return f"pooled_{pooling}" + ("_normalized" if normalized else "")
 
 
 POOLED_OUTPUTS = tuple(pooled_output(p, n) for p in POOLINGS for n in (False, True))
+"""the pooled outputs this exporter writes (Manifest.pooled_outputs: an artifact's)"""
 
 # CPU flags (/proc/cpuinfo) with which onnxruntime's uint8 x int8 matmul kernels sum the
 # products in 32 bits: VNNI (AVX-512 or AVX), AMX.
@@ -106,10 +117,12 @@ class Parity:
     batch: int
     """size of the padded batches the texts were also run in"""
     pooled_cosine_min: float
-    """cosine of the mean-pooled, L2-normalised embeddings: the worst text"""
+    """cosine of the pooled (`pooling`), L2-normalised embeddings: the worst text"""
     pooled_cosine_mean: float
     min_cosine: float
     """the gate export applied: below it, the graph was refused"""
+    pooling: str = "mean"
+    """the pooling measured: the artifact's default (format_version 5; mean before)"""
 
 
 @dataclass(frozen=True)
@@ -122,8 +135,8 @@ class EmbeddingRanges:
     texts: int
     """how many calibration texts were run"""
     ranges: dict[str, list[list[float]]]
-    """pooled output name (POOLED_OUTPUTS) -> [[min of each dimension], [max of each]],
-    float32 values"""
+    """pooled output name (Manifest.pooled_outputs) -> [[min of each dimension], [max of
+    each]], float32 values"""
 
 
 @dataclass(frozen=True)
@@ -152,12 +165,19 @@ class Graph:
     optimized: bool
     """True when onnxruntime's transformer optimiser fused its kernels"""
     outputs: list[str]
-    """every output of the graph: last_hidden_state, the pooled vectors (POOLED_OUTPUTS),
-    and attentions.K in an attention graph; a reranker's: logits"""
+    """every output of the graph: last_hidden_state, the pooled vectors
+    (Manifest.pooled_outputs), and attentions.K in an attention graph; a reranker's: logits"""
     max_abs_error: float
     """worst difference from the PyTorch model measured at export"""
     parity: Parity | ScoreParity | None = None
     """int8 graphs: agreement with fp32 (format_version 2; a reranker's: ScoreParity)"""
+    external_data: str | None = None
+    """the file beside it that holds its weights, for a graph past ONNX's 2 GB protobuf
+    limit (format_version 5); None: they are inside `file`"""
+
+    @property
+    def files(self) -> list[str]:
+        return [self.file] + ([self.external_data] if self.external_data else [])
 
 
 @dataclass(frozen=True)
@@ -197,7 +217,48 @@ class Manifest:
     `include_prompt`); False: a pooled vector leaves them out"""
     matryoshka_dims: list[int] = field(default_factory=list)
     """the sizes a pooled vector may be cut to (Matryoshka training), largest first, as the
-    checkpoint declares them; the hidden size is served whether listed or not"""
+    checkpoint declares them; embedding_size is served whether listed or not"""
+    embedding_size: int = 0
+    """the pooled vectors' size: the last Dense layer's, or hidden_size (an older manifest
+    has none: hidden_size)"""
+    dense_graph: str | None = None
+    """the graph of the checkpoint's sentence-transformers Dense layers (DENSE_INPUT ->
+    DENSE_OUTPUT), which the pooled outputs already went through: for a vector the server
+    pools from the hidden state itself (prompt tokens left out, late chunking); None:
+    the checkpoint has none"""
+    normalize: bool = False
+    """the checkpoint's modules end in Normalize: sentence-transformers returns its vectors
+    at unit length"""
+    num_kv_heads: int = 0
+    """heads of keys and values (grouped-query attention: fewer than num_heads); an older
+    manifest has none: num_heads"""
+    head_dim: int = 0
+    """each head's width (an older manifest has none: hidden_size // num_heads)"""
+    intermediate_size: int = 0
+    """the feed-forward's width (0: an older manifest, which does not record it)"""
+
+    def __post_init__(self) -> None:
+        for name, default in (("embedding_size", self.hidden_size),
+                              ("num_kv_heads", self.num_heads),
+                              ("head_dim", self.hidden_size // max(self.num_heads, 1))):
+            if not getattr(self, name):
+                object.__setattr__(self, name, default)
+
+    @property
+    def pooled_outputs(self) -> tuple[str, ...]:
+        """An embedder's pooled outputs, in every graph: each pooling's (format_version 5;
+        mean and cls before), raw and normalised; a reranker has none."""
+        if self.kind == RERANKER:
+            return ()
+        poolings = POOLINGS if self.format_version >= 5 else _EARLIER_POOLINGS
+        return tuple(pooled_output(p, n) for p in poolings for n in (False, True))
+
+    @property
+    def files_listed(self) -> list[str]:
+        """Every file of the artifact the manifest hashes: the graphs and their data, the
+        tokenizer, the Dense layers' graph."""
+        names = [name for graph in self.graphs for name in graph.files] + [TOKENIZER]
+        return names + ([self.dense_graph] if self.dense_graph else [])
 
     def graph(self, *, attention: bool, precision: str) -> Graph | None:
         """The graph to serve with: an optimised one when export kept it."""
@@ -211,7 +272,7 @@ def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
     state and every pooled vector, and in an attention graph every layer's maps."""
     if manifest.kind == RERANKER:
         return [LOGITS_OUTPUT]
-    names = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
+    names = [HIDDEN_OUTPUT, *manifest.pooled_outputs]
     if graph.attention:
         names += [attention_output(layer) for layer in range(manifest.num_layers)]
     return names
@@ -220,7 +281,7 @@ def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
 def sequence_outputs(manifest: Manifest) -> tuple[str, ...]:
     """The outputs with one vector per sequence: an embedder's pooled vectors, a
     reranker's logits."""
-    return (LOGITS_OUTPUT,) if manifest.kind == RERANKER else POOLED_OUTPUTS
+    return (LOGITS_OUTPUT,) if manifest.kind == RERANKER else manifest.pooled_outputs
 
 
 def outdated(directory: Path | str) -> str | None:
@@ -256,9 +317,10 @@ def _check_extras(path: Path, m: Manifest) -> None:
         raise ArtifactError(f"{path}: default_prompt_name {m.default_prompt_name!r} is not one "
                             f"of the prompts {sorted(m.prompts)}")
     dims = m.matryoshka_dims
-    if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= m.hidden_size for d in dims):
+    if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= m.embedding_size
+                                             for d in dims):
         raise ArtifactError(f"{path}: matryoshka_dims {dims!r} must be sizes from 1 to the "
-                            f"hidden size, {m.hidden_size}")
+                            f"vectors' size, {m.embedding_size}")
 
 
 def sha256_file(path: Path) -> str:
@@ -270,10 +332,9 @@ def sha256_file(path: Path) -> str:
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> Path:
-    """Hash every graph and the tokenizer, then write manifest.json last, so a
-    directory with a manifest is a finished export."""
-    names = [g.file for g in manifest.graphs] + [TOKENIZER]
-    files = {name: sha256_file(directory / name) for name in names}
+    """Hash every file of the artifact, then write manifest.json last, so a directory with
+    a manifest is a finished export."""
+    files = {name: sha256_file(directory / name) for name in manifest.files_listed}
     data = asdict(manifest) | {"files": files}
     path = directory / MANIFEST
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -309,10 +370,11 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
         ranges = data.pop("embedding_ranges", None)
         manifest = Manifest(graphs=graphs, embedding_ranges=None if ranges is None
                             else EmbeddingRanges(**ranges), **data)
+        size = manifest.embedding_size
         for name, bounds in (manifest.embedding_ranges.ranges if ranges else {}).items():
-            if name not in POOLED_OUTPUTS or [len(b) for b in bounds] != [manifest.hidden_size] * 2:
+            if name not in manifest.pooled_outputs or [len(b) for b in bounds] != [size] * 2:
                 raise ArtifactError(f"{manifest_path}: embedding_ranges {name!r} is not a pooled "
-                                    f"output's [[min], [max]] of {manifest.hidden_size} values each")
+                                    f"output's [[min], [max]] of {size} values each")
     except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as err:
         raise ArtifactError(f"{manifest_path}: not a valid manifest ({err})") from err
     if manifest.kind not in KINDS:
@@ -321,8 +383,7 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
     if list(manifest.inputs) not in allowed:
         raise ArtifactError(f"{manifest_path}: inputs {manifest.inputs}, expected "
                             f"{' or '.join(map(str, allowed))}")
-    listed = {g.file for g in manifest.graphs} | {TOKENIZER}
-    unhashed = sorted(listed - set(manifest.files))
+    unhashed = sorted(set(manifest.files_listed) - set(manifest.files))
     if unhashed:
         raise ArtifactError(f"{manifest_path}: no sha256 for {unhashed[0]}")
     for name, expected in sorted(manifest.files.items()):

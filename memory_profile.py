@@ -387,10 +387,6 @@ def memray_importable() -> bool:
     return True
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-
 def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers: int,
                max_tokens: int | None = None, first: str = EMBEDDINGS) -> list[Shape]:
     """The embeddings graph at every shape of the grid up to `max_tokens` (batch × seq);
@@ -430,10 +426,10 @@ def fitted_already(artifact, provider: str, precision: str, attention: bool) -> 
 def run_memory_profile(args: argparse.Namespace) -> int:
     artifact = load_artifact(args.artifact)
     manifest = artifact.manifest
-    seq_lens = sorted(set(_ints(args.seq_lens)))
+    seq_lens = sorted(set(args.seq_lens))
     skipped = [s for s in seq_lens if s > manifest.max_positions or s < 1]
     seq_lens = [s for s in seq_lens if s not in skipped]
-    batches = sorted(set(_ints(args.batch_sizes)))
+    batches = sorted(set(args.batch_sizes))
     if not seq_lens or not batches or min(batches) < 1:
         print("memory-profile: no shapes to measure (check --seq-lens and --batch-sizes)",
               file=sys.stderr)

@@ -2,10 +2,13 @@
 
 from pathlib import Path
 
+import onnx
 import torch
 from torch import nn
 
 from attnserve.artifact import (
+    DENSE_INPUT,
+    DENSE_OUTPUT,
     HIDDEN_OUTPUT,
     INPUT_NAMES,
     LOGITS_OUTPUT,
@@ -14,7 +17,8 @@ from attnserve.artifact import (
     TOKEN_TYPES,
     attention_output,
 )
-from attnserve.model import AnyEncoder, CrossEncoder
+from attnserve.export.graph_files import save, scratch
+from attnserve.model import AnyEncoder, CrossEncoder, pooling
 
 # The TorchScript exporter at opset 17: torch 2.13's default dynamo exporter writes a
 # graph whose attention onnxruntime's optimiser cannot fuse, and which runs slower.
@@ -27,32 +31,39 @@ POOL_SCOPE = "/pool/"
 class Pool(nn.Module):
     """The pooled outputs, computed where the hidden state is (on the GPU under CUDA), so a
     caller who wants one vector per sequence never needs [batch, seq, hidden] copied out.
-    As sentence-transformers pools: mean over the tokens the mask keeps (the count clamped
-    away from zero, so a row of padding only pools to zeros), or the first token; each
-    also L2-normalised as torch.nn.functional.normalize does (the norm clamped at 1e-12),
-    written out so the graph has no Shape/Expand nodes, which onnxruntime may place on the
-    CPU (a CUDA graph needs every node on the device)."""
+    As sentence-transformers computes them: each pooling (model/pooling.py), then the
+    checkpoint's Dense layers (`dense`), each vector also L2-normalised as
+    torch.nn.functional.normalize does (the norm clamped at 1e-12), written out so the
+    graph has no Shape/Expand nodes, which onnxruntime may place on the CPU (a CUDA graph
+    needs every node on the device).
+
+    The poolings' vectors go through the Dense layers stacked, [poolings, batch, hidden]:
+    one matmul a layer, whose weight no other node reads (onnxruntime's quantizer rewrites
+    a weight in place for each reader of it)."""
+
+    def __init__(self, dense: nn.Module):
+        super().__init__()
+        self.dense = dense
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        count = weights.sum(dim=1).clamp(min=1e-9)
-        pooled = {"mean": (hidden * weights).sum(dim=1) / count, "cls": hidden[:, 0]}
+        pooled = torch.stack([pooling.pool(hidden, attention_mask, how) for how in POOLINGS])
         out = []
-        for name in POOLINGS:
-            vector = pooled[name]
+        for vector in self.dense(pooled).unbind(0):
             out += [vector, vector / vector.norm(p=2, dim=1, keepdim=True).clamp(min=1e-12)]
         return tuple(out)
 
 
 class GraphOutputs(nn.Module):
     """The encoder with a flat tuple of outputs, as ONNX wants them, in `output_names`'
-    order: the hidden state, the pooled vectors, then the attention maps."""
+    order: the hidden state, the pooled vectors, then the attention maps. `dense`: the
+    checkpoint's sentence-transformers Dense layers, which every pooled vector goes
+    through (none: an empty nn.Sequential)."""
 
-    def __init__(self, encoder: AnyEncoder, attention: bool):
+    def __init__(self, encoder: AnyEncoder, attention: bool, dense: nn.Module | None = None):
         super().__init__()
         self.encoder = encoder
         self.attention = attention
-        self.pool = Pool()
+        self.pool = Pool(nn.Sequential() if dense is None else dense)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         out = self.encoder(input_ids, attention_mask, output_attentions=self.attention)
@@ -94,6 +105,17 @@ def _tracing_inputs(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attention_mask
 
 
+def _trace(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
+           outputs: list[str], dynamic: dict[str, dict[int, str]]) -> None:
+    """Trace `module` into `path` (graph_files.save: its weights beside it past 2 GB)."""
+    with scratch(path.parent) as directory, torch.no_grad():
+        traced = directory / path.name
+        torch.onnx.export(module.eval(), args, str(traced), input_names=inputs,
+                          output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
+                          dynamo=False)
+        save(onnx.load(str(traced)), path)
+
+
 def export_scores(model: CrossEncoder, path: Path) -> list[str]:
     """Write the fp32 scores graph of a cross-encoder; returns its output names."""
     input_ids, attention_mask = _tracing_inputs(model.config.vocab_size)
@@ -102,30 +124,26 @@ def export_scores(model: CrossEncoder, path: Path) -> list[str]:
     if TOKEN_TYPES in inputs:
         args += ((torch.arange(input_ids.shape[1]) >= 3).long().expand_as(input_ids).contiguous(),)
     dynamic = {name: {0: "batch", 1: "seq"} for name in inputs} | {LOGITS_OUTPUT: {0: "batch"}}
-    with torch.no_grad():
-        torch.onnx.export(ScoreOutputs(model).eval(), args, str(path), input_names=list(inputs),
-                          output_names=[LOGITS_OUTPUT], dynamic_axes=dynamic,
-                          opset_version=OPSET, dynamo=False)
+    _trace(ScoreOutputs(model), args, path, list(inputs), [LOGITS_OUTPUT], dynamic)
     return [LOGITS_OUTPUT]
 
 
-def export_graph(encoder: AnyEncoder, path: Path, attention: bool) -> list[str]:
+def export_graph(encoder: AnyEncoder, path: Path, attention: bool,
+                 dense: nn.Module | None = None) -> list[str]:
     """Write one fp32 graph; returns its output names."""
     outputs = output_names(encoder, attention)
-    input_ids, attention_mask = _tracing_inputs(encoder.config.vocab_size)
     dynamic = {name: {0: "batch", 1: "seq"} for name in (*INPUT_NAMES, HIDDEN_OUTPUT)}
     dynamic |= {name: {0: "batch"} for name in POOLED_OUTPUTS}
     dynamic |= {attention_output(i): {0: "batch", 2: "seq", 3: "seq"}
                 for i in range(encoder.config.num_layers) if attention}
-    with torch.no_grad():
-        torch.onnx.export(
-            GraphOutputs(encoder, attention).eval(),
-            (input_ids, attention_mask),
-            str(path),
-            input_names=list(INPUT_NAMES),
-            output_names=outputs,
-            dynamic_axes=dynamic,
-            opset_version=OPSET,
-            dynamo=False,
-        )
+    _trace(GraphOutputs(encoder, attention, dense), _tracing_inputs(encoder.config.vocab_size),
+           path, list(INPUT_NAMES), outputs, dynamic)
     return outputs
+
+
+def export_dense(dense: nn.Module, hidden_size: int, path: Path) -> list[str]:
+    """Write the graph of the Dense layers alone, pooled vectors in, the vectors after every
+    layer out: what the server runs on a vector it pooled itself."""
+    _trace(dense, (torch.randn(3, hidden_size),), path, [DENSE_INPUT], [DENSE_OUTPUT],
+           {DENSE_INPUT: {0: "batch"}, DENSE_OUTPUT: {0: "batch"}})
+    return [DENSE_OUTPUT]

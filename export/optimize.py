@@ -11,6 +11,7 @@ from onnxruntime.transformers.fusion_options import FusionOptions
 from onnxruntime.transformers.optimizer import optimize_model
 
 from attnserve.artifact import POOLED_OUTPUTS
+from attnserve.export.graph_files import large, share_mode
 from attnserve.export.onnx_graphs import POOL_SCOPE
 from attnserve.model import EncoderShape
 
@@ -27,18 +28,25 @@ FP32_OPS = ["Softmax"]
 class _Pooling:
     nodes: list[NodeProto]
     outputs: list[ValueInfoProto]
+    own: list[TensorProto]
+    """initializers only the pooling reads (the Dense layers' weights): taken out with it"""
     shared: list[TensorProto | NodeProto]
     """initializers and Constant nodes outside the pooling scope it reads (the exporter
     shares equal constants): the converter prunes them once their other readers are gone"""
 
 
 def _take_pooling(graph: GraphProto) -> _Pooling:
-    """Remove the pooling nodes and the pooled outputs from `graph`; returns them."""
+    """Remove the pooling nodes, the initializers only they read and the pooled outputs
+    from `graph`; returns them."""
     nodes = [n for n in graph.node if n.name.startswith(POOL_SCOPE)]
     outputs = [o for o in graph.output if o.name in POOLED_OUTPUTS]
     produced = {name for n in nodes for name in n.output}
     read = {name for n in nodes for name in n.input if name} - produced
-    shared: list[TensorProto | NodeProto] = [copy.deepcopy(i) for i in graph.initializer if i.name in read]
+    read_elsewhere = {name for n in graph.node if not n.name.startswith(POOL_SCOPE)
+                      for name in n.input}
+    own = [i for i in graph.initializer if i.name in read and i.name not in read_elsewhere]
+    shared: list[TensorProto | NodeProto] = [copy.deepcopy(i) for i in graph.initializer
+                                             if i.name in read and i.name in read_elsewhere]
     shared += [copy.deepcopy(n) for n in graph.node
                if n.op_type == "Constant" and n not in nodes and set(n.output) & read]
     for constant in shared:
@@ -49,12 +57,16 @@ def _take_pooling(graph: GraphProto) -> _Pooling:
         graph.node.remove(n)
     for o in outputs:
         graph.output.remove(o)
+    own = [copy.deepcopy(i) for i in own]
+    for i in [i for i in graph.initializer if i.name in {o.name for o in own}]:
+        graph.initializer.remove(i)
     for info in [v for v in graph.value_info if v.name in produced]:
         graph.value_info.remove(info)  # the converter would mark them float16
-    return _Pooling(nodes, outputs, shared)
+    return _Pooling(nodes, outputs, own, shared)
 
 
 def _put_back(graph: GraphProto, pooling: _Pooling) -> None:
+    graph.initializer.extend(pooling.own)
     present = {i.name for i in graph.initializer} | {name for n in graph.node for name in n.output}
     for constant in pooling.shared:
         if isinstance(constant, TensorProto) and constant.name not in present:
@@ -102,7 +114,9 @@ def optimize(source: Path, target: Path, config: EncoderShape, fuse_attention: b
             pooling = _take_pooling(model.model.graph)
             model.convert_float_to_float16(keep_io_types=True, op_block_list=FP32_OPS)
             _put_back(model.model.graph, pooling)
-        model.save_model_to_file(str(target))
+        # Its data file, when it needs one, named as graph_files.data_file names it.
+        model.save_model_to_file(str(target), use_external_data_format=large(model.model))
+        share_mode(target)
         fused = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
     finally:
         logging.disable(logging.NOTSET)

@@ -1,14 +1,17 @@
 """`attnserve export`: checkpoint -> verified artifact directory.
 
 An encoder's checkpoint becomes an embedder's graphs (hidden states, pooled vectors, and
-attention maps in a graph of their own); a sequence classifier's, a reranker's one scores
-graph ((query, text) pairs in, logits out). Each graph is verified against PyTorch before
-it is listed, with the same variants and gates: fused, float16, int8."""
+attention maps in a graph of their own), with its sentence-transformers Dense layers in
+the pooled vectors and in a graph of their own; a sequence classifier's, a reranker's one
+scores graph ((query, text) pairs in, logits out). Each graph is verified against PyTorch
+before it is listed, with the same variants and gates: fused, float16, int8."""
 
 import logging
 import shutil
 import time
 from pathlib import Path
+
+from torch import nn
 
 from attnserve.artifact import (
     EMBEDDER,
@@ -22,7 +25,14 @@ from attnserve.artifact import (
     write_manifest,
 )
 from attnserve.export.embedding_ranges import fit_ranges
-from attnserve.export.onnx_graphs import OPSET, export_graph, export_scores, score_inputs
+from attnserve.export.graph_files import external_data, remove
+from attnserve.export.onnx_graphs import (
+    OPSET,
+    export_dense,
+    export_graph,
+    export_scores,
+    score_inputs,
+)
 from attnserve.export.optimize import optimize
 from attnserve.export.quantize import (
     INT8_MAX_SCORE_ERROR,
@@ -33,9 +43,14 @@ from attnserve.export.quantize import (
     quantize_graph,
 )
 from attnserve.export.serving import Serving, ServingConfigError, read_serving
-from attnserve.export.verify import check_onnx, max_abs_error
+from attnserve.export.verify import check_onnx, dense_error, max_abs_error
 from attnserve.model import AnyEncoder, CrossEncoder, load_checkpoint
-from attnserve.model.checkpoint import default_checkpoint_dir
+from attnserve.model.checkpoint import default_checkpoint_dir, read_architecture
+from attnserve.model.sentence_modules import (
+    check_reranker_modules,
+    dense_layers,
+    read_module_list,
+)
 
 log = logging.getLogger("attnserve.export")
 
@@ -43,13 +58,15 @@ DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 FP32_TOLERANCE = 1e-4
 # fp16 keeps about three significant digits; hidden states reach magnitudes of ~10.
 FP16_TOLERANCE = 5e-2
+DENSE_GRAPH = "dense.onnx"
 
 
-def _serving(checkpoint: Path, model: AnyEncoder, matryoshka_dims: list[int] | None) -> Serving:
-    """An embedder's serving configuration, as its checkpoint says; a reranker's pooling is
-    its head's, and it has no prompts or vector sizes."""
+def _serving(checkpoint: Path, model: AnyEncoder, size: int,
+             matryoshka_dims: list[int] | None) -> Serving:
+    """An embedder's serving configuration, as its checkpoint says, for vectors of `size`;
+    a reranker's pooling is its head's, and it has no prompts or vector sizes."""
     if not isinstance(model, CrossEncoder):
-        return read_serving(checkpoint, model.config.hidden_size, matryoshka_dims)
+        return read_serving(checkpoint, size, matryoshka_dims)
     if matryoshka_dims:
         raise ServingConfigError(f"{checkpoint} is a reranker, which answers scores: Matryoshka "
                                  "dimensions are an embedder's")
@@ -71,10 +88,12 @@ class _Steps:
 
 
 class _Graphs:
-    """The graphs written so far, each verified against the PyTorch model first."""
+    """The graphs written so far, each verified against the PyTorch model first (an
+    embedder's pooled outputs through its Dense layers, `dense`)."""
 
-    def __init__(self, out: Path, model: AnyEncoder | CrossEncoder, step: _Steps):
-        self.out, self.model, self.step = out, model, step
+    def __init__(self, out: Path, model: AnyEncoder | CrossEncoder, step: _Steps,
+                 dense: nn.Module | None = None):
+        self.out, self.model, self.step, self.dense = out, model, step, dense
         self.graphs: list[Graph] = []
 
     def add(self, file: str, outputs: list[str], precision: str, attention: bool,
@@ -83,23 +102,26 @@ class _Graphs:
         does not is dropped, any other fails the export."""
         path = self.out / file
         check_onnx(path)
-        error = max_abs_error(path, self.model, outputs)
+        error = max_abs_error(path, self.model, outputs, dense=self.dense)
         if error > tolerance:
             if optimized:
                 log.warning("event=dropped graph=%s max_abs_error=%.2e tolerance=%.0e",
                             file, error, tolerance)
-                path.unlink()
+                remove(path)
                 return
             raise RuntimeError(f"{file}: max abs error {error:.2e} exceeds {tolerance:.0e}")
-        self.graphs.append(Graph(file, precision, attention, optimized, outputs, error))
+        self.graphs.append(Graph(file, precision, attention, optimized, outputs, error,
+                                 external_data=external_data(path)))
         self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}")
 
     def add_int8(self, source: str, reference: str, file: str, outputs: list[str],
                  attention: bool, gate: Gate) -> None:
-        quantized = quantize_graph(self.out / source, self.out / reference, self.out / file, gate)
-        check_onnx(self.out / file)
-        error = max_abs_error(self.out / file, self.model, outputs, "int8")
-        self.graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity))
+        path = self.out / file
+        quantized = quantize_graph(self.out / source, self.out / reference, path, gate)
+        check_onnx(path)
+        error = max_abs_error(path, self.model, outputs, "int8", dense=self.dense)
+        self.graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity,
+                                 external_data(path)))
         self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}",
                   parity=quantized.parity, split_matmuls=quantized.split,
                   fp32_matmuls=quantized.kept_fp32)
@@ -107,9 +129,9 @@ class _Graphs:
 
 def _embedder_graphs(graphs: _Graphs, encoder: AnyEncoder, fp16: bool, int8: bool,
                      gate: EmbeddingGate) -> None:
-    out, config = graphs.out, encoder.config
-    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False)
-    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True)
+    out, config, dense = graphs.out, encoder.config, graphs.dense
+    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False, dense=dense)
+    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True, dense=dense)
     graphs.step("event=traced", graphs="encoder.onnx,encoder_attn.onnx", opset=OPSET)
     graphs.add("encoder.onnx", embed_outputs, "fp32", False, False, FP32_TOLERANCE)
     graphs.add("encoder_attn.onnx", attn_outputs, "fp32", True, False, FP32_TOLERANCE)
@@ -134,7 +156,19 @@ def _embedder_graphs(graphs: _Graphs, encoder: AnyEncoder, fp16: bool, int8: boo
                         embed_outputs, False, gate)
         graphs.add_int8(attn_opt.name, "encoder_attn.onnx", "encoder_attn_int8.onnx",
                         attn_outputs, True, gate)
-        attn_opt.unlink()
+        remove(attn_opt)
+
+
+def _dense_graph(out: Path, dense: nn.Module, hidden_size: int, step: _Steps) -> str:
+    """The Dense layers' graph, verified against PyTorch; returns its file name."""
+    path = out / DENSE_GRAPH
+    export_dense(dense, hidden_size, path)
+    check_onnx(path)
+    error = dense_error(path, dense, hidden_size)
+    if error > FP32_TOLERANCE:
+        raise RuntimeError(f"{DENSE_GRAPH}: max abs error {error:.2e} exceeds {FP32_TOLERANCE:.0e}")
+    step("event=verified", graph=DENSE_GRAPH, max_abs_error=f"{error:.2e}")
+    return DENSE_GRAPH
 
 
 def _reranker_graphs(graphs: _Graphs, model: CrossEncoder, fp16: bool, int8: bool,
@@ -173,19 +207,29 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     (out / MANIFEST).unlink(missing_ok=True)
     (out / MEMORY_MODEL).unlink(missing_ok=True)
 
+    # What the checkpoint is, and its modules, are checked before any weight is read.
+    reranker = read_architecture(checkpoint)[2] == "classifier"
+    if reranker:
+        check_reranker_modules(checkpoint)
+    modules = None if reranker else read_module_list(checkpoint)
     model = load_checkpoint(checkpoint)
-    reranker = isinstance(model, CrossEncoder)
     config = model.config
-    serving = _serving(checkpoint, model, matryoshka_dims)
-    step = _Steps(total=(5 + fp16 + int8) if reranker else (7 + 2 * fp16 + 2 * int8))
+    dense = None if modules is None else dense_layers(modules, config.hidden_size)
+    size = dense[-1].linear.out_features if dense else config.hidden_size
+    normalize = modules is not None and modules.normalize
+    serving = _serving(checkpoint, model, size, matryoshka_dims)
+    step = _Steps(total=(5 + fp16 + int8) if reranker
+                  else (7 + 2 * fp16 + 2 * int8 + bool(dense)))
     step("event=loaded", checkpoint=checkpoint, model_type=config.model_type,
          kind=RERANKER if reranker else EMBEDDER, layers=config.num_layers,
          heads=config.num_heads, hidden=config.hidden_size, pooling=serving.pooling,
          prompts=",".join(serving.prompts) or "none",
+         dense=",".join(str(d.linear.out_features) for d in dense or ()) or "none",
+         normalize=normalize,
          matryoshka_dims=",".join(map(str, serving.matryoshka_dims)) or "none")
-    graphs = _Graphs(out, model, step)
+    graphs = _Graphs(out, model, step, dense)
     tokenizer = checkpoint / TOKENIZER
-    ranges = None
+    ranges, dense_graph = None, None
     if reranker:
         _reranker_graphs(graphs, model, fp16, int8, ScoreGate(
             tokenizer, config.max_positions, config.pad_token_id, model.uses_token_types,
@@ -193,11 +237,13 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     else:
         _embedder_graphs(graphs, model, fp16, int8, EmbeddingGate(
             tokenizer, config.max_positions, config.pad_token_id,
-            INT8_MIN_COSINE if int8_min_cosine is None else int8_min_cosine))
+            INT8_MIN_COSINE if int8_min_cosine is None else int8_min_cosine, serving.pooling))
         served = next(g for g in sorted(graphs.graphs, key=lambda g: not g.optimized)
                       if g.precision == "fp32" and not g.attention)
         ranges = fit_ranges(out / served.file, tokenizer, config.max_positions)
         step("event=ranges_fitted", graph=served.file, texts=ranges.texts)
+        if dense:
+            dense_graph = _dense_graph(out, dense, config.hidden_size, step)
 
     shutil.copyfile(tokenizer, out / TOKENIZER)
     manifest = Manifest(
@@ -220,6 +266,12 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         default_prompt_name=serving.default_prompt_name,
         include_prompt=serving.include_prompt,
         matryoshka_dims=serving.matryoshka_dims,
+        embedding_size=size,
+        dense_graph=dense_graph,
+        normalize=normalize,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
     )
     write_manifest(out, manifest)
     step("event=written", artifact=out, graphs=",".join(g.file for g in graphs.graphs))

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import onnx
@@ -39,8 +39,10 @@ from onnxruntime.quantization.onnx_model import ONNXModel
 from tokenizers import Tokenizer
 
 from attnserve.artifact import LOGITS_OUTPUT, TOKEN_TYPES, Parity, ScoreParity, pooled_output
+from attnserve.export.graph_files import remove, save, scratch
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
-from attnserve.export.verify import session
+from attnserve.export.onnx_graphs import POOL_SCOPE
+from attnserve.export.verify import beside, session
 
 log = logging.getLogger("attnserve.export")
 
@@ -67,7 +69,7 @@ MAX_OUTLIER_SHARE = 0.05
 PARITY_BATCH = 16
 CALIBRATION_BATCH = 8
 # Inputs of these are smoothed (the op types the transformer optimiser leaves in a graph).
-_LAYER_NORMS = ("LayerNormalization",)
+_LAYER_NORMS = ("LayerNormalization", "SimplifiedLayerNormalization")
 
 
 class Int8ParityError(RuntimeError):
@@ -97,6 +99,14 @@ class _Stats:
     @property
     def ratio(self) -> float:
         return self.token_max / max(self.token_median, 1e-12)
+
+
+class _Site(NamedTuple):
+    """A node to quantize, by name: its op and the activation it multiplies."""
+
+    name: str
+    op_type: str
+    input: str
 
 
 Row = tuple[np.ndarray, np.ndarray | None]
@@ -151,34 +161,74 @@ def _feeds(rows: list[Row], batch: int, pad_id: int) -> Iterator[dict[str, np.nd
 
 
 def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """What dynamic quantization would turn into int8: fused Attention (its Q/K/V weights)
-    and matmuls whose second input is a weight, not an activation (QKᵀ, probabilities·V)."""
+    """What dynamic quantization turns into int8: fused Attention (its Q/K/V weights) and
+    matmuls whose second input is a weight, not an activation (QKᵀ, probabilities·V),
+    outside the pooling (_pooling_matmuls)."""
     weights = {i.name for i in model.graph.initializer}
-    return [n for n in model.graph.node
-            if n.op_type == "Attention" or (n.op_type == "MatMul" and n.input[1] in weights)]
+    return [n for n in model.graph.node if not n.name.startswith(POOL_SCOPE) and (
+        n.op_type == "Attention" or (n.op_type == "MatMul" and n.input[1] in weights))]
 
 
-def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    existing = {o.name for o in probe.graph.output}
-    for name in names:
-        if name not in existing:
-            probe.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    return probe
+def _pooling_matmuls(model: onnx.ModelProto) -> list[str]:
+    """The Dense layers' matmuls, which stay float32: they run once a pooled vector, where
+    int8 would save nothing and cost the served vector precision."""
+    return [n.name for n in model.graph.node
+            if n.name.startswith(POOL_SCOPE) and n.op_type == "MatMul"]
 
 
-def _activation_stats(model: onnx.ModelProto, names: list[str], feeds: list[dict]
-                      ) -> dict[str, _Stats]:
-    runner = session(_with_outputs(model, names))
+def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
+    """A session of the graph saved at `graph` that also outputs, for each tensor of
+    `names`, its largest |value| per channel (`<name>/channel_max`) and per token
+    (`<name>/token_max`), computed in the graph right after the tensor is made: the
+    activations themselves never leave onnxruntime, nor outlive their use in it (all of
+    Qwen3-0.6B's at once passed 20 GB). Its weights stay where `graph` keeps them."""
+    probe = onnx.load(str(graph), load_external_data=False)
+    wanted = set(names)
+    width = [helper.make_tensor(name, onnx.TensorProto.INT64, [1], [value]) for name, value in
+             (("probe/minus_one", -1), ("probe/last", -1), ("probe/end", np.iinfo(np.int64).max))]
+    probe.graph.initializer.extend(width)
+    nodes = []
+    for node in probe.graph.node:
+        nodes.append(node)
+        for name in (out for out in node.output if out in wanted):
+            tag = f"probe/{name}"
+            nodes += [
+                helper.make_node("Abs", [name], [f"{tag}/abs"]),
+                helper.make_node("Shape", [name], [f"{tag}/shape"]),
+                helper.make_node("Slice", [f"{tag}/shape", "probe/last", "probe/end"],
+                                 [f"{tag}/width"]),
+                helper.make_node("Concat", ["probe/minus_one", f"{tag}/width"], [f"{tag}/2d"],
+                                 axis=0),
+                helper.make_node("Reshape", [f"{tag}/abs", f"{tag}/2d"], [f"{tag}/rows"]),
+                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/channel_max"], axes=[0],
+                                 keepdims=0),
+                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/token_max"], axes=[1],
+                                 keepdims=0),
+            ]
+    del probe.graph.node[:]
+    probe.graph.node.extend(nodes)
+    # Its own outputs only: the graph's (an attention graph's maps) would be held to the end.
+    del probe.graph.output[:]
+    probe.graph.output.extend(helper.make_tensor_value_info(f"{name}/{kind}",
+                                                            onnx.TensorProto.FLOAT, None)
+                              for name in names for kind in ("channel_max", "token_max"))
+    with beside(graph, probe) as path:
+        return session(path)
+
+
+def _activation_stats(graph: Path, names: list[str], feeds: list[dict]) -> dict[str, _Stats]:
+    """Each tensor of `names` of the graph saved at `graph`, over `feeds`: its largest
+    |value| per channel, and the largest and the median over tokens of a token's largest."""
+    runner = _probe(graph, names)
+    outputs = [f"{name}/{kind}" for name in names for kind in ("channel_max", "token_max")]
     channel: dict[str, np.ndarray] = {}
     tokens: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for feed in feeds:
-        for name, value in zip(names, runner.run(names, feed), strict=True):
-            flat = np.abs(value.reshape(-1, value.shape[-1]))
-            top = flat.max(axis=0)
+        got = dict(zip(outputs, runner.run(outputs, feed), strict=True))
+        for name in names:
+            top = got[f"{name}/channel_max"]
             channel[name] = np.maximum(channel[name], top) if name in channel else top
-            tokens[name].append(flat.max(axis=1))
+            tokens[name].append(got[f"{name}/token_max"])
     stats = {}
     for name, per_token in tokens.items():
         joined = np.concatenate(per_token)
@@ -195,8 +245,8 @@ def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _smooth(model: onnx.ModelProto, stats: dict[str, _Stats]) -> onnx.ModelProto:
     """Divide the LayerNorm outputs that feed quantized sites by per-channel factors (one Mul
-    per tensor, shared by its sites) and multiply the sites' weight rows by the same."""
-    model = _with_outputs(model, [])  # a copy
+    per tensor, shared by its sites) and multiply the sites' weight rows by the same; in
+    place."""
     graph = model.graph
     weights = {i.name: i for i in graph.initializer}
     producer = {out: n for n in graph.node for out in n.output}
@@ -234,9 +284,8 @@ def _split_outliers(model: onnx.ModelProto, outliers: dict[str, np.ndarray], sta
                     ) -> tuple[onnx.ModelProto, list[str]]:
     """For each matmul named in `outliers`: y = x·W becomes (x/s, those channels zeroed)·(s·W),
     to be quantized, plus x[..., outliers]·W[outliers], a small fp32 matmul. The smoothing s
-    rides on the mask's Mul, so it costs nothing more. Returns the model and the names of the
-    fp32 matmuls (to keep out of quantization)."""
-    model = _with_outputs(model, [])  # a copy
+    rides on the mask's Mul, so it costs nothing more. In place; returns the model and the
+    names of the fp32 matmuls (to keep out of quantization)."""
     graph = model.graph
     weights = {i.name: i for i in graph.initializer}
     added, fp32 = [], []
@@ -269,38 +318,47 @@ def _split_outliers(model: onnx.ModelProto, outliers: dict[str, np.ndarray], sta
     return _sorted(model), fp32
 
 
-def _quantize(model: onnx.ModelProto, target: Path, exclude: list[str]) -> None:
+def _quantize(source: Path, target: Path, exclude: list[str]) -> None:
+    """The graph in `source` quantized into `target`. Given a file, the quantizer holds one
+    copy of the graph besides its own work (given a graph in memory, it copies it twice)."""
     # The quantizer warns that the model was not "pre-processed" (shape inference it does not
     # need here: every quantized weight is a constant of known shape).
     logging.disable(logging.WARNING)
     try:
-        quantize_dynamic(
-            model, target,
-            op_types_to_quantize=["MatMul", "Attention"],
-            per_channel=True,
-            weight_type=QuantType.QInt8,
-            nodes_to_exclude=exclude,
-            # Shape inference cannot type the outputs of com.microsoft ops (fused Attention,
-            # BiasGelu); they are all float.
-            extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
-        )
+        with scratch(target.parent) as directory:
+            # Written with its data beside it whatever its size, then kept as graph_files
+            # saves every graph of the artifact.
+            written = directory / target.name
+            quantize_dynamic(
+                source, written,
+                op_types_to_quantize=["MatMul", "Attention"],
+                per_channel=True,
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=exclude,
+                use_external_data_format=True,
+                # Shape inference cannot type the outputs of com.microsoft ops (fused
+                # Attention, BiasGelu); they are all float.
+                extra_options={"MatMulConstBOnly": True,
+                               "DefaultTensorType": onnx.TensorProto.FLOAT},
+            )
+            save(onnx.load(str(written)), target)
     finally:
         logging.disable(logging.NOTSET)
 
 
-def _pooled(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> np.ndarray:
-    (vectors,) = session.run([pooled_output("mean", normalized=True)], feed)
-    return vectors
-
-
 def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
-                   pad_id: int) -> np.ndarray:
-    """Per text of PARITY_TEXTS, the worse of two cosines between the graphs' pooled (mean,
-    L2-normalised) embeddings: the text alone, and in a padded batch (texts in their fixed
-    order, so short and long share one), as the server runs them."""
+                   pad_id: int, pooling: str = "mean") -> np.ndarray:
+    """Per text of PARITY_TEXTS, the worse of two cosines between the graphs' pooled
+    (`pooling`, L2-normalised) embeddings: the text alone, and in a padded batch (texts in
+    their fixed order, so short and long share one), as the server runs them."""
     rows = encode_texts(tokenizer, PARITY_TEXTS, max_positions)
-    reference, quantized = session(fp32), session(int8, "int8")
-    cosines = np.concatenate([(_pooled(reference, feed) * _pooled(quantized, feed)).sum(axis=1)
+    name = pooled_output(pooling, normalized=True)
+    reference, quantized = session(fp32, outputs=[name]), session(int8, "int8", outputs=[name])
+
+    def pooled(runner: ort.InferenceSession, feed: dict[str, np.ndarray]) -> np.ndarray:
+        return runner.run([name], feed)[0]
+
+    cosines = np.concatenate([(pooled(reference, feed) * pooled(quantized, feed)).sum(axis=1)
                               for feed in _feeds(rows, PARITY_BATCH, pad_id)])
     alone, batched = cosines[: len(rows)], cosines[len(rows):]
     return np.minimum(alone, batched)
@@ -351,19 +409,22 @@ class Gate(Protocol):
 
 @dataclass(frozen=True)
 class EmbeddingGate:
-    """Each text's pooled cosine against fp32 at least `min_cosine`."""
+    """Each text's pooled cosine against fp32 at least `min_cosine`, pooled as the model
+    pools (`pooling`): a last token's vector loses more to int8 than a mean."""
 
     tokenizer: Path
     max_positions: int
     pad_id: int
     min_cosine: float = INT8_MIN_COSINE
+    pooling: str = "mean"
 
     def calibration(self) -> list[dict[str, np.ndarray]]:
         return list(_feeds(encode_texts(self.tokenizer, CALIBRATION_TEXTS, self.max_positions),
                            CALIBRATION_BATCH, self.pad_id))
 
     def measure(self, reference: Path, target: Path) -> np.ndarray:
-        return pooled_cosines(reference, target, self.tokenizer, self.max_positions, self.pad_id)
+        return pooled_cosines(reference, target, self.tokenizer, self.max_positions, self.pad_id,
+                              self.pooling)
 
     def passes(self, values: np.ndarray) -> bool:
         return bool(values.min() >= self.min_cosine)
@@ -371,10 +432,12 @@ class EmbeddingGate:
     def parity(self, values: np.ndarray, reference: Path) -> Parity:
         return Parity(reference=reference.name, texts=len(values), batch=PARITY_BATCH,
                       pooled_cosine_min=round(float(values.min()), 5),
-                      pooled_cosine_mean=round(float(values.mean()), 5), min_cosine=self.min_cosine)
+                      pooled_cosine_mean=round(float(values.mean()), 5), min_cosine=self.min_cosine,
+                      pooling=self.pooling)
 
     def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
-        return (f"{target.name}: pooled cosine against {reference.name} is {values.min():.4f} "
+        return (f"{target.name}: {self.pooling}-pooled cosine against {reference.name} is "
+                f"{values.min():.4f} "
                 f"at worst over {len(values)} texts (one at a time and in batches of "
                 f"{PARITY_BATCH}), below the required {self.min_cosine}; worst text: "
                 f"{PARITY_TEXTS[int(values.argmin())][:60]!r}")
@@ -419,28 +482,59 @@ class ScoreGate:
 def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> QuantizedGraph:
     """Write the int8 version of the optimised fp32 graph `source`, or raise Int8ParityError
     (leaving no `target`) when it does not pass `gate` against the artifact's fp32 graph
-    `reference` (the same outputs)."""
-    model = onnx.load(str(source))
+    `reference` (the same outputs). One copy of the graph is in memory at a time (Qwen3-0.6B's
+    is 2.4 GB); between the steps it waits in a scratch file."""
     calibration = gate.calibration()
-    smoothed = _smooth(model, _activation_stats(model, sorted({n.input[0] for n in _sites(model)}),
-                                                calibration))
-    sites = _sites(smoothed)
-    stats = _activation_stats(smoothed, sorted({n.input[0] for n in sites}), calibration)
+    with scratch(target.parent) as directory:
+        model = onnx.load(str(source))
+        stats = _activation_stats(source, sorted({n.input[0] for n in _sites(model)}),
+                                  calibration)
+        _smooth(model, stats)
+        # Names only: a node held keeps its whole graph in memory.
+        sites = [_Site(n.name, n.op_type, n.input[0]) for n in _sites(model)]
+        site_count, pooling = len(sites), _pooling_matmuls(model)
+        smoothed = directory / "smoothed.onnx"
+        save(model, smoothed)
+        del model
+        stats = _activation_stats(smoothed, sorted({site.input for site in sites}), calibration)
+        values, split, fp32 = _quantize_gated(smoothed, sites, stats, reference, target, gate,
+                                              pooling)
+    parity = gate.parity(values, reference)
+    result = QuantizedGraph(parity, site_count - len(fp32), len(split), len(fp32))
+    log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,
+             result.quantized, result.split, result.kept_fp32, parity)
+    if not gate.passes(values):
+        remove(target)
+        raise Int8ParityError(gate.refusal(values, target, reference))
+    return result
+
+
+def _quantize_gated(smoothed: Path, sites: list["_Site"], stats: dict[str, _Stats],
+                    reference: Path, target: Path, gate: Gate, pooling: list[str]
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
+    """Quantize the smoothed graph into `target`, the matmuls with outlier tokens split
+    (or, should that miss the gate, kept fp32); returns the gate's measure, the split
+    matmuls and those kept fp32."""
     split: dict[str, np.ndarray] = {}
     fp32: list[str] = []
-    for node in sites:
-        input_stats = stats[node.input[0]]
+    for site in sites:
+        input_stats = stats[site.input]
         if input_stats.ratio <= MAX_TOKEN_RANGE_RATIO:
             continue
         outliers = np.flatnonzero(input_stats.channel_max > OUTLIER_FACTOR * input_stats.token_median)
-        if node.op_type == "MatMul" and len(outliers) <= MAX_OUTLIER_SHARE * len(input_stats.channel_max):
-            split[node.name] = outliers
+        if site.op_type == "MatMul" and len(outliers) <= MAX_OUTLIER_SHARE * len(input_stats.channel_max):
+            split[site.name] = outliers
         else:
-            fp32.append(node.name)
+            fp32.append(site.name)
 
     def attempt(split: dict[str, np.ndarray], fp32: list[str]) -> np.ndarray:
-        prepared, outlier_matmuls = _split_outliers(smoothed, split, stats)
-        _quantize(prepared, target, fp32 + outlier_matmuls)
+        prepared, outlier_matmuls = smoothed, []
+        if split:
+            model, outlier_matmuls = _split_outliers(onnx.load(str(smoothed)), split, stats)
+            prepared = smoothed.with_name("split.onnx")
+            save(model, prepared)
+            del model
+        _quantize(prepared, target, fp32 + outlier_matmuls + pooling)
         return gate.measure(reference, target)
 
     values = attempt(split, fp32)
@@ -449,11 +543,4 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
                     "gate; those matmuls stay fp32'", target.name, gate.parity(values, reference))
         fp32, split = fp32 + list(split), {}
         values = attempt(split, fp32)
-    parity = gate.parity(values, reference)
-    result = QuantizedGraph(parity, len(sites) - len(fp32), len(split), len(fp32))
-    log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,
-             result.quantized, result.split, result.kept_fp32, parity)
-    if not gate.passes(values):
-        target.unlink()
-        raise Int8ParityError(gate.refusal(values, target, reference))
-    return result
+    return values, split, fp32

@@ -2,8 +2,9 @@
 a sentence-transformers model was saved with, and the Matryoshka sizes it was trained for.
 
 sentence-transformers writes `config_sentence_transformers.json` (`prompts`,
-`default_prompt_name`) and its Pooling module's `1_Pooling/config.json` (`pooling_mode`,
-`include_prompt`; older versions one `pooling_mode_*_token` flag a mode). Matryoshka sizes
+`default_prompt_name`) and its Pooling module's config.json, in the folder modules.json
+names (`pooling_mode`, `include_prompt`; older versions one `pooling_mode_*` flag a mode),
+and its Transformer's `sentence_bert_config.json` (`do_lower_case`). Matryoshka sizes
 have no standard place: `matryoshka_dimensions` in `config.json` is what vLLM reads and
 what checkpoints such as jina-embeddings-v3 carry; for the others, `attnserve export
 --matryoshka-dims` says them."""
@@ -12,10 +13,21 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnserve.artifact import POOLINGS
+from attnserve.model.sentence_modules import read_module_list
+
 ST_CONFIG = "config_sentence_transformers.json"
-POOLING_CONFIG = Path("1_Pooling") / "config.json"
+TRANSFORMER_CONFIG = "sentence_bert_config.json"
 MATRYOSHKA_KEY = "matryoshka_dimensions"
-SERVED_POOLINGS = ("mean", "cls")
+# sentence-transformers' older Pooling configs: one flag a mode.
+_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 
 
 class ServingConfigError(ValueError):
@@ -25,7 +37,7 @@ class ServingConfigError(ValueError):
 @dataclass(frozen=True)
 class Serving:
     pooling: str
-    """mean or cls"""
+    """mean, cls or lasttoken"""
     include_prompt: bool
     prompts: dict[str, str]
     default_prompt_name: str | None
@@ -45,21 +57,33 @@ def _json(path: Path) -> dict:
     return data
 
 
-def _pooling(checkpoint: Path) -> tuple[str, bool]:
-    path = checkpoint / POOLING_CONFIG
-    config = _json(path)
+def _pooling(path: Path | None) -> tuple[str, bool]:
+    """The Pooling module's mode and include_prompt (none: mean, with the prompt)."""
+    config = _json(path) if path else {}
     include = config.get("include_prompt", True)
     if not isinstance(include, bool):
         raise ServingConfigError(f"{path}: include_prompt {include!r}, expected true or false")
-    if "pooling_mode" not in config:
-        return ("cls" if config.get("pooling_mode_cls_token") else "mean"), include
-    mode = config["pooling_mode"]
+    mode = config.get("pooling_mode") or [
+        mode for flag, mode in _POOLING_FLAGS.items() if config.get(flag)] or "mean"
     if isinstance(mode, list) and len(mode) == 1:
         mode = mode[0]
-    if mode not in SERVED_POOLINGS:
+    if isinstance(mode, list):
+        raise ServingConfigError(f"{path}: pooling modes {mode} are concatenated into one "
+                                 "vector; attnserve pools one mode")
+    if mode not in POOLINGS:
         raise ServingConfigError(f"{path}: pooling_mode {mode!r} is not served; attnserve pools "
-                                 f"{' or '.join(SERVED_POOLINGS)}")
+                                 f"{', '.join(POOLINGS[:-1])} or {POOLINGS[-1]}")
     return mode, include
+
+
+def _check_lower_case(checkpoint: Path) -> None:
+    """sentence-transformers lower-cases every text first when its Transformer says so;
+    the server feeds the tokenizer the text as it came."""
+    path = checkpoint / TRANSFORMER_CONFIG
+    if _json(path).get("do_lower_case"):
+        raise ServingConfigError(f"{path}: do_lower_case true (texts lower-cased before the "
+                                 "tokenizer) is not served; attnserve tokenizes texts as they "
+                                 "come")
 
 
 def _prompts(checkpoint: Path) -> tuple[dict[str, str], str | None]:
@@ -77,17 +101,18 @@ def _prompts(checkpoint: Path) -> tuple[dict[str, str], str | None]:
 
 
 def matryoshka_dims(dims: list[int], hidden: int, source: str) -> list[int]:
-    """`dims` checked against the hidden size, largest first, each once."""
+    """`dims` checked against the vectors' size, largest first, each once."""
     if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= hidden for d in dims):
         raise ServingConfigError(f"{source}: Matryoshka sizes {dims!r}; expected sizes from 1 "
-                                 f"to the hidden size, {hidden}")
+                                 f"to the vectors' size, {hidden}")
     return sorted(set(dims), reverse=True)
 
 
 def read_serving(checkpoint: Path, hidden: int, dims: list[int] | None = None) -> Serving:
-    """The checkpoint's serving configuration; `dims` (export's --matryoshka-dims), when
-    given, in place of the sizes config.json declares."""
-    pooling, include = _pooling(checkpoint)
+    """The checkpoint's serving configuration; `hidden`: the vectors' size; `dims`
+    (export's --matryoshka-dims), when given, in place of the sizes config.json declares."""
+    pooling, include = _pooling(read_module_list(checkpoint).pooling_config)
+    _check_lower_case(checkpoint)
     prompts, default = _prompts(checkpoint)
     if dims is not None:
         sizes = matryoshka_dims(dims, hidden, "--matryoshka-dims")

@@ -3,10 +3,12 @@ cross-encoder (model/classifier.py) for a sequence classifier.
 
 config.json says which family it is (model/families.py); one this package does not
 implement is refused before any weight is read. Every tensor in the file must land
-somewhere (the masked-LM head of a checkpoint saved with one is left out knowingly) and
-every parameter of the model must be filled, with the same shape: a checkpoint that does
-not fit is refused with an error that names the tensor, instead of serving
-half-initialised weights.
+somewhere (the language-model head of a checkpoint saved with one is left out knowingly,
+tied to the token embeddings or not) and every parameter of the model must be filled,
+with the same shape: a checkpoint that does not fit is refused with an error that names
+the tensor, instead of serving half-initialised weights. Buffers some checkpoints carry
+(position ids, RoPE's inverse frequencies) hold no weights: each must be what the model
+computes itself, and is then skipped.
 """
 
 import json
@@ -17,11 +19,14 @@ import torch
 from safetensors import safe_open
 
 from attnserve.model.classifier import CrossEncoder
-from attnserve.model.families import AnyEncoder, Family, architecture_of, family_of
+from attnserve.model.families import AnyEncoder, Architecture, Family, architecture_of, family_of
+from attnserve.model.positions import RotaryEmbedding
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-# A buffer Hugging Face saves; it carries no weights, but must be the plain 0..n-1 count.
+# Buffers Hugging Face saves: the plain 0..n-1 count, and (older decoder checkpoints, per
+# layer or once) RoPE's inverse frequencies.
 _POSITION_IDS = "embeddings.position_ids"
+_INV_FREQ = "rotary_emb.inv_freq"
 
 log = logging.getLogger("attnserve.model")
 
@@ -72,19 +77,39 @@ def build(directory: Path, hf: dict, family: Family, names: list[str],
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
 
 
-def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEncoder:
-    """Build the model that `directory` describes, an encoder or a cross-encoder, and fill
-    it with its weights."""
-    directory = Path(directory) if directory is not None else default_checkpoint_dir()
+def buffer_error(name: str, tensor: torch.Tensor, model: AnyEncoder | CrossEncoder) -> str | None:
+    """Why a saved buffer is not what `model` computes itself; None when it is."""
+    if name == _POSITION_IDS:
+        if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
+            return "is not 0..n-1"
+        return None
+    computed = [m.inv_freq for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    if not any(tensor.shape == f.shape and torch.allclose(tensor.float(), f, rtol=1e-5)
+               for f in computed):
+        return "is not the RoPE inverse frequencies of config.json's rope_theta and head_dim"
+    return None
+
+
+def read_architecture(directory: Path) -> tuple[dict, Family, Architecture]:
+    """config.json of a checkpoint directory that holds every file a checkpoint needs, its
+    family and what its architectures hold (CheckpointError for anything else), before any
+    weight is read."""
     for required in REQUIRED_FILES:
         if not (directory / required).is_file():
             raise CheckpointError(
                 f"{directory / required}: missing (a checkpoint needs {', '.join(REQUIRED_FILES)})"
             )
     hf, family = read_family(directory)
-    architecture = architecture_of(hf, family)
+    return hf, family, architecture_of(hf, family)
+
+
+def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEncoder:
+    """Build the model that `directory` describes, an encoder or a cross-encoder, and fill
+    it with its weights."""
+    directory = Path(directory) if directory is not None else default_checkpoint_dir()
+    hf, family, architecture = read_architecture(directory)
     classifier = architecture == "classifier"
-    head = family.masked_lm_head if architecture == "masked_lm" else ()
+    head = family.language_model_head if architecture == "language_model" else ()
     weights = directory / "model.safetensors"
     filled: dict[str, torch.Tensor] = {}
     dropped = 0
@@ -96,9 +121,11 @@ def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEn
                 dropped += 1
                 continue
             tensor = tensors.get_tensor(hf_name)
-            if hf_name.removeprefix(family.prefix) == _POSITION_IDS:
-                if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
-                    raise CheckpointError(f"{weights}: tensor {hf_name} is not 0..n-1")
+            name = hf_name.removeprefix(family.prefix)
+            if name == _POSITION_IDS or name.endswith(_INV_FREQ):
+                error = buffer_error(name, tensor, model)
+                if error:
+                    raise CheckpointError(f"{weights}: tensor {hf_name} {error}")
                 continue
             names = our_names(hf_name, family, classifier)
             if names is None or any(name not in expected for name in names):
@@ -119,5 +146,5 @@ def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEn
     model.load_state_dict(filled)
     if dropped:
         log.info("event=head_dropped checkpoint=%s architecture=%s tensors=%d", directory,
-                 family.masked_lm, dropped)
+                 family.language_model, dropped)
     return model.eval()

@@ -1,13 +1,35 @@
-"""The shape of an encoder, independent of where its weights come from."""
+"""The shape of an encoder, independent of where its weights come from, read from a
+Hugging Face config.json by each family's `from_hf`."""
 
 from dataclasses import dataclass
 from typing import Literal
 
 PositionKind = Literal["learned", "sinusoidal", "rope"]
-HeadPooling = Literal["cls", "mean"]
-HeadActivation = Literal["tanh", "gelu"]
+HeadPooling = Literal["cls", "mean", "last"]
+HeadActivation = Literal["tanh", "gelu", "relu"]
 # RoBERTa's families: their learned positions are numbered from the padding id on.
 _POSITIONS_AFTER_PADDING = ("roberta", "xlm-roberta")
+# MPNet numbers its positions after id 1 whatever its pad_token_id says, and buckets
+# relative positions into 32 whatever its relative_attention_num_buckets says
+# (transformers' MPNetEmbeddings and MPNetEncoder); a config that disagrees is refused.
+_MPNET_PAD_ID = 1
+_MPNET_BUCKETS = 32
+
+
+def _shape(hf: dict, eps_key: str, eps: float) -> dict:
+    """The shape config.json gives under transformers' common names (the norms' epsilon
+    under `eps_key`, `eps` when it says none)."""
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                intermediate_size=hf["intermediate_size"], layer_norm_eps=hf.get(eps_key, eps),
+                model_type=hf["model_type"])
+
+
+def _activation(hf: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
+    name = hf.get(key, default)
+    if name not in allowed:
+        raise ValueError(f"{key} {name!r} is not supported ({', '.join(allowed)})")
+    return name
 
 
 @dataclass(frozen=True)
@@ -25,27 +47,42 @@ class EncoderShape:
     pad_token_id: int = 0
     model_type: str = "bert"
     """the Hugging Face family the weights come from"""
+    head_dim: int = 0
+    """each head's width; 0: hidden_size // num_heads (Qwen3 and Gemma3 name another)"""
+    num_kv_heads: int = 0
+    """heads of keys and values, each shared by num_heads // num_kv_heads query heads
+    (grouped-query attention); 0: num_heads"""
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        if not self.head_dim:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if not self.num_kv_heads:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                             f"{self.num_kv_heads}")
 
 
 @dataclass(frozen=True)
 class EncoderConfig(EncoderShape):
-    """BERT and the families built as it is (RoBERTa, XLM-RoBERTa): post-LN blocks."""
+    """BERT and the families built as it is (RoBERTa, XLM-RoBERTa, MPNet, DistilBERT):
+    post-LN blocks."""
 
     type_vocab_size: int = 2
+    """segments with an embedding of their own; 0: none (MPNet, DistilBERT)"""
     positions: PositionKind = "learned"
     positions_after_padding: bool = False
     """RoBERTa's numbering of learned positions: a row's real tokens are numbered
     pad_token_id + 1, pad_token_id + 2, … and every padding token pad_token_id"""
+    relative_attention_buckets: int = 0
+    """MPNet's relative positions: a learned bias on the scores per bucket of distances
+    (model/positions.py's RelativePositionBias); 0: none"""
+    activation: str = "gelu"
+    """the feed-forward's (DistilBERT's may be relu)"""
     causal: bool = False
     pooler: bool = False
 
@@ -66,8 +103,7 @@ class EncoderConfig(EncoderShape):
     def from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
         """Read a Hugging Face config.json of BERT, RoBERTa or XLM-RoBERTa; `pooler` says
         whether the weights carry BERT's pooler head (config.json does not say)."""
-        if hf.get("hidden_act", "gelu") != "gelu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (gelu)")
+        _activation(hf, "hidden_act", "gelu", ("gelu",))
         if hf.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(
                 "position_embedding_type "
@@ -81,19 +117,87 @@ class EncoderConfig(EncoderShape):
             raise ValueError(f"max_position_embeddings {table} leaves no position after the "
                              f"padding id {pad}")
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
+            **_shape(hf, "layer_norm_eps", 1e-12),
             max_positions=longest,
             type_vocab_size=hf.get("type_vocab_size", 2),
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
             pad_token_id=pad,
-            model_type=hf["model_type"],
             positions_after_padding=after_padding,
             pooler=pooler,
         )
+
+    @classmethod
+    def mpnet_from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
+        """MPNet: BERT's blocks, RoBERTa's positions (after id 1), no segments, and
+        relative position buckets added to every layer's scores."""
+        activation = _activation(hf, "hidden_act", "gelu", ("gelu",))
+        pad = hf.get("pad_token_id", _MPNET_PAD_ID)
+        if pad != _MPNET_PAD_ID:
+            raise ValueError(f"pad_token_id {pad}: MPNet numbers its positions after id "
+                             f"{_MPNET_PAD_ID}, its padding id")
+        buckets = hf.get("relative_attention_num_buckets", _MPNET_BUCKETS)
+        if buckets != _MPNET_BUCKETS:
+            raise ValueError(f"relative_attention_num_buckets {buckets} is not supported "
+                             f"({_MPNET_BUCKETS}, the buckets MPNet computes)")
+        return cls(
+            **_shape(hf, "layer_norm_eps", 1e-12),
+            max_positions=hf["max_position_embeddings"] - pad - 1,
+            type_vocab_size=0,
+            pad_token_id=pad,
+            positions_after_padding=True,
+            relative_attention_buckets=buckets,
+            activation=activation,
+            pooler=pooler,
+        )
+
+    @classmethod
+    def distilbert_from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
+        """DistilBERT: BERT's blocks without segments or pooler, under its own names."""
+        if pooler:
+            raise ValueError("DistilBERT has no pooler")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["dim"],
+            num_layers=hf["n_layers"],
+            num_heads=hf["n_heads"],
+            intermediate_size=hf["hidden_dim"],
+            max_positions=hf["max_position_embeddings"],
+            type_vocab_size=0,
+            pad_token_id=hf.get("pad_token_id", 0),
+            model_type=hf["model_type"],
+            activation=_activation(hf, "activation", "gelu", ("gelu", "relu")),
+        )
+
+
+def _rope_theta(parameters: dict, where: str, fallback: float) -> float:
+    """A RoPE base from Hugging Face's rope parameters; any scaled kind is refused."""
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"{where}.rope_type {kind!r} is not supported (default)")
+    return float(parameters.get("rope_theta", fallback))
+
+
+def _rope_thetas(hf: dict, legacy: dict[str, tuple[str, float]]) -> dict[str, float]:
+    """Each layer type's RoPE base, from `rope_parameters` by layer type or from the older
+    top-level names (`legacy`: layer type -> (name, default))."""
+    rope = hf.get("rope_parameters") or {}
+    return {layer_type: _rope_theta(rope.get(layer_type) or {}, f"rope_parameters.{layer_type}",
+                                    hf.get(name, default))
+            for layer_type, (name, default) in legacy.items()}
+
+
+def _check_layer_kinds(kinds: tuple[str, ...], layers: int) -> None:
+    if len(kinds) != layers:
+        raise ValueError(f"{len(kinds)} layer types for {layers} layers")
+    if set(kinds) - {"global", "local"}:
+        raise ValueError(f"layer types {kinds} are not all global or local")
+
+
+def _layer_kinds(named: list[str]) -> tuple[str, ...]:
+    """Hugging Face's layer_types -> ours: global (the whole sequence) or local (a window)."""
+    kinds = {"full_attention": "global", "sliding_attention": "local"}
+    if set(named) - set(kinds):
+        raise ValueError(f"layer_types {named} are not all full_attention or sliding_attention")
+    return tuple(kinds[name] for name in named)
 
 
 @dataclass(frozen=True)
@@ -114,10 +218,7 @@ class ModernBertConfig(EncoderShape):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
-        if set(self.layer_types) - {"global", "local"}:
-            raise ValueError(f"layer types {self.layer_types} are not all global or local")
+        _check_layer_kinds(self.layer_types, self.num_layers)
 
     @property
     def window_radius(self) -> int:
@@ -137,29 +238,13 @@ class ModernBertConfig(EncoderShape):
         every = hf.get("global_attn_every_n_layers", 3)
         named = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
                                           for i in range(layers)]
-        kinds = {"full_attention": "global", "sliding_attention": "local"}
-        if set(named) - set(kinds):
-            raise ValueError(f"layer_types {named} are not all full_attention or sliding_attention")
-        rope = hf.get("rope_parameters") or {}
-        thetas = {}
-        for layer_type, old_name, default in (("full_attention", "global_rope_theta", 160_000.0),
-                                              ("sliding_attention", "local_rope_theta", 10_000.0)):
-            parameters = rope.get(layer_type) or {}
-            if parameters.get("rope_type", "default") != "default":
-                raise ValueError(f"rope_parameters.{layer_type}.rope_type "
-                                 f"{parameters['rope_type']!r} is not supported (default)")
-            thetas[layer_type] = parameters.get("rope_theta", hf.get(old_name, default))
+        thetas = _rope_thetas(hf, {"full_attention": ("global_rope_theta", 160_000.0),
+                                   "sliding_attention": ("local_rope_theta", 10_000.0)})
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=layers,
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
+            **_shape(hf, "norm_eps", 1e-5),
             max_positions=hf["max_position_embeddings"],
-            layer_norm_eps=hf.get("norm_eps", 1e-5),
             pad_token_id=hf.get("pad_token_id", 50283),
-            model_type=hf["model_type"],
-            layer_types=tuple(kinds[name] for name in named),
+            layer_types=_layer_kinds(named),
             local_attention=hf.get("local_attention", 128),
             global_rope_theta=thetas["full_attention"],
             local_rope_theta=thetas["sliding_attention"],
@@ -170,28 +255,137 @@ class ModernBertConfig(EncoderShape):
 
 
 @dataclass(frozen=True)
+class DecoderConfig(EncoderShape):
+    """A decoder's blocks (Qwen3, Gemma3): pre-norm RMSNorm blocks of rotary attention with
+    grouped key/value heads and a norm on each head's query and key, then a gated
+    feed-forward. Qwen3 attends causally; Gemma3 as EmbeddingGemma runs it both ways, its
+    local layers within a window. `layer_norm_eps` is the RMSNorms' epsilon."""
+
+    layer_types: tuple[str, ...] = ()
+    """per layer: "global" (the whole sequence) or "local" (the window)"""
+    window_radius: int = 0
+    """a local layer's query sees the keys at most this many positions away, on either side"""
+    global_rope_theta: float = 10_000.0
+    local_rope_theta: float = 10_000.0
+    causal: bool = False
+    activation: str = "silu"
+    """the gated feed-forward's (Hugging Face's name: silu, gelu_pytorch_tanh)"""
+    attention_bias: bool = False
+    norm_offset: float = 0.0
+    """an RMSNorm scales by (norm_offset + weight): Gemma stores its scales as offsets from 1"""
+    embedding_scale: bool = False
+    """token embeddings multiplied by √hidden_size (Gemma)"""
+    sandwich_norms: bool = False
+    """Gemma3's extra RMSNorms: on attention's output and on the feed-forward's, before each
+    joins the residual stream"""
+    query_scale: float | None = None
+    """what Q Kᵀ is multiplied by; None: 1/√head_dim (Gemma3: query_pre_attn_scalar^-½)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_layer_kinds(self.layer_types, self.num_layers)
+        if "local" in self.layer_types and self.causal:
+            raise ValueError("a causal decoder with sliding-window layers is not supported")
+
+    @staticmethod
+    def _shape(hf: dict, head_dim: int, max_positions: int) -> dict:
+        """A decoder config.json's shape; `head_dim`, `max_positions`: its family's defaults."""
+        return _shape(hf, "rms_norm_eps", 1e-6) | dict(
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim", head_dim),
+            max_positions=hf.get("max_position_embeddings", max_positions),
+        )
+
+    @classmethod
+    def qwen3_from_hf(cls, hf: dict, pooler: bool) -> "DecoderConfig":
+        """Qwen3: causal, SwiGLU, one RoPE base, every layer global."""
+        if pooler:
+            raise ValueError("Qwen3 has no pooler")
+        if hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window true is not supported (false: every layer "
+                             "attends to the whole sequence, as Qwen3's embedders do)")
+        layers = hf["num_hidden_layers"]
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        theta = _rope_theta(rope, "rope_parameters", hf.get("rope_theta", 10_000.0))
+        pad, eos = hf.get("pad_token_id"), hf.get("eos_token_id")
+        return cls(
+            **cls._shape(hf, head_dim=128, max_positions=32768),
+            # The server fills padding with it; any id does under the mask.
+            pad_token_id=pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0,
+            layer_types=_layer_kinds(hf.get("layer_types") or ["full_attention"] * layers),
+            global_rope_theta=theta,
+            causal=True,
+            activation=_activation(hf, "hidden_act", "silu", ("silu",)),
+            attention_bias=hf.get("attention_bias", False),
+        )
+
+    @classmethod
+    def gemma3_from_hf(cls, hf: dict, pooler: bool) -> "DecoderConfig":
+        """Gemma3's text decoder run both ways (EmbeddingGemma): local layers within
+        `sliding_window` // 2 positions on either side (transformers' bidirectional window),
+        global ones over the whole sequence, each kind with its own RoPE base; GeGLU (tanh),
+        RMSNorm scaled by 1 + weight, embeddings scaled by √hidden_size."""
+        if pooler:
+            raise ValueError("Gemma3 has no pooler")
+        if not hf.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention false: attnserve exports Gemma3 run "
+                             "bidirectionally, as EmbeddingGemma")
+        for key in ("attn_logit_softcapping", "rope_scaling"):
+            if hf.get(key) is not None:
+                raise ValueError(f"{key} {hf[key]!r} is not supported (null)")
+        layers = hf["num_hidden_layers"]
+        every = hf.get("sliding_window_pattern", 6)
+        named = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0
+                                          else "sliding_attention" for i in range(layers)]
+        thetas = _rope_thetas(hf, {"full_attention": ("rope_theta", 1_000_000.0),
+                                   "sliding_attention": ("rope_local_base_freq", 10_000.0)})
+        return cls(
+            **cls._shape(hf, head_dim=256, max_positions=131_072),
+            pad_token_id=hf.get("pad_token_id", 0),
+            layer_types=_layer_kinds(named),
+            window_radius=hf.get("sliding_window", 4096) // 2,
+            global_rope_theta=thetas["full_attention"],
+            local_rope_theta=thetas["sliding_attention"],
+            activation=_activation(hf, "hidden_activation", "gelu_pytorch_tanh",
+                                   ("gelu_pytorch_tanh",)),
+            attention_bias=hf.get("attention_bias", False),
+            norm_offset=1.0,
+            embedding_scale=True,
+            sandwich_norms=True,
+            query_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
+        )
+
+
+@dataclass(frozen=True)
 class HeadConfig:
     """A sequence classifier's head over the encoder: the first token's vector (or the
-    mean over the real tokens), a dense layer and its activation (then a LayerNorm, in
-    ModernBERT's), and one score per label."""
+    mean over the real tokens, or the last one's), a dense layer and its activation (then
+    a LayerNorm, in ModernBERT's), and one score per label."""
 
     labels: tuple[str, ...]
     """each label's name, by its id (config.json's id2label)"""
     pooling: HeadPooling = "cls"
+    dense: bool = True
+    """a dense layer and its activation before the scores (Qwen3's head has none)"""
     activation: HeadActivation = "tanh"
     dense_bias: bool = True
     norm: bool = False
     norm_bias: bool = False
     norm_eps: float = 1e-5
+    out_bias: bool = True
+    pad_token_id: int | None = None
+    """`last` pooling takes the last real token that is not this id, as transformers'
+    decoder classifiers do (a trailing token equal to the pad id counts as padding)"""
 
     def __post_init__(self) -> None:
         if not self.labels:
             raise ValueError("a classifier has at least one label")
-        if self.pooling not in ("cls", "mean"):
-            raise ValueError(f"classifier pooling {self.pooling!r} is not supported (cls, mean)")
-        if self.activation not in ("tanh", "gelu"):
+        if self.pooling not in ("cls", "mean", "last"):
+            raise ValueError(f"classifier pooling {self.pooling!r} is not supported "
+                             "(cls, mean, last)")
+        if self.activation not in ("tanh", "gelu", "relu"):
             raise ValueError(f"classifier activation {self.activation!r} is not supported "
-                             "(tanh, gelu)")
+                             "(tanh, gelu, relu)")
 
     @staticmethod
     def labels_of(hf: dict) -> tuple[str, ...]:
@@ -205,9 +399,20 @@ class HeadConfig:
 
     @classmethod
     def bert_from_hf(cls, hf: dict) -> "HeadConfig":
-        """BERT's (its pooler, then `classifier`) and RoBERTa's (`classifier.dense`, then
-        `classifier.out_proj`): the first token, dense, tanh, the labels."""
+        """BERT's (its pooler, then `classifier`), RoBERTa's and MPNet's (`classifier.dense`,
+        then `classifier.out_proj`): the first token, dense, tanh, the labels."""
         return cls(cls.labels_of(hf))
+
+    @classmethod
+    def distilbert_from_hf(cls, hf: dict) -> "HeadConfig":
+        """`pre_classifier`, then `classifier`: the first token, dense, ReLU, the labels."""
+        return cls(cls.labels_of(hf), activation="relu")
+
+    @classmethod
+    def qwen3_from_hf(cls, hf: dict) -> "HeadConfig":
+        """`score`: the last token straight to the labels, no bias."""
+        return cls(cls.labels_of(hf), pooling="last", dense=False, out_bias=False,
+                   pad_token_id=hf.get("pad_token_id"))
 
     @classmethod
     def modernbert_from_hf(cls, hf: dict) -> "HeadConfig":

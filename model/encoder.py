@@ -1,5 +1,5 @@
-"""A BERT-style encoder (BERT, RoBERTa, XLM-RoBERTa): embeddings, then post-LN blocks of
-attention and feed-forward."""
+"""A BERT-style encoder (BERT, RoBERTa, XLM-RoBERTa, MPNet, DistilBERT): embeddings, then
+post-LN blocks of attention and feed-forward."""
 
 from dataclasses import dataclass
 
@@ -8,16 +8,23 @@ from torch import nn
 
 from attnserve.model.attention import MultiHeadAttention
 from attnserve.model.config import EncoderConfig
-from attnserve.model.positions import RotaryEmbedding, positions_after_padding, sinusoidal_table
+from attnserve.model.feed_forward import FeedForward
+from attnserve.model.positions import (
+    RelativePositionBias,
+    RotaryEmbedding,
+    positions_after_padding,
+    sinusoidal_table,
+)
 
 
 class Embeddings(nn.Module):
-    """token + position + token type, then LayerNorm."""
+    """token + position + token type (where the family has segments), then LayerNorm."""
 
     def __init__(self, config: EncoderConfig):
         super().__init__()
         self.word = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.token_type = (nn.Embedding(config.type_vocab_size, config.hidden_size)
+                           if config.type_vocab_size else None)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.position: nn.Embedding | None = None
         if config.positions == "learned":
@@ -33,7 +40,9 @@ class Embeddings(nn.Module):
         self.pad_token_id = config.pad_token_id
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word(input_ids) + self.token_type(token_type_ids)
+        x = self.word(input_ids)
+        if self.token_type is not None:
+            x = x + self.token_type(token_type_ids)
         seq = input_ids.shape[1]
         if self.position is not None and self.after_padding:
             x = x + self.position(positions_after_padding(input_ids, self.pad_token_id))
@@ -44,29 +53,21 @@ class Embeddings(nn.Module):
         return self.norm(x)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, config: EncoderConfig):
-        super().__init__()
-        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = nn.GELU()
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.up(x)))
-
-
 class EncoderBlock(nn.Module):
     """attention → residual → LayerNorm → feed-forward → residual → LayerNorm (post-LN, as BERT)."""
 
     def __init__(self, config: EncoderConfig, rotary: RotaryEmbedding | None):
         super().__init__()
-        self.attention = MultiHeadAttention(config.hidden_size, config.num_heads, rotary)
+        self.attention = MultiHeadAttention(config.hidden_size, config.num_heads, rotary,
+                                            causal=config.causal)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config.hidden_size, config.intermediate_size,
+                                        config.activation)
         self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        attended, probs = self.attention(x, x, x, mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor,
+                score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        attended, probs = self.attention(x, x, x, mask, score_bias)
         x = self.attention_norm(x + attended)
         x = self.output_norm(x + self.feed_forward(x))
         return x, probs
@@ -102,20 +103,18 @@ class Encoder(nn.Module):
             if config.positions == "rope" else None
         )
         self.embeddings = Embeddings(config)
+        # One table of relative-position biases, shared by every layer (MPNet).
+        self.relative = (RelativePositionBias(config.num_heads, config.relative_attention_buckets)
+                         if config.relative_attention_buckets else None)
         self.layers = nn.ModuleList(EncoderBlock(config, rotary) for _ in range(config.num_layers))
         self.pooler = Pooler(config) if config.pooler else None
 
-    def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
         """(batch, seq) of 1 = real token, 0 = padding -> (batch, 1, seq, seq): may query i
-        look at key j? Padding keys never; with `causal`, no key after the query either."""
+        look at key j? Padding keys never (the causal mask, where set, is attention's)."""
         batch, seq = attention_mask.shape
-        mask = attention_mask[:, None, None, :].expand(batch, 1, seq, seq)
-        if self.config.causal:
-            future = torch.triu(
-                torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device), diagonal=1
-            )
-            mask = mask.bool() & ~future
-        return mask
+        return attention_mask[:, None, None, :].expand(batch, 1, seq, seq)
 
     def forward(
         self,
@@ -130,9 +129,10 @@ class Encoder(nn.Module):
             token_type_ids = torch.zeros_like(input_ids)
         mask = self.attention_mask(attention_mask)
         x = self.embeddings(input_ids, token_type_ids)
+        bias = None if self.relative is None else self.relative(input_ids.shape[1], input_ids.device)
         attentions = []
         for layer in self.layers:
-            x, probs = layer(x, mask)
+            x, probs = layer(x, mask, bias)
             attentions.append(probs)
         return EncoderOutput(
             last_hidden_state=x,

@@ -4,24 +4,39 @@ Tensor names cannot tell the families apart: a RoBERTa or XLM-RoBERTa checkpoint
 its tensors exactly as BERT does, and loaded as BERT it serves vectors that are off
 without a word (its positions start after the padding id). So a checkpoint is refused
 unless its `model_type` is a family written here and every one of its `architectures`
-holds that family's encoder as it is: the base model, the base model under its
-masked-language-model head, which is dropped at load (it predicts tokens, and nothing
-served reads it), or the base model under its sequence-classification head, which is
-kept: a cross-encoder (model/classifier.py), served as a reranker.
+holds that family's encoder as it is: the base model, the base model under its language
+model head (masked-LM for the encoders, causal-LM for the decoders), which is dropped at
+load (it predicts tokens, and nothing served reads it), or the base model under its
+sequence-classification head, which is kept: a cross-encoder (model/classifier.py),
+served as a reranker.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from attnserve.model.config import EncoderConfig, EncoderShape, HeadConfig, ModernBertConfig
+from attnserve.model.config import (
+    DecoderConfig,
+    EncoderConfig,
+    EncoderShape,
+    HeadConfig,
+    ModernBertConfig,
+)
+from attnserve.model.decoder import Decoder
 from attnserve.model.encoder import Encoder
 from attnserve.model.modernbert import ModernBertEncoder
-from attnserve.model.tensor_names import bert_names, modernbert_names
+from attnserve.model.tensor_names import (
+    bert_names,
+    distilbert_names,
+    gemma3_names,
+    modernbert_names,
+    mpnet_names,
+    qwen3_names,
+)
 
-AnyEncoder = Encoder | ModernBertEncoder
+AnyEncoder = Encoder | ModernBertEncoder | Decoder
 """the encoder of a checkpoint's family, as load_checkpoint builds it"""
-Architecture = Literal["encoder", "masked_lm", "classifier"]
+Architecture = Literal["encoder", "language_model", "classifier"]
 
 
 @dataclass(frozen=True)
@@ -31,48 +46,68 @@ class Family:
     """the architecture whose tensors are the encoder alone (BertModel)"""
     prefix: str
     """what the encoder's tensor names start with inside a model with a head ("bert.")"""
-    masked_lm_head: tuple[str, ...]
-    """the name prefixes of the masked-LM head's tensors, dropped at load"""
+    language_model: str
+    """the architecture of the encoder under its language-model head (BertForMaskedLM)"""
+    language_model_head: tuple[str, ...]
+    """the name prefixes of the language-model head's tensors, dropped at load"""
     config: Callable[[dict, bool], EncoderShape]
     """config.json, and whether the weights carry BERT's pooler -> the encoder's config"""
     encoder: Callable[..., AnyEncoder]
     tensor_names: Callable[[str], tuple[str, ...] | None]
     """a tensor's name, its prefix removed -> ours (model/tensor_names.py)"""
-    head_config: Callable[[dict], HeadConfig]
-    """config.json -> its sequence-classification head's config"""
-    head_modules: dict[str, str]
+    head_config: Callable[[dict], HeadConfig] | None = None
+    """config.json -> its sequence-classification head's config (None: the family has no
+    classifier here)"""
+    head_modules: dict[str, str] | None = None
     """the sequence-classification head's modules, by their full names in the checkpoint
     -> ours in model/classifier.py's ClassificationHead (BERT's dense layer is its pooler)"""
 
     @property
-    def masked_lm(self) -> str:
-        return self.base.removesuffix("Model") + "ForMaskedLM"
-
-    @property
-    def classifier(self) -> str:
+    def classifier(self) -> str | None:
+        if self.head_config is None:
+            return None
         return self.base.removesuffix("Model") + "ForSequenceClassification"
 
     def head_names(self, hf_name: str) -> tuple[str, ...] | None:
         """A classifier head tensor's name in the checkpoint -> ours, None for any other."""
         module, _, kind = hf_name.rpartition(".")
-        ours = self.head_modules.get(module)
+        ours = (self.head_modules or {}).get(module)
         return None if ours is None else (f"{ours}.{kind}",)
 
 
-_BERT_HEAD = {"bert.pooler.dense": "dense", "classifier": "out"}
+def _encoder_family(model_type: str, base: str, prefix: str, lm_head: tuple[str, ...],
+                    config: Callable, names: Callable, head_config: Callable,
+                    head_modules: dict[str, str], encoder: Callable = Encoder) -> Family:
+    return Family(model_type, base, prefix, base.removesuffix("Model") + "ForMaskedLM", lm_head,
+                  config, encoder, names, head_config, head_modules)
+
+
 _ROBERTA_HEAD = {"classifier.dense": "dense", "classifier.out_proj": "out"}
-_MODERNBERT_HEAD = {"head.dense": "dense", "head.norm": "norm", "classifier": "out"}
 
 FAMILIES = {family.model_type: family for family in (
-    Family("bert", "BertModel", "bert.", ("cls.predictions.",), EncoderConfig.from_hf, Encoder,
-           bert_names, HeadConfig.bert_from_hf, _BERT_HEAD),
-    Family("roberta", "RobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf, Encoder,
-           bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
-    Family("xlm-roberta", "XLMRobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf,
-           Encoder, bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
-    Family("modernbert", "ModernBertModel", "model.", ("head.", "decoder."),
-           ModernBertConfig.from_hf, ModernBertEncoder, modernbert_names,
-           HeadConfig.modernbert_from_hf, _MODERNBERT_HEAD),
+    _encoder_family("bert", "BertModel", "bert.", ("cls.predictions.",), EncoderConfig.from_hf,
+                    bert_names, HeadConfig.bert_from_hf,
+                    {"bert.pooler.dense": "dense", "classifier": "out"}),
+    _encoder_family("roberta", "RobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf,
+                    bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
+    _encoder_family("xlm-roberta", "XLMRobertaModel", "roberta.", ("lm_head.",),
+                    EncoderConfig.from_hf, bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
+    _encoder_family("modernbert", "ModernBertModel", "model.", ("head.", "decoder."),
+                    ModernBertConfig.from_hf, modernbert_names, HeadConfig.modernbert_from_hf,
+                    {"head.dense": "dense", "head.norm": "norm", "classifier": "out"},
+                    ModernBertEncoder),
+    _encoder_family("mpnet", "MPNetModel", "mpnet.", ("lm_head.",), EncoderConfig.mpnet_from_hf,
+                    mpnet_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
+    _encoder_family("distilbert", "DistilBertModel", "distilbert.",
+                    ("vocab_transform.", "vocab_layer_norm.", "vocab_projector."),
+                    EncoderConfig.distilbert_from_hf, distilbert_names,
+                    HeadConfig.distilbert_from_hf,
+                    {"pre_classifier": "dense", "classifier": "out"}),
+    Family("qwen3", "Qwen3Model", "model.", "Qwen3ForCausalLM", ("lm_head.",),
+           DecoderConfig.qwen3_from_hf, Decoder, qwen3_names, HeadConfig.qwen3_from_hf,
+           {"score": "out"}),
+    Family("gemma3_text", "Gemma3TextModel", "model.", "Gemma3ForCausalLM", ("lm_head.",),
+           DecoderConfig.gemma3_from_hf, Decoder, gemma3_names),
 )}
 
 
@@ -95,17 +130,20 @@ def family_of(hf: dict) -> Family:
 
 def architecture_of(hf: dict, family: Family) -> Architecture:
     """What config.json's `architectures` hold of `family`: its encoder alone, under its
-    masked-LM head, or under its sequence-classification head; ValueError for any other
-    (a config without `architectures` is the base model)."""
-    kinds = {family.base: "encoder", family.masked_lm: "masked_lm", family.classifier: "classifier"}
+    language-model head, or under its sequence-classification head; ValueError for any
+    other (a config without `architectures` is the base model)."""
+    kinds = {family.base: "encoder", family.language_model: "language_model"}
+    if family.classifier is not None:
+        kinds[family.classifier] = "classifier"
     found = []
     for architecture in hf.get("architectures") or [family.base]:
         if architecture not in kinds:
+            reranker = (f" and {family.classifier} (a reranker)" if family.classifier else "")
             raise ValueError(
                 f"architectures: {architecture!r} is not served; for model_type "
-                f"{hf['model_type']!r} attnserve exports {family.base}, {family.masked_lm} (its "
-                f"masked-LM head dropped: the encoder is the base model's) and "
-                f"{family.classifier} (a reranker)")
+                f"{hf['model_type']!r} attnserve exports {family.base}, {family.language_model} "
+                f"(its language-model head dropped: the encoder is the base model's)"
+                f"{reranker}")
         found.append(kinds[architecture])
     if "classifier" in found and len(set(found)) > 1:
         raise ValueError(f"architectures: {hf['architectures']} name a classifier beside another "

@@ -1,10 +1,9 @@
 """ModernBERT: token embeddings then LayerNorm, pre-LN blocks of rotary attention and a
 GeGLU feed-forward, a final LayerNorm; no biases anywhere (by its configuration).
 
-Attention alternates: a global layer lets every token look at the whole sequence; a
-local one only at the tokens at most `local_attention // 2` positions away on either
-side, a window applied as a mask before the softmax, like padding. Each kind rotates its
-queries and keys with a RoPE base of its own.
+Attention alternates (model/layer_kinds.py): a global layer lets every token look at the
+whole sequence; a local one only at the tokens at most `local_attention // 2` positions
+away on either side. Each kind rotates its queries and keys with a RoPE base of its own.
 """
 
 import torch
@@ -12,7 +11,8 @@ from torch import nn
 
 from attnserve.model.attention import MultiHeadAttention
 from attnserve.model.config import ModernBertConfig
-from attnserve.model.encoder import EncoderOutput
+from attnserve.model.feed_forward import GatedFeedForward
+from attnserve.model.layer_kinds import LayerKindStack, rotaries
 from attnserve.model.positions import RotaryEmbedding
 
 
@@ -32,20 +32,6 @@ class Embeddings(nn.Module):
         return self.norm(self.word(input_ids))
 
 
-class GeGLU(nn.Module):
-    """GELU(x W) ⊙ (x V), projected back down: the GELU branch gates the linear one."""
-
-    def __init__(self, config: ModernBertConfig):
-        super().__init__()
-        self.w = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.v = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.act = nn.GELU()
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.w(x)) * self.v(x))
-
-
 class ModernBertBlock(nn.Module):
     """x + attention(LayerNorm(x)), then x + feed-forward(LayerNorm(x)) (pre-LN)."""
 
@@ -57,7 +43,8 @@ class ModernBertBlock(nn.Module):
         self.attention = MultiHeadAttention(config.hidden_size, config.num_heads, rotary,
                                             bias=config.attention_bias)
         self.feed_forward_norm = _norm(config)
-        self.feed_forward = GeGLU(config)
+        self.feed_forward = GatedFeedForward(config.hidden_size, config.intermediate_size, "gelu",
+                                             bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         normed = self.attention_norm(x)
@@ -67,42 +54,15 @@ class ModernBertBlock(nn.Module):
         return x, probs
 
 
-class ModernBertEncoder(nn.Module):
+class ModernBertEncoder(LayerKindStack):
     def __init__(self, config: ModernBertConfig):
         super().__init__()
         self.config = config
-        rotary = {kind: RotaryEmbedding(config.head_dim, config.max_positions, base, pairs="halves")
-                  for kind, base in (("global", config.global_rope_theta),
-                                     ("local", config.local_rope_theta))}
+        rotary = rotaries(config)
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(ModernBertBlock(config, i, rotary[kind])
                                     for i, kind in enumerate(config.layer_types))
         self.final_norm = _norm(config)
 
-    def attention_masks(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(batch, seq) of 1 = real token, 0 = padding -> may query i look at key j, for a
-        global layer (batch, 1, 1, seq: every real key) and a local one (batch, 1, seq,
-        seq: the real keys within the window)."""
-        keys = attention_mask[:, None, None, :].bool()
-        position = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-        near = (position[:, None] - position[None, :]).abs() <= self.config.window_radius
-        return keys, keys & near
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
-    ) -> EncoderOutput:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        whole, window = self.attention_masks(attention_mask)
-        x = self.embeddings(input_ids)
-        attentions = []
-        for layer in self.layers:
-            x, probs = layer(x, window if layer.local else whole)
-            attentions.append(probs)
-        return EncoderOutput(
-            last_hidden_state=self.final_norm(x),
-            attentions=tuple(attentions) if output_attentions else None,
-        )
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids)

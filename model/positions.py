@@ -50,6 +50,8 @@ class RotaryEmbedding(nn.Module):
         self.pairs = pairs
         # As transformers computes it, so the angles round the same.
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        # Kept to check the copy some checkpoints save (`rotary_emb.inv_freq`) against.
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", torch.cos(angles), persistent=False)
         self.register_buffer("sin", torch.sin(angles), persistent=False)
@@ -64,3 +66,35 @@ class RotaryEmbedding(nn.Module):
             return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+
+
+class RelativePositionBias(nn.Module):
+    """Relative positions as a bias on the attention scores (T5's buckets, MPNet): the
+    score of query i for key j gains a learned value per head for the bucket of j - i.
+    Distances below num_buckets / 4 get a bucket each, on each side; longer ones share
+    buckets spaced logarithmically up to `max_distance`, past which they share the last.
+    Computed once from the sequence length and added to every layer's scores."""
+
+    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128):
+        super().__init__()
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.bias = nn.Embedding(num_buckets, num_heads)
+
+    def bucket(self, relative: torch.Tensor) -> torch.Tensor:
+        """key position - query position -> bucket: the first half of the buckets for keys
+        before the query, the second half for keys after it."""
+        half = self.num_buckets // 2
+        exact = half // 2
+        after = (relative > 0).long() * half
+        distance = relative.abs()
+        # As transformers computes it (log in float32, truncated), so buckets match its.
+        far = exact + (torch.log(distance.float() / exact) / math.log(self.max_distance / exact)
+                       * (half - exact)).long()
+        far = torch.clamp(far, max=half - 1)
+        return after + torch.where(distance < exact, distance, far)
+
+    def forward(self, seq: int, device: torch.device) -> torch.Tensor:
+        """-> (1, heads, seq, seq), to add to the scores."""
+        position = torch.arange(seq, device=device)
+        buckets = self.bucket(position[None, :] - position[:, None])
+        return self.bias(buckets).permute(2, 0, 1).unsqueeze(0)

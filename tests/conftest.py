@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 
 from tests import harness
-from tests.families import make_reranker
+from tests.families import make_reranker, make_sentence_transformer
 from tests.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
+
+# Its artifact's graphs are each written with their weights in an external data file (the
+# threshold lowered to nothing), as a graph past 2 GB is: the export, the optimiser, the
+# quantizer, the checks and the server all go through that path on a tiny model.
+EXTERNAL_DATA_FAMILY = "qwen3"
 
 
 def pytest_addoption(parser):
@@ -99,3 +104,55 @@ def xlmr_reranker_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def xlmr_reranker_artifact(tmp_path_factory, xlmr_reranker_checkpoint) -> Path:
     return export(tmp_path_factory.mktemp("xlmr-reranker-artifact"), xlmr_reranker_checkpoint)
+
+
+def _export_in_process(out: Path, checkpoint: Path, external_data: bool, **flags):
+    """`attnserve export` in this process, with every graph's weights in an external data
+    file when `external_data`."""
+    from attnserve.artifact import load_artifact
+    from attnserve.export import graph_files
+    from attnserve.export.pipeline import run_export
+
+    with pytest.MonkeyPatch.context() as patch:
+        if external_data:
+            patch.setattr(graph_files, "EXTERNAL_DATA_BYTES", 0)
+        run_export(out, checkpoint, **flags)
+    return load_artifact(out)
+
+
+@pytest.fixture(scope="session")
+def sentence_artifact(tmp_path_factory):
+    """family -> (its sentence-transformers checkpoint (tests/families.py's
+    SENTENCE_MODULES), its artifact), each exported once, when first asked for: with int8
+    graphs; Gemma3's with float16 ones too; EXTERNAL_DATA_FAMILY's with external data."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            checkpoint = make_sentence_transformer(family, tmp_path_factory.mktemp("st") / family)
+            made[family] = checkpoint, _export_in_process(
+                tmp_path_factory.mktemp(f"{family}-artifact"), checkpoint,
+                family == EXTERNAL_DATA_FAMILY, int8=True, fp16=family == "gemma3_text")
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def classifier_artifact(tmp_path_factory):
+    """family -> (its random …ForSequenceClassification of one label, its artifact), each
+    exported once, when first asked for (Qwen3's with its int8 graph, its weights drawn
+    narrower than the others' so that its int8 scores keep to the gate: at
+    tests/families.py's RERANKER_INIT they differ by 0.064, at 0.1 by 0.013)."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            int8 = family == "qwen3"
+            checkpoint = make_reranker(family, tmp_path_factory.mktemp("classifier") / family,
+                                       **({"initializer_range": 0.1} if int8 else {}))
+            made[family] = checkpoint, _export_in_process(
+                tmp_path_factory.mktemp(f"{family}-reranker"), checkpoint, False, int8=int8)
+        return made[family]
+
+    return get

@@ -118,14 +118,15 @@ def reranker(directory: Path) -> Path:
     return artifact
 
 
-def texts_of(tokens: int, count: int) -> list[str]:
-    """`count` different texts of exactly `tokens` tokens each (without special tokens):
-    words taken in turn from a fixed text, each kept while the text stays within `tokens`."""
+def texts_of(tokens: int, count: int, tokenizer_file: Path | None = None) -> list[str]:
+    """`count` different texts of exactly `tokens` tokens each (without special tokens) of
+    `tokenizer_file` (MiniLM's by default): words taken in turn from a fixed text, each
+    kept while the text stays within `tokens`."""
     from tokenizers import Tokenizer
 
     from attnserve.export.int8_texts import CALIBRATION_TEXTS
 
-    tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(tokenizer_file or minilm_dir() / "tokenizer.json"))
     tokenizer.no_truncation()
     tokenizer.no_padding()
     words = " ".join(CALIBRATION_TEXTS).split()

@@ -293,14 +293,24 @@ class BatchLoop:
         seconds = time.perf_counter() - started
         peak = self.probe.batch_peak(baseline) if measure else None
         # Here rather than on the event loop: a batch of long sequences takes milliseconds.
-        means = {row: span_means(out.hidden[row], w.job.spans[w.index])
-                 for row, w in enumerate(items) if w.job.spans is not None}
+        means = self._span_means(items, out.hidden)
         took = predicted if peak is None else peak
         if took >= TRIM_NOW_BUDGET_SHARE * self.memory.budget:
             self.backend.release_memory()
         else:
             self.trim_pending |= took >= TRIM_AFTER_BYTES
         return Ran(items, out, ids.shape, seconds, started_at, peak, predicted, means)
+
+    def _span_means(self, items: list[Waiting], hidden: np.ndarray | None) -> dict[int, np.ndarray]:
+        """row -> the means of the spans its request named, through the model's Dense
+        layers (the backend's `project`), as the graph's pooled vectors went."""
+        rows = {row: span_means(hidden[row], w.job.spans[w.index])
+                for row, w in enumerate(items) if w.job.spans is not None}
+        if not rows:
+            return {}
+        projected = self.backend.project(np.concatenate(list(rows.values())))
+        ends = np.cumsum([len(means) for means in rows.values()])
+        return dict(zip(rows, np.split(projected, ends[:-1]), strict=True))
 
     def _trim_when_idle(self) -> None:
         if self.trim_pending:

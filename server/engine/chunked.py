@@ -4,9 +4,10 @@ chunk vectors.
 
 LATE runs the text's windows, only those some chunk is pooled from, each between the
 model's special tokens; each window's result carries the mean embedding of every chunk
-pooled from it (the scheduler's `spans`). ISOLATED runs each chunk alone between the
-special tokens, mean-pooled by the graph as a text's pooled vector is. A prompt's tokens
-run in every window or chunk, after its leading special tokens.
+pooled from it (the scheduler's `spans`), through the model's Dense layers. ISOLATED runs
+each chunk alone between the special tokens, pooled by the graph as the model pools a text
+(the last token of a decoder embedder's chunk, say). A prompt's tokens run in every window
+or chunk, after its leading special tokens.
 """
 
 from collections.abc import Sequence
@@ -102,11 +103,11 @@ class TextPlan:
                 for (start, _), chunks in zip(self.windows.tolist(), self.pooled_from, strict=True)]
 
     def vectors(self, results: list[SequenceResult], pooled: str, normalize: bool,
-                hidden: int) -> np.ndarray:
-        """float32 [chunks, hidden] in text order, from this plan's results; `pooled`: the
+                size: int) -> np.ndarray:
+        """float32 [chunks, size] in text order, from this plan's results; `pooled`: the
         graph output ISOLATED chunks come with."""
         if not results:
-            return np.zeros((0, hidden), dtype=np.float32)
+            return np.zeros((0, size), dtype=np.float32)
         if self.windows is None:
             return np.stack([r.pooled[pooled] for r in results]).astype(np.float32, copy=False)
         means = np.concatenate([r.span_means for r in results])
@@ -145,6 +146,7 @@ async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Promp
     per_text = [p.lengths(specials) for p in plans]
     lengths = np.concatenate(per_text)
     late = chunking.mode is ChunkingMode.LATE
+    pooled = pooled_output(chunking.mode.pooling(model.manifest.default_pooling), request.normalize)
     planning = cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count)
     results: list[SequenceResult] = []
     if len(lengths):
@@ -154,13 +156,14 @@ async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Promp
         text_of = np.repeat(np.arange(len(plans)), list(map(len, per_text)))
         # LATE: the chunks' means from their windows' spans; ISOLATED: each chunk's pooled
         # vector. Cut to `dimensions` with the rest of the chunk vectors.
-        outputs = frozenset() if late else frozenset({pooled_output("mean", request.normalize)})
+        outputs = frozenset() if late else frozenset({pooled})
         results = await model.run_pooled(
             Submission(sequences, lengths, deadline=deadline, outputs=outputs, spans=spans),
             lambda i: names.sequence(int(text_of[i])), size, holds, prompt, 0)
     chunked = await model.offload.request(
-        planning, _chunk_vectors, plans, list(map(len, per_text)), results, request.normalize,
-        dimensions, model.manifest.hidden_size)
+        planning, _chunk_vectors, plans, list(map(len, per_text)), results,
+        pooled, request.normalize,
+        dimensions, model.manifest.embedding_size)
     return Embedded([], lengths, [], chunked, size)
 
 
@@ -202,13 +205,13 @@ def _sequences(plans: list[TextPlan], late: bool, head: np.ndarray, tail: np.nda
 
 
 def _chunk_vectors(plans: list[TextPlan], counts: list[int], results: list[SequenceResult],
-                   normalize: bool, dimensions: int, hidden: int) -> list[ChunkedText]:
-    """Each text's chunks and their vectors, cut to `dimensions` (0: whole); `counts`: the
-    sequences each plan ran."""
-    pooled = pooled_output("mean", normalize)
+                   pooled: str, normalize: bool, dimensions: int, size: int) -> list[ChunkedText]:
+    """Each text's chunks and their vectors (`size` wide), cut to `dimensions` (0: whole);
+    `counts`: the sequences each plan ran; `pooled`: the graph output ISOLATED chunks
+    come with."""
     out, at = [], 0
     for plan, count in zip(plans, counts, strict=True):
-        vectors = to_dimensions(plan.vectors(results[at:at + count], pooled, normalize, hidden),
+        vectors = to_dimensions(plan.vectors(results[at:at + count], pooled, normalize, size),
                                 dimensions, normalize)
         out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans, plan.chunks.token_counts,
                                vectors))

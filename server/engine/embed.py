@@ -64,14 +64,14 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
 
 
 def _dimensions(model: ServedModel, request: EmbedRequest) -> int:
-    """The size pooled vectors are cut to, checked; 0: the hidden size (no cut)."""
-    dimensions, hidden = request.dimensions, model.manifest.hidden_size
-    if dimensions in (0, hidden):
+    """The size pooled vectors are cut to, checked; 0: the vectors' size (no cut)."""
+    dimensions, size = request.dimensions, model.manifest.embedding_size
+    if dimensions in (0, size):
         return 0
     if not model.manifest.matryoshka_dims:
         raise InvalidArgument("dimensions", f"{quote(dimensions)}; {model.name!r} declares no "
                               "Matryoshka sizes: omit dimensions or set it to its one size, "
-                              f"{hidden}")
+                              f"{size}")
     if dimensions not in model.dimensions:
         raise InvalidArgument("dimensions", f"{quote(dimensions)}; {model.name!r} takes "
                               f"{', '.join(map(str, model.dimensions))}")

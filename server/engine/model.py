@@ -89,7 +89,7 @@ class ServedModel:
         """the longest text a chunked request may carry"""
         self.default_prompt = default_prompt
         self.kind = m.kind
-        self.dimensions = sorted({m.hidden_size, *m.matryoshka_dims}, reverse=True)
+        self.dimensions = sorted({m.embedding_size, *m.matryoshka_dims}, reverse=True)
         """the sizes a pooled vector may be cut to"""
         if m.kind == RERANKER:
             self.output_layers = {LOGITS_OUTPUT: ()}
@@ -191,7 +191,9 @@ class ServedModel:
         sequence, in place of the graph's pooled output), cut to `dimensions` (0: whole)."""
         pooled = [name for name in submission.outputs if name in POOLED]
         pooling = None
-        if prompt is not None and not self.manifest.include_prompt and pooled:
+        # The last token lies past the prompt: the graph's vector leaves the prompt out.
+        if (prompt is not None and not self.manifest.include_prompt and pooled
+                and POOLED[pooled[0]][0] != "lasttoken"):
             pooling = POOLED[pooled[0]][0]
             submission.outputs -= set(pooled)
             submission.spans = await self.offload.request(
@@ -221,4 +223,4 @@ class ServedModel:
             artifact_sha256=self.artifact.manifest_sha256,
             inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in m.inputs],
             outputs=outputs, prompts=dict(m.prompts), default_prompt_name=self.default_prompt,
-            matryoshka_dims=list(m.matryoshka_dims))
+            matryoshka_dims=list(m.matryoshka_dims), embedding_size=m.embedding_size)

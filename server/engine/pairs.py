@@ -122,7 +122,8 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
         results = await model.run_pooled(Submission(ids, lengths, deadline=deadline,
                                                     outputs=frozenset({name})),
                                          field_of, size, holds, prompt, 0)
-        scores = await model.offload.response(count * hidden * COPY_BYTE_S, cosines,
+        scores = await model.offload.response(count * model.manifest.embedding_size * COPY_BYTE_S,
+                                              cosines,
                                               results[0].pooled[name],
                                               [r.pooled[name] for r in results[1:]])
     return Scored(scores, int(lengths.sum()), size)

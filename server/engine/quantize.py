@@ -46,15 +46,15 @@ class EmbeddingType(enum.Enum):
 
 def ranges_of(manifest: Manifest, model: str, pooled: str, kind: EmbeddingType,
               field: str, dimensions: int = 0) -> np.ndarray | None:
-    """float32 [2, hidden]: the ranges `kind` quantizes the pooled output `pooled` over
+    """float32 [2, vector size]: the ranges `kind` quantizes the pooled output `pooled` over
     (None for a kind that needs none); refused, naming `field`, for an artifact exported
     without them, and for vectors cut to fewer `dimensions` (0: the model's size), which
     are normalised again and so fall outside ranges fitted on whole vectors."""
     if not kind.ranged:
         return None
-    if 0 < dimensions < manifest.hidden_size:
+    if 0 < dimensions < manifest.embedding_size:
         raise InvalidArgument(field, f"{kind.value} quantizes over ranges fitted on whole "
-                              f"{manifest.hidden_size}-dimension vectors, not on vectors cut to "
+                              f"{manifest.embedding_size}-dimension vectors, not on vectors cut to "
                               f"{dimensions}: ask for float, binary or ubinary with dimensions, "
                               "or leave dimensions unset")
     fitted = manifest.embedding_ranges

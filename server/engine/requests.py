@@ -71,7 +71,12 @@ class ChunkingMode(enum.Enum):
     """the text runs whole, in overlapping windows; a chunk pools its tokens' contextual
     embeddings from the window where it has the most context on both sides"""
     ISOLATED = "isolated"
-    """each chunk runs alone, with its own special tokens, mean-pooled"""
+    """each chunk runs alone, with its own special tokens, pooled as the model pools a text"""
+
+    def pooling(self, model_pooling: str) -> str:
+        """How a chunk's vector is pooled, for a model of `model_pooling`: a LATE chunk's
+        is its tokens' mean; an ISOLATED one's, the model's own."""
+        return "mean" if self is ChunkingMode.LATE else model_pooling
 
 
 class TruncationDirection(enum.Enum):
@@ -116,7 +121,7 @@ class EmbedRequest:
     layers: tuple[int, ...] = ()
     """attention maps to return, each layer once, in order"""
     chunking: Chunking | None = None
-    """texts only; mean-pooled chunk vectors, normalised when `normalize`, instead of
+    """texts only; chunk vectors (ChunkingMode.pooling), normalised when `normalize`, instead of
     `outputs` and `layers` (which must be empty)"""
     normalize: bool = False
     """with chunking: L2-normalise each chunk's vector"""
@@ -342,4 +347,6 @@ class ModelInfo:
     default_prompt_name: str | None = None
     """the prompt a request that names none gets"""
     matryoshka_dims: list[int] = field(default_factory=list)
-    """the sizes a pooled vector may be cut to besides the hidden size, largest first"""
+    """the sizes a pooled vector may be cut to besides embedding_size, largest first"""
+    embedding_size: int = 0
+    """the pooled vectors' size (past any Dense layers)"""

@@ -127,7 +127,11 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
                               else f"unknown value {request.dtype}")
     if request.embedding_type not in EMBEDDING_TYPES:
         raise InvalidArgument("embedding_type", f"unknown value {request.embedding_type}")
-    pooling = request.pooling or POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
+    pooling = request.pooling or POOLING_NAMES[manifest.default_pooling]
+    if pooling == pb.POOLING_LAST_TOKEN and pooled_output("lasttoken", False) not in manifest.pooled_outputs:
+        raise InvalidArgument("pooling", f"POOLING_LAST_TOKEN: model {model!r} was exported without "
+                              f"last-token vectors (manifest format_version "
+                              f"{manifest.format_version}): export it again")
     attention = None
     if request.HasField("attention"):
         options = request.attention
@@ -136,12 +140,12 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
         attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
                                   options.average_heads)
     plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
-                     DTYPES[request.dtype], attention, _chunking(request))
+                     DTYPES[request.dtype], attention, _chunking(request, manifest))
     kind = EMBEDDING_TYPES[request.embedding_type]
     if kind is EmbeddingType.FLOAT:
         return plan
-    # A chunk's vector is mean-pooled whatever the model's default pooling.
-    source = pooled_output("mean", plan.normalize) if plan.chunking else pooled_name(plan)
+    source = (pooled_output(plan.chunking.mode.pooling(manifest.default_pooling), plan.normalize)
+              if plan.chunking else pooled_name(plan))
     if source is None:
         raise InvalidArgument("embedding_type", "sets what the pooled vector is sent as, and "
                               "pooling is POOLING_NONE: ask for a pooling")
@@ -150,7 +154,7 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
                                                          request.dimensions))
 
 
-def _chunking(request: pb.EmbedRequest) -> Chunking | None:
+def _chunking(request: pb.EmbedRequest, manifest: Manifest) -> Chunking | None:
     """The request's chunking, its fields checked against the rest of the request (the
     data plane checks their values against the model)."""
     if not request.HasField("chunking"):
@@ -158,16 +162,19 @@ def _chunking(request: pb.EmbedRequest) -> Chunking | None:
     options = request.chunking
     if options.mode not in CHUNKING_MODES:
         raise InvalidArgument("chunking.mode", f"unknown value {options.mode}")
-    if request.pooling not in (pb.POOLING_UNSPECIFIED, pb.POOLING_MEAN):
-        raise InvalidArgument("pooling", "chunk vectors are mean-pooled: leave pooling unset or "
-                              "POOLING_MEAN with chunking")
+    mode = CHUNKING_MODES[options.mode]
+    pooling = POOLING_NAMES[mode.pooling(manifest.default_pooling)]
+    if request.pooling not in (pb.POOLING_UNSPECIFIED, pooling):
+        raise InvalidArgument("pooling", f"{mode.value} chunk vectors are pooled by "
+                              f"{pb.Pooling.Name(pooling)} (late: each chunk's mean; isolated: "
+                              "the model's pooling): leave pooling unset or set that with chunking")
     if request.return_token_embeddings:
         raise InvalidArgument("return_token_embeddings", "not with chunking, which returns one "
                               "vector per chunk; ask for token embeddings without it")
     if request.HasField("attention"):
         raise InvalidArgument("attention", "not with chunking, which returns one vector per "
                               "chunk; ask for attention maps without it")
-    return Chunking(options.max_tokens, CHUNKING_MODES[options.mode], options.window_overlap)
+    return Chunking(options.max_tokens, mode, options.window_overlap)
 
 
 class EncoderService(pb_grpc.EncoderServiceServicer):
@@ -282,12 +289,12 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         return pb.GetModelInfoResponse(
             model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
             num_heads=info.num_heads, max_positions=info.max_positions, vocab_size=info.vocab_size,
-            default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
+            default_pooling=POOLING_NAMES[info.default_pooling],
             execution_provider=info.provider, precision=info.precision,
             artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family,
             kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
             prompts=info.prompts, default_prompt_name=info.default_prompt_name or "",
-            matryoshka_dims=info.matryoshka_dims)
+            matryoshka_dims=info.matryoshka_dims, embedding_size=info.embedding_size)
 
 
 def _head_bytes(model: str) -> int:

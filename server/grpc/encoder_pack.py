@@ -14,7 +14,7 @@ from attnserve.server.engine.requests import ChunkedText, Chunking, Embedded
 from attnserve.server.grpc.wire import field_bytes, varint_bytes
 from attnserve.server.runtime.backend import Outputs, SequenceResult
 
-POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
+POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "lasttoken": pb.POOLING_LAST_TOKEN}
 POOLINGS = {code: name for name, code in POOLING_NAMES.items()}
 DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32,
           pb.DTYPE_FLOAT16: np.float16}
@@ -159,12 +159,13 @@ def tensor_bytes(shape: tuple[int, ...], value_bytes: float) -> int:
     return field_bytes(sum(varint_bytes(d) for d in shape)) + 2 + field_bytes(data)
 
 
-def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, heads: int, vocab: int,
-                    value_bytes: float) -> int:
-    """One pb.Embedding of a `length`-token sequence, ids counted at the largest."""
+def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, vector: int, heads: int,
+                    vocab: int, value_bytes: float) -> int:
+    """One pb.Embedding of a `length`-token sequence, ids counted at the largest; `vector`:
+    a pooled vector's size (past any Dense layers)."""
     total = field_bytes(length * varint_bytes(vocab - 1)) + 1 + varint_bytes(length)
     if pooled_name(plan) is not None:
-        total += field_bytes(plan.pooled_bytes(hidden))
+        total += field_bytes(plan.pooled_bytes(vector))
     if plan.return_token_embeddings:
         total += field_bytes(tensor_bytes((length, hidden), value_bytes))
     if plan.attention is not None:
@@ -185,7 +186,8 @@ def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifes
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
     total = _response_head_bytes(model, int(lengths.sum()))
     for length in np.flatnonzero(counts).tolist():
-        one = embedding_bytes(length, plan, manifest.hidden_size, manifest.num_heads,
+        one = embedding_bytes(length, plan, manifest.hidden_size, manifest.embedding_size,
+                              manifest.num_heads,
                               manifest.vocab_size, value_bytes)
         total += int(counts[length]) * field_bytes(one)
     return total
@@ -201,7 +203,7 @@ INT64_MAX = (1 << 63) - 1
 def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manifest,
                            model: str) -> int:
     """The EmbedResponse of `model` for chunked texts of `counts` chunks each, in bytes."""
-    vector = field_bytes(plan.pooled_bytes(manifest.hidden_size))
+    vector = field_bytes(plan.pooled_bytes(manifest.embedding_size))
     chunk = field_bytes(CHUNK_FIELDS_BYTES + vector)
     values, repeats = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
     embeddings = sum(times * field_bytes(UINT32_FIELD_BYTES + n * chunk)

@@ -112,7 +112,7 @@ class OpenAIDoor(Door):
 
     def _request(self, body: Embeddings, model: ServedModel, vectors: VectorFormat) -> EmbedRequest:
         """The model's request for a body: the response's size depends on the model."""
-        item = ITEM_BYTES + vectors.vector_bytes(model.manifest.hidden_size)
+        item = ITEM_BYTES + vectors.vector_bytes(model.manifest.embedding_size)
         head = 256 + len(model.name.encode()) * 6
         if body.chunking is None:
             size = ResponseSize(lambda lengths: head + len(lengths) * item,
@@ -162,9 +162,9 @@ class OpenAIDoor(Door):
         vectors = VectorFormat.of(body)
         embedded = await embed.embed(model, self._request(body, model, vectors), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
-        hidden = model.manifest.hidden_size
+        size = model.manifest.embedding_size
         ranges = vectors.ranges(model.manifest, model.name, pooled(model), body.dimensions or 0)
-        payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self._answer,
+        payload = await model.pack(count * (RESULT_S + size * FLOAT_TEXT_S), self._answer,
                                    model, embedded, vectors, ranges, infinity)
         return web.Response(body=payload, content_type="application/json")
 

@@ -87,6 +87,9 @@ STATUSES = {400: (422, "Validation"), 429: (429, "Overloaded"), 500: (424, "Back
 RERANK = Fields("texts")
 SIMILARITY = Fields("inputs.sentences", query="inputs.source_sentence")
 
+# TEI's name of a pooling where it differs from ours (its /info).
+TEI_POOLINGS = {"lasttoken": "last_token"}
+
 
 class Empty(InvalidArgument):
     """TEI's Empty: an empty input, list or text."""
@@ -150,7 +153,7 @@ class TeiDoor(Door):
     async def embed(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiEmbed)
         model = self.plane.model(None)
-        size = body.dimensions or model.manifest.hidden_size
+        size = body.dimensions or model.manifest.embedding_size
         pooled = pooled_output(model.manifest.default_pooling, body.normalize)
         inputs, names = sequences(body.inputs, "inputs", Empty)
         embedded = await embed.embed(model, EmbedRequest(
@@ -265,7 +268,8 @@ class TeiDoor(Door):
                 {str(i): label for i, label in enumerate(info.labels)},
                 {label: i for i, label in enumerate(info.labels)}))
         else:
-            kind = TeiModelType(embedding=TeiEmbedding(info.default_pooling))
+            kind = TeiModelType(embedding=TeiEmbedding(
+                TEI_POOLINGS.get(info.default_pooling, info.default_pooling)))
         return json_response(TeiInfo(
             model_id=info.model, model_sha=info.artifact_sha256,
             model_dtype=DTYPES.get(info.precision, info.precision), served_model_name=info.model,

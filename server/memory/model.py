@@ -156,13 +156,17 @@ def model_key(provider: str, precision: str, kind: str) -> str:
 
 def analytic_bound(manifest: Manifest) -> MemoryModel:
     """float32 activations, counted generously: per token the hidden state a few times
-    over and the feed-forward's 4× widening; per score the scores, the probabilities
-    and the mask; returned maps in the graph's output, the slices taken from it and the
-    unfused attention graph's own temporaries (a two-copy count measured ~10 % short)."""
+    over (a decoder's queries, keys and values of its grouped heads fit in them) and two
+    of the feed-forward's widening (4× or the manifest's `intermediate_size`, the wider:
+    a gated one holds two); per score the scores, the probabilities and the mask (a
+    sliding window's masked scores are computed too); returned maps in the graph's
+    output, the slices taken from it and the unfused attention graph's own temporaries
+    (a two-copy count measured ~10 % short)."""
     hidden = manifest.hidden_size
+    widening = max(4 * hidden, manifest.intermediate_size)
     return MemoryModel(
         a=64 * 1024 * 1024,
-        b=4.0 * (8 * hidden + 2 * 4 * hidden),
+        b=4.0 * (8 * hidden + 2 * widening),
         c=4.0 * 4,
         d=4.0 * 4,
         source="analytic bound",

@@ -139,6 +139,13 @@ class Backend(Protocol):
         Safe from up to `concurrency` threads at once."""
         ...
 
+    def project(self, vectors: np.ndarray) -> np.ndarray:
+        """float32 [n, hidden_size] vectors pooled outside the graph (a span's mean)
+        through the checkpoint's Dense layers, as the graph's pooled outputs went:
+        [n, embedding_size]; the vectors as they are where it has none. Safe from any
+        thread."""
+        ...
+
     def bind_thread(self) -> None:
         """Called once by each inference thread as it starts: the thread keeps the same
         sessions for its life (CUDA graphs belong to the thread that captured them)."""

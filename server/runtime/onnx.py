@@ -26,9 +26,10 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from attnserve.artifact import (
+    DENSE_INPUT,
+    DENSE_OUTPUT,
     HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
-    POOLED_OUTPUTS,
     RERANKER,
     TOKEN_TYPES,
     Artifact,
@@ -223,7 +224,7 @@ class BoundRunner:
         if m.kind == RERANKER:
             return {LOGITS_OUTPUT: (batch, len(m.labels))}
         return {HIDDEN_OUTPUT: (batch, seq, m.hidden_size)} | {
-            name: (batch, m.hidden_size) for name in POOLED_OUTPUTS}
+            name: (batch, m.embedding_size) for name in m.pooled_outputs}
 
     def _new_slot(self, shape: Shape) -> _Slot:
         def buffer(dims: tuple[int, ...], dtype: type) -> ort.OrtValue:
@@ -310,6 +311,9 @@ class OrtBackend:
             else:
                 raise
         self.placement = Placement(self.provider, self.precision, self.device, why, PLATFORM)
+        # The Dense layers are a few matmuls on [n, hidden] vectors: the CPU, one thread.
+        self.dense = (None if not manifest.dense_graph else self._load(
+            artifact.path(manifest.dense_graph), session_options(1, CPU), [CPU]))
         self._local = threading.local()
         self._bind_lock = threading.Lock()
         self._bound = 0
@@ -356,15 +360,18 @@ class OrtBackend:
         self.provider = provider
         self.device = device
 
-    def _session(self, graph: Graph, provider: str, cuda_graph: bool) -> ort.InferenceSession:
-        path = self.artifact.path(graph.file)
+    @staticmethod
+    def _load(path, options: ort.SessionOptions, providers: list) -> ort.InferenceSession:
         try:
-            session = ort.InferenceSession(str(path), session_options(self.threads, provider,
-                                                                      graph.precision,
-                                                                      self.strategy.spinning),
-                                           providers=providers_for(provider, cuda_graph))
+            return ort.InferenceSession(str(path), options, providers=providers)
         except GRAPH_ERRORS as err:
             raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({err})") from err
+
+    def _session(self, graph: Graph, provider: str, cuda_graph: bool) -> ort.InferenceSession:
+        path = self.artifact.path(graph.file)
+        session = self._load(path, session_options(self.threads, provider, graph.precision,
+                                                   self.strategy.spinning),
+                             providers_for(provider, cuda_graph))
         if provider == CUDA and CUDA not in session.get_providers():
             raise DeviceError(f"{graph.file}: onnxruntime did not place the graph on CUDA")
         inputs = [i.name for i in session.get_inputs()]
@@ -417,6 +424,12 @@ class OrtBackend:
                            {layer: got[attention_output(layer)] for layer in layers},
                            {name: got[name] for name in self.sequence_outputs if name in outputs},
                            new_shape)
+
+    def project(self, vectors: np.ndarray) -> np.ndarray:
+        if self.dense is None:
+            return vectors
+        (projected,) = self.dense.run([DENSE_OUTPUT], {DENSE_INPUT: vectors})
+        return projected
 
     def release_memory(self) -> None:
         """Hand memory a long batch left behind back to the OS (glibc malloc_trim). The

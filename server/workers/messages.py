@@ -107,7 +107,9 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
         maps.append(views)
     # Pooled vectors are `width` wide, a reranker's logits one per label.
     pooled = [arrays.pop(0).reshape(len(lengths), -1) for _ in names]
-    span_means = _split(arrays[0], arrays[1], width) if means else [None] * len(lengths)
+    # The means are as wide as the pooled vectors (past any Dense layers).
+    span_means = (_split(arrays[0], arrays[1], arrays[0].size // int(arrays[1].sum())) if means
+                  else [None] * len(lengths))
     return [SequenceResult(None if out_hidden is None else out_hidden[end - n:end],
                            {layer: maps[k][i] for k, layer in enumerate(layers)},
                            {name: pooled[k][i] for k, name in enumerate(names)}, span_means[i])

@@ -51,8 +51,8 @@ def assert_dynamic_axes(artifact) -> None:
             assert dims(value) == [batch, seq], (graph.file, value.name)
         outputs = {value.name: dims(value) for value in model.graph.output}
         assert outputs.pop("last_hidden_state") == [batch, seq, artifact.manifest.hidden_size]
-        for name in POOLED_OUTPUTS:
-            assert outputs.pop(name) == [batch, artifact.manifest.hidden_size], (graph.file, name)
+        for name in artifact.manifest.pooled_outputs:
+            assert outputs.pop(name) == [batch, artifact.manifest.embedding_size], (graph.file, name)
         assert len(outputs) == (artifact.manifest.num_layers if graph.attention else 0)
         for name, shape in outputs.items():
             assert shape[0] == batch and shape[2:] == [seq, seq], (graph.file, name, shape)

@@ -51,7 +51,8 @@ def test_prompts_and_sizes_are_read(tmp_path):
 
 @pytest.mark.parametrize("files, dims, message", [
     (dict(pooling={"pooling_mode": "max"}), None,
-     "1_Pooling/config.json: pooling_mode 'max' is not served; attnserve pools mean or cls"),
+     "1_Pooling/config.json: pooling_mode 'max' is not served; attnserve pools mean, cls or "
+     "lasttoken"),
     (dict(pooling={"pooling_mode": "mean", "include_prompt": "no"}), None,
      "1_Pooling/config.json: include_prompt 'no', expected true or false"),
     (dict(st={"prompts": {"query": 3}}), None,
@@ -61,9 +62,9 @@ def test_prompts_and_sizes_are_read(tmp_path):
      "prompts ['query']"),
     (dict(config={"matryoshka_dimensions": [16, 64]}), None,
      "config.json: matryoshka_dimensions: Matryoshka sizes [16, 64]; expected sizes from 1 to "
-     "the hidden size, 32"),
-    (dict(), [0], "--matryoshka-dims: Matryoshka sizes [0]; expected sizes from 1 to the hidden "
-                  "size, 32"),
+     "the vectors' size, 32"),
+    (dict(), [0], "--matryoshka-dims: Matryoshka sizes [0]; expected sizes from 1 to the "
+                  "vectors' size, 32"),
 ])
 def test_what_cannot_be_served_is_refused_by_file(tmp_path, files, dims, message):
     with pytest.raises(ServingConfigError) as err:
@@ -76,9 +77,9 @@ def test_export_refuses_sizes_past_the_hidden_size(tmp_path, tiny_checkpoint):
     done = subprocess.run([*ATTNSERVE, "export", "--from", str(tiny_checkpoint), "--out", str(out),
                            "--matryoshka-dims", "16,64"], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
-    assert done.returncode == 1
-    assert done.stderr.strip().endswith("attnserve export: --matryoshka-dims: Matryoshka sizes "
-                                        "[16, 64]; expected sizes from 1 to the hidden size, 32")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("attnserve export: --matryoshka-dims: Matryoshka sizes "
+                                   "[16, 64]; expected sizes from 1 to the vectors' size, 32")
     assert not (out / MANIFEST).exists()
 
 
@@ -106,7 +107,8 @@ def _edited(tiny_artifact, target, edit):
 def test_an_older_manifest_has_no_prompts_and_no_sizes(tmp_path, tiny_artifact):
     def as_format_3(data):
         data["format_version"] = 3
-        for name in ("prompts", "default_prompt_name", "include_prompt", "matryoshka_dims"):
+        for name in ("prompts", "default_prompt_name", "include_prompt", "matryoshka_dims",
+                     "embedding_ranges"):
             del data[name]
 
     manifest = load_artifact(_edited(tiny_artifact, tmp_path / "v3", as_format_3)).manifest
@@ -118,7 +120,8 @@ def test_an_older_manifest_has_no_prompts_and_no_sizes(tmp_path, tiny_artifact):
     ({"prompts": {"q": "q: "}, "default_prompt_name": "p"},
      "default_prompt_name 'p' is not one of the prompts ['q']"),
     ({"prompts": ["q: "]}, "prompts must map names to texts"),
-    ({"matryoshka_dims": [64]}, "matryoshka_dims [64] must be sizes from 1 to the hidden size, 32"),
+    ({"matryoshka_dims": [64]}, "matryoshka_dims [64] must be sizes from 1 to the vectors' "
+                                "size, 32"),
 ])
 def test_a_manifest_whose_prompts_or_sizes_do_not_hold_is_refused(tmp_path, tiny_artifact,
                                                                    fields, message):

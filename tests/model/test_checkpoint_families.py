@@ -1,6 +1,8 @@
 """The loader goes by config.json's model_type and architectures, never by tensor names:
 checkpoints of families it does not implement are refused, naming what was read and what
-is served, even where their tensors would fit."""
+is served, even where their tensors would fit. What real checkpoints carry beside the
+encoder (a language-model head, RoPE buffers) loads by each family's rules; what a family
+does not implement is refused by name."""
 
 import json
 import shutil
@@ -11,7 +13,8 @@ import torch
 from attnserve.model import CheckpointError, load_checkpoint
 from tests.harness import make_tiny_checkpoint, minilm_dir
 
-SERVED = "attnserve exports bert, roberta, xlm-roberta, modernbert"
+SERVED = ("attnserve exports bert, roberta, xlm-roberta, modernbert, mpnet, distilbert, qwen3, "
+          "gemma3_text")
 
 
 def saved(model, directory):
@@ -36,9 +39,6 @@ def other_family(kind: str):
     import transformers
 
     shape = dict(vocab_size=30522, hidden_size=32, num_attention_heads=4)
-    if kind == "distilbert":
-        config = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64)
-        return transformers.DistilBertModel(config)
     if kind == "electra":
         config = transformers.ElectraConfig(embedding_size=32, num_hidden_layers=2,
                                             intermediate_size=64, **shape)
@@ -47,7 +47,7 @@ def other_family(kind: str):
     return transformers.DebertaV2Model(config)
 
 
-@pytest.mark.parametrize("kind", ["distilbert", "electra", "deberta-v2"])
+@pytest.mark.parametrize("kind", ["electra", "deberta-v2"])
 def test_another_family_is_refused_naming_its_model_type(tmp_path, kind):
     directory = saved(other_family(kind), tmp_path / kind)
     with pytest.raises(CheckpointError) as refused:
@@ -123,3 +123,72 @@ def test_an_xlm_roberta_masked_lm_loads_its_encoder(tmp_path):
     with torch.no_grad():
         diff = ours(ids).last_hidden_state - hf.roberta(ids).last_hidden_state
     assert diff.abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family, head", [("mpnet", "MPNetForMaskedLM"),
+                                          ("distilbert", "DistilBertForMaskedLM"),
+                                          ("qwen3", "Qwen3ForCausalLM"),
+                                          ("gemma3_text", "Gemma3ForCausalLM")])
+def test_a_language_model_loads_its_encoder_and_drops_the_head(tmp_path, family, head):
+    """The head untied from the token embeddings, so its tensors are in the file."""
+    import transformers
+
+    from tests.families import make_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(make_checkpoint(family, tmp_path / "base"))
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    hf = getattr(transformers, head)(config).eval()
+    directory = saved(hf, tmp_path / head)
+    ours = load_checkpoint(directory)
+    ids = torch.randint(3, config.vocab_size, (2, 9))
+    with torch.no_grad():
+        diff = ours(ids).last_hidden_state - hf.base_model(ids).last_hidden_state
+    assert diff.abs().max() <= 1e-5
+
+
+def test_rope_buffers_saved_with_the_weights_are_checked_and_skipped(tmp_path):
+    """Older decoder checkpoints carry RoPE's inverse frequencies per layer: skipped when
+    they are what config.json's rope_theta and head_dim give, refused by name when not."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.families import make_checkpoint
+
+    directory = make_checkpoint("qwen3", tmp_path / "qwen3")
+    reference = load_checkpoint(directory)
+    tensors = load_file(directory / "model.safetensors")
+    inv_freq = 1.0 / 1_000_000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+    save_file(tensors, directory / "model.safetensors")
+    ids = torch.randint(3, 400, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(load_checkpoint(directory)(ids).last_hidden_state,
+                           reference(ids).last_hidden_state)
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = inv_freq * 2
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.1\."
+                                              r"self_attn\.rotary_emb\.inv_freq is not the RoPE"):
+        load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("family, fields, message", [
+    ("qwen3", {"use_sliding_window": True}, "use_sliding_window true is not supported"),
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_parameters.rope_type 'yarn' is not supported (default)"),
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported (silu)"),
+    ("gemma3_text", {"use_bidirectional_attention": False},
+     "use_bidirectional_attention false: attnserve exports Gemma3 run bidirectionally"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0},
+     "attn_logit_softcapping 50.0 is not supported (null)"),
+    ("mpnet", {"pad_token_id": 0}, "pad_token_id 0: MPNet numbers its positions after id 1"),
+    ("distilbert", {"activation": "silu"}, "activation 'silu' is not supported (gelu, relu)"),
+])
+def test_what_a_family_does_not_implement_is_refused_by_name(tmp_path, family, fields, message):
+    from tests.families import make_checkpoint
+
+    directory = make_checkpoint(family, tmp_path / family)
+    edit_config(directory, **fields)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(directory)
+    assert str(refused.value).startswith(f"{directory / 'config.json'}: {message}"), refused.value

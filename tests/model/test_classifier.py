@@ -1,6 +1,7 @@
 """Our cross-encoder against transformers' sequence classifiers (eager attention) on small
 random checkpoints of every family, on padded batches of (query, text) pairs as each
-family's tokenizer makes them (BERT's with token types): logits within 1e-5, and one
+family's tokenizer makes them (BERT's with token types; Qwen3's padded on the left, its
+pairs ending in the pad token, which its classifier skips): logits within 1e-5, and one
 label's sigmoid within 1e-5 of sentence-transformers' CrossEncoder.predict at its own
 defaults. The head's configuration is read from config.json; what is still refused is
 refused by name."""
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from attnserve.model import CheckpointError, CrossEncoder, load_checkpoint
-from tests.families import RERANKER_FAMILIES, make_reranker
+from tests.families import CLASSIFIER_FAMILIES, RERANKER_FAMILIES, make_reranker
 from tests.model.test_checkpoint_families import edit_config
 
 QUERY = "where does the cat sleep?"
@@ -26,7 +27,7 @@ def hf_classifier(directory):
     return model, AutoTokenizer.from_pretrained(str(directory))
 
 
-@pytest.mark.parametrize("family", RERANKER_FAMILIES)
+@pytest.mark.parametrize("family", RERANKER_FAMILIES + CLASSIFIER_FAMILIES)
 @pytest.mark.parametrize("labels", [1, 3])
 def test_logits_match_transformers_on_padded_pairs(tmp_path, family, labels):
     directory = make_reranker(family, tmp_path / family, num_labels=labels)

@@ -1,14 +1,15 @@
 """Our encoder against transformers (eager attention) on small random checkpoints of each
-family served beside BERT, on padded batches of the family's own tokenization: hidden
-states, attention maps, the pooler and mean pooling. ModernBERT's texts reach past its
-16-token window, beside one shorter than it, so local layers see the window and the
-padding together."""
+family served beside BERT, on padded batches of the family's own tokenization (Qwen3's
+padded on the left, as its tokenizer pads) and padded on the other side too: hidden
+states, attention maps, the pooler and mean pooling. The texts reach past ModernBERT's
+16-token window and Gemma3's 8 tokens on either side, beside one shorter than either, so
+local layers see the window and the padding together."""
 
 import pytest
 import torch
 
 from attnserve.model import load_checkpoint
-from tests.families import FAMILIES, MODERNBERT_WINDOW, make_checkpoint
+from tests.families import ALL_FAMILIES, GEMMA3_WINDOW, MODERNBERT_WINDOW, make_checkpoint
 from tests.hugging_face import HuggingFace
 
 TEXTS = [
@@ -22,7 +23,7 @@ HIDDEN_ATOL = 1e-5
 MAPS_ATOL = 1e-6
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=ALL_FAMILIES)
 def checkpoint(request, tmp_path_factory):
     return make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -68,14 +69,15 @@ def test_attention_maps_match_transformers(batch, expected, ours):
         assert (got - want).abs().max() <= MAPS_ATOL
 
 
-def test_the_texts_cross_modernberts_window(batch):
+def test_the_texts_cross_the_windows(batch):
     lengths = batch["attention_mask"].sum(1)
-    assert lengths.max() > 2 * MODERNBERT_WINDOW and lengths.min() < MODERNBERT_WINDOW // 2
+    for window in (MODERNBERT_WINDOW, GEMMA3_WINDOW):  # window // 2 on either side
+        assert lengths.max() > window + 1 and lengths.min() < window // 2
 
 
 def test_pooler_and_mean_pooling_match_transformers(hf, batch, expected, ours):
-    if hf.model.config.model_type == "modernbert":  # it has no pooler
-        assert ours.pooler_output is None and "pooler_output" not in expected
+    if expected.get("pooler_output") is None:  # ModernBERT, DistilBERT, the decoders
+        assert ours.pooler_output is None
     else:
         assert (ours.pooler_output - expected.pooler_output).abs().max() <= HIDDEN_ATOL
     mask = batch["attention_mask"][..., None].float()
@@ -84,13 +86,26 @@ def test_pooler_and_mean_pooling_match_transformers(hf, batch, expected, ours):
     assert (mean - want).abs().max() <= HIDDEN_ATOL
 
 
+def test_padding_on_the_other_side_matches_transformers(checkpoint, hf):
+    """The same texts padded on the side the tokenizer does not pad on: left for the
+    encoders, right for Qwen3 (the server pads on the right)."""
+    side = "right" if hf.tokenizer.padding_side == "left" else "left"
+    other = hf.tokenizer(TEXTS, padding=True, padding_side=side, return_tensors="pt")
+    real = other["attention_mask"].bool()
+    assert not real[:, 0 if side == "left" else -1].all()
+    with torch.no_grad():
+        want = hf.model(**other).last_hidden_state
+        got = load_checkpoint(checkpoint)(other["input_ids"], other["attention_mask"]).last_hidden_state
+    assert (got - want)[real].abs().max() <= HIDDEN_ATOL
+
+
 def test_a_padded_row_matches_transformers_on_the_row_alone(checkpoint, hf, batch, ours):
     """Positions count only the real tokens: the shortest text, padded to the longest,
     against transformers given it unpadded."""
     row = int(batch["attention_mask"].sum(1).argmin())
-    n = int(batch["attention_mask"][row].sum())
-    hidden, _ = hf.run(batch["input_ids"][row, :n].tolist())
-    assert (ours.last_hidden_state[row, :n] - torch.from_numpy(hidden)).abs().max() <= HIDDEN_ATOL
+    real = batch["attention_mask"][row].bool()
+    hidden, _ = hf.run(batch["input_ids"][row, real].tolist())
+    assert (ours.last_hidden_state[row, real] - torch.from_numpy(hidden)).abs().max() <= HIDDEN_ATOL
 
 
 def test_the_longest_sequence_matches_transformers(checkpoint, hf):

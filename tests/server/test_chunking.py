@@ -172,7 +172,7 @@ def test_late_plan_spans_pool_each_chunk_once_in_text_order(tokenizer):
     hidden = [rng.standard_normal((len(s), 4)).astype(np.float32) for s in sequences]
     results = [type("R", (), {"span_means": span_means(h, spans)})
                for h, spans in zip(hidden, plan.spans(1), strict=True)]
-    vectors = plan.vectors(results, "", normalize=False, hidden=4)
+    vectors = plan.vectors(results, "", normalize=False, size=4)
     for i in range(chunks.count):
         k = next(j for j, group in enumerate(plan.pooled_from) if i in group)
         first = chunks.bounds[i] - plan.windows[k, 0] + 1
@@ -191,6 +191,6 @@ def test_chunked_response_sizes_are_never_under_protobufs_own():
             for _ in range(n):
                 e.chunks.add(start=2 ** 32 - 1, end=2 ** 32 - 1, num_tokens=2 ** 32 - 1,
                              pooled=tensor(np.ones(384), dtype))
-        counted = chunked_response_bytes(plan, counts, type("M", (), {"hidden_size": 384}),
+        counted = chunked_response_bytes(plan, counts, type("M", (), {"embedding_size": 384}),
                                          response.model)
         assert response.ByteSize() <= counted <= 1.05 * response.ByteSize()

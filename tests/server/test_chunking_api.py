@@ -144,7 +144,7 @@ BAD_CHUNKING = [
      "not with chunking"),
     (dict(chunking=Chunking(max_tokens=8), attention=pb.AttentionOptions()), "attention",
      "not with chunking"),
-    (dict(chunking=Chunking(max_tokens=8), pooling=pb.POOLING_CLS), "pooling", "mean-pooled"),
+    (dict(chunking=Chunking(max_tokens=8), pooling=pb.POOLING_CLS), "pooling", "pooled by POOLING_MEAN"),
     (dict(chunking=Chunking(max_tokens=8), texts=["fine", "x" * (MIB + 1)]), "texts[1]",
      "--max-chunking-chars"),
 ]
