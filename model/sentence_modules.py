@@ -134,21 +134,26 @@ def _dense(folder: Path, in_features: int) -> Dense:
     return dense
 
 
-def _entries(path: Path) -> list[tuple[str, str, str]]:
-    """modules.json -> (name, class name, path) of each module, in order."""
+def module_types(path: Path) -> list[tuple[str, str, str]]:
+    """modules.json -> (name, type, path) of each module, in order, whatever its type."""
     entries = _json(path, "sentence-transformers' module list")
     if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("type"), str)
                                                 for e in entries):
         raise CheckpointError(f"{path}: expected a list of modules, each with its type")
+    return [(str(entry.get("name", "?")), entry["type"], str(entry.get("path", "")))
+            for entry in sorted(entries, key=lambda e: e.get("idx", 0))]
+
+
+def _entries(path: Path) -> list[tuple[str, str, str]]:
+    """modules.json -> (name, class name, path) of each module, in order."""
     found = []
-    for entry in sorted(entries, key=lambda e: e.get("idx", 0)):
-        kind = entry["type"]
+    for module, kind, folder in module_types(path):
         name = kind.rpartition(".")[2]
         if not kind.startswith("sentence_transformers.") or name not in _KNOWN:
-            raise CheckpointError(f"{path}: module {entry.get('name', '?')} {kind!r} is not one "
+            raise CheckpointError(f"{path}: module {module} {kind!r} is not one "
                                f"attnserve exports ({', '.join(_KNOWN)}): it would serve "
                                "something else than the model returns")
-        found.append((str(entry.get("name", "?")), name, str(entry.get("path", ""))))
+        found.append((module, name, folder))
     return found
 
 
