@@ -313,7 +313,8 @@ def reranker_first(bert_reranker_artifact, tmp_path_factory):
     from tests.families import make_reranker
 
     root = tmp_path_factory.mktemp("three")
-    three = export(root / "three", make_reranker("xlm-roberta", root / "ck", num_labels=3))
+    three = export(root / "three", make_reranker("xlm-roberta", root / "ck", num_labels=3),
+                   "--kind", "reranker")
     with serve(bert_reranker_artifact, "--max-queue-tokens", "64",
                "--artifact", f"three={three}") as capped:
         yield capped
