@@ -89,11 +89,12 @@ test: $(PROTO_OUT)/.stamp $(ALLOC_HOOK) tools lint-deps image-deps
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m workers --server-workers 2
 
-# The benchmarks (bench/, a repository tool, not part of the installed package), from the
-# checkout: BENCH_ARGS="--quick", "--docs docs/benchmarks.md", ... (python -m bench --help).
+# The engines benchmark (bench/, a repository tool, not part of the installed package), from
+# the checkout: BENCH_ARGS="--quick", "--docs docs/benchmarks.md", ... (python -m bench
+# engines --help; python -m bench --help lists the others).
 BENCH_ARGS ?=
 bench: memory-model $(ALLOC_HOOK)
-	$(BIN)/python -m bench --artifact $(ARTIFACT) $(BENCH_ARGS)
+	$(BIN)/python -m bench engines --artifact $(ARTIFACT) $(BENCH_ARGS)
 
 lint: $(BIN)/attnserve
 	$(BIN)/ruff check .

@@ -277,7 +277,7 @@ class Manifest:
     """the checkpoint's family, its config.json's model_type (bert, roberta, xlm-roberta,
     modernbert); a manifest without one is BERT's"""
     runtime: str = "onnx"
-    """the graphs' format, which picks the server's backend (server/runtime/backends.py)"""
+    """the graphs' format, which picks the server's backend (server/runtime/backend.py)"""
     kind: str = EMBEDDER
     """embedder (the graphs return hidden states, pooled vectors and attention maps) or
     reranker (one graph scores (query, text) pairs: logits per label)"""

@@ -96,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return _startup_failed(err)
 
     from attnserve.server.app import Server, run
-    from attnserve.server.runtime.ort_backend import DeviceError
+    from attnserve.server.runtime.onnx import DeviceError
 
     try:
         if args.check_config:

@@ -17,7 +17,7 @@ What one shape's peak is (`PeakMeter`, in a worker process that measures every s
   moment the run starts: onnxruntime's intermediate tensors, its outputs and the numpy
   arrays they come back in. Memory the allocator hands out again counts again, so the
   figure does not depend on what ran before, and a rerun gives the same bytes.
-  The shapes run through the server's own backend (server/runtime/backends.py), with its
+  The shapes run through the server's own backend (server/runtime/backend.py), with its
   session options: onnxruntime's CPU arena and memory patterns off, so each tensor is an
   allocation of its own (with an arena, its growth would be counted, which depends on what
   ran before and on its rounding).
@@ -37,7 +37,7 @@ to admit batches and to predict each one's peak.
 It prints a table (and, when --out already holds a run of the same shapes, how far this
 run is from it) and writes memory_profile.csv, memory_profile.json and memory_profile.png
 to --out. It asserts nothing. (How the fit holds up under a served mixed load, measured ÷
-predicted per bucket, is `python -m bench.memory_load` in a checkout.)
+predicted per bucket, is `python -m bench memory-load` in a checkout.)
 """
 
 import argparse
@@ -114,7 +114,7 @@ class PeakMeter:
 
     def __init__(self, artifact_dir: Path, device: str, precision: str, threads: int):
         from attnserve.server.memory.probe import MemoryProbe
-        from attnserve.server.runtime.backends import place
+        from attnserve.server.runtime.backend import place
 
         self.artifact = load_artifact(artifact_dir)
         self.manifest = self.artifact.manifest
@@ -133,8 +133,7 @@ class PeakMeter:
         self.backend = None if self.cuda else self._backend()
 
     def _backend(self):
-        from attnserve.server.runtime.backend import Strategy
-        from attnserve.server.runtime.backends import create_backend
+        from attnserve.server.runtime.backend import Strategy, create_backend
 
         # One lane, no shape buckets: one session per graph, each shape run as it is.
         backend = create_backend(self.artifact, self.device, self.precision, self.threads,
@@ -406,7 +405,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     if skipped:
         print(f"skipping seq lens {skipped}: over the model's {manifest.max_positions} "
               "positions", file=sys.stderr)
-    from attnserve.server.runtime.backends import place
+    from attnserve.server.runtime.backend import place
 
     try:
         placement = place(artifact, args.device, args.precision)

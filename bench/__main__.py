@@ -1,5 +1,6 @@
 import sys
 
-from bench.run import main
+from bench.runner import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Timing, summaries and the model's FLOP count: shared by every phase."""
+"""The one timing loop, its summaries, and the other load on the machine while it ran."""
 
 import os
 import resource
@@ -35,12 +35,6 @@ class Budget:
 
     def enough(self, seconds: float) -> bool:
         return self.left() > seconds
-
-
-FULL = {"shape": Reps(5, 30, 3.0), "workload": Reps(3, 3, 0.0, warmup=0),
-        "attention": Reps(3, 10, 2.0)}
-QUICK = {"shape": Reps(3, 10, 1.0), "workload": Reps(2, 2, 0.0, warmup=0),
-         "attention": Reps(2, 4, 0.5)}
 
 
 def time_calls(call: Callable[[], object], reps: Reps | int,
@@ -105,37 +99,6 @@ def workload_row(run_seconds: list[float], request_latencies: list[float], token
     return row
 
 
-# --- FLOPs ---------------------------------------------------------------------------
-#
-# Per sequence of n tokens, per layer (hidden H, feed-forward width I), counting a
-# multiply-add as 2 FLOPs and only the matrix products:
-#   Q, K, V and output projections   4 · n · H²   multiply-adds
-#   feed-forward up and down         2 · n · H·I  multiply-adds
-#   scores QKᵀ and probabilities·V   2 · n² · H   multiply-adds (all heads together)
-# so FLOPs(n) = layers · (n · (8H² + 4HI) + 4 · n² · H), i.e. per token
-#   layers · (8H² + 4HI + 4 · n · H).
-# all-MiniLM-L6-v2 (H=384, I=1536, 6 layers): 21.2 MFLOP/token + 9.2 kFLOP/token per
-# token of context (25.9 MFLOP/token at n=512). Embedding lookups, LayerNorm, GELU and
-# softmax are left out (a few % at most). Only real tokens count: padding is waste.
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    intermediate: int
-
-    def flops(self, n: int) -> float:
-        h, i = self.hidden, self.intermediate
-        return self.layers * (n * (8 * h * h + 4 * h * i) + 4 * n * n * h)
-
-    def flops_per_token(self, n: int) -> float:
-        return self.flops(n) / n
-
-    def workload_flops(self, lengths: list[int]) -> float:
-        return float(sum(self.flops(n) for n in lengths))
-
-
 # --- other load on the machine --------------------------------------------------------------
 
 def _busy_seconds() -> float:
@@ -177,3 +140,13 @@ def wait_quiet(max_seconds: float, threshold_cores: float = 0.15) -> float:
         load = (_busy_seconds() - busy) / (time.perf_counter() - started)
         if load < threshold_cores or time.monotonic() >= deadline:
             return load
+
+
+def median_of(rows: list[dict], *path: str) -> float:
+    """The median over `rows` of the value at `path` (keys, one level each) in each."""
+    values = []
+    for value in rows:
+        for key in path:
+            value = value[key]
+        values.append(value)
+    return float(np.median(values))

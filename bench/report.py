@@ -1,305 +1,21 @@
-"""Phase results -> rows, target verdicts, a markdown table and a plot, and the run's
-section of docs/benchmarks.md."""
+"""Markdown tables, and the runs' sections of docs/benchmarks.md."""
 
 import re
-from pathlib import Path
 
-from bench.machine import machine
-from bench.measure import ModelShape
-
-RAW, PLAIN, DEFAULT, RAW_INT8 = ("raw ORT", "raw ORT plain graph", "raw ORT default options",
-                                 "raw ORT int8")
-DEFAULT_TEXTS = "tokenizer + raw ORT default options"
-GRPC, HTTP, GRPC_INT8 = "attnserve gRPC", "attnserve HTTP /v1/embeddings", "attnserve gRPC int8"
-GRPC_WORKERS = "attnserve gRPC, --workers 2"
-OURS, ST = "PyTorch eager (ours)", "sentence-transformers"
-MIXED_IDEAL, MIXED_ONE = "mixed, ideal batches", "mixed, one at a time"
-SHORT_IDEAL, SHORT_CALLERS = "short, ideal batches", "short, 64 callers"
-SHORT_CONNECTIONS = "short, 64 callers, a connection each"
+from bench.runner import machine
 
 
-def callers_name(n: int) -> str:
-    return f"mixed, {n} caller{'s' if n > 1 else ''}"
+def table(header: list[str], rows: list[list], align: str = "") -> str:
+    """A markdown table; `align`, a letter a column: l(eft) or r(ight) (default: the first
+    column left, the others right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    lines = [header, ["---:" if a == "r" else "---" for a in align], *rows]
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
 
-
-def _row(workload: str, system: str, data: dict, flops: float, peak_gflops: float,
-         ceiling: dict | None, note: str = "") -> dict:
-    seconds = data["tokens"] / data["tokens_per_s"]
-    return {
-        "workload": workload, "system": system, "tokens_per_s": data["tokens_per_s"],
-        "p50_ms": data["p50_ms"], "p99_ms": data["p99_ms"], "n": data["n"],
-        "pct_peak": 100 * flops / seconds / (peak_gflops * 1e9),
-        "x_raw": data["tokens_per_s"] / ceiling["tokens_per_s"] if ceiling else None,
-        "note": note,
-    }
-
-
-def build_rows(result: dict, model: ModelShape) -> list[dict]:
-    peak = result["peak"]["peak_gflops"]
-    raw, grpc = result.get("raw", {}), result.get("grpc", {})
-    torch = result.get("torch", {})
-    workload = result["workload"]
-    rows = []
-    for shape in workload["shapes"]:
-        name, batch, seq = shape["name"], shape["batch"], shape["seq"]
-        flops = batch * model.flops(seq)
-        ceiling = raw.get("shapes", {}).get(name)
-        sources = [(RAW, ceiling), (PLAIN, raw.get("plain_shapes", {}).get(name)),
-                   (DEFAULT, raw.get("default_shapes", {}).get(name)),
-                   (DEFAULT_TEXTS, raw.get("default_texts_shapes", {}).get(name)),
-                   (RAW_INT8, raw.get("int8_shapes", {}).get(name)),
-                   (GRPC, grpc.get("shapes", {}).get(name)),
-                   (HTTP, grpc.get("http_shapes", {}).get(name)),
-                   (GRPC_INT8, grpc.get("int8_shapes", {}).get(name)),
-                   (GRPC_WORKERS, grpc.get("workers_shapes", {}).get(name)),
-                   (OURS, torch.get("ours", {}).get("shapes", {}).get(name)),
-                   (ST, torch.get("st", {}).get("shapes", {}).get(name))]
-        served = grpc.get("shapes", {}).get(name)
-        for system, data in sources:
-            if data:
-                note = (f"{data['tokens_per_s'] / served['tokens_per_s']:.2f}× gRPC"
-                        if system in (HTTP, GRPC_INT8, GRPC_WORKERS) and served else "")
-                rows.append(_row(name, system, data, flops, peak, ceiling, note))
-    flops = model.workload_flops(workload["mixed_lengths"])
-    ideal = raw.get("mixed_ideal")
-    for workload_name, system, data, note in (
-        (MIXED_IDEAL, RAW, ideal, "sorted, ≤32 a batch, padding ≤1.1×: the ceiling for the "
-                                  "caller rows"),
-        (MIXED_IDEAL, PLAIN, raw.get("plain_mixed_ideal"), ""),
-        (MIXED_IDEAL, DEFAULT, raw.get("default_mixed_ideal"), ""),
-        (MIXED_IDEAL, OURS, torch.get("ours", {}).get("mixed_ideal"), ""),
-        (MIXED_IDEAL, ST, torch.get("st", {}).get("mixed_ideal"),
-         "encode(all, batch_size=32): its own length sort"),
-        (MIXED_ONE, RAW, raw.get("mixed_one"), "batch 1, no tokenizing"),
-        (MIXED_ONE, OURS, torch.get("ours", {}).get("mixed_one"), "batch 1, no tokenizing"),
-        (MIXED_ONE, ST, torch.get("st", {}).get("mixed_one"), "encode([text]) per text"),
-    ):
-        if data:
-            rows.append(_row(workload_name, system, data, flops, peak, ideal, note))
-    for callers, data in grpc.get("concurrency", {}).items():
-        note = f"padded/real {data['padded_over_real']:.2f}, mean batch {data['mean_batch_size']:.1f}"
-        rows.append(_row(callers_name(int(callers)), GRPC, data, flops, peak, ideal, note))
-    short = raw.get("short_ideal")
-    if short:
-        flops = model.workload_flops(workload["short_lengths"])
-        rows.append(_row(SHORT_IDEAL, RAW, short, flops, peak, short,
-                         f"{workload['short_count']} texts of 8-32 tokens, sorted, ≤32 a batch"))
-        rows.append(_row(SHORT_IDEAL, DEFAULT, raw["default_short_ideal"], flops, peak, short))
-        data = grpc["short_callers"]
-        rows.append(_row(SHORT_CALLERS, GRPC, data, flops, peak, short,
-                         f"padded/real {data['padded_over_real']:.2f}, mean batch "
-                         f"{data['mean_batch_size']:.1f}"))
-        one = grpc.get("short_connections")
-        if one:
-            rows.append(_row(SHORT_CONNECTIONS, GRPC, one, flops, peak, short))
-            group = grpc["short_workers"]
-            rows.append(_row(SHORT_CONNECTIONS, GRPC_WORKERS, group, flops, peak, short,
-                             f"{group['tokens_per_s'] / one['tokens_per_s']:.2f}× gRPC"))
-    return rows
-
-
-def _find(rows: list[dict], workload: str, system: str) -> dict | None:
-    return next((r for r in rows if r["workload"] == workload and r["system"] == system), None)
-
-
-def targets(result: dict, rows: list[dict]) -> list[dict]:
-    out = []
-
-    def add(name: str, value: float | None, limit: float, above: bool, figures: str) -> None:
-        met = None if value is None else (value >= limit if above else value <= limit)
-        out.append({"target": name, "value": value, "limit": limit, "met": met,
-                    "figures": figures})
-
-    g, r = _find(rows, "32x128", GRPC), _find(rows, "32x128", RAW)
-    if g and r:
-        add("batch 32×128 over gRPC ≥ 0.90× raw tokens/s", g["x_raw"], 0.90, True,
-            f"{g['tokens_per_s']:.0f} vs {r['tokens_per_s']:.0f} tokens/s")
-    c64 = _find(rows, callers_name(64), GRPC)
-    ideal, st_one = _find(rows, MIXED_IDEAL, RAW), _find(rows, MIXED_ONE, ST)
-    if c64 and ideal:
-        paired = result.get("grpc", {}).get("concurrency", {}).get("64", {}).get(
-            "paired_ratios_to_raw_ideal", [])
-        add("64 callers, mixed lengths ≥ 0.80× raw ideally batched", c64["x_raw"], 0.80, True,
-            f"{c64['tokens_per_s']:.0f} vs {ideal['tokens_per_s']:.0f} tokens/s; per round "
-            + ", ".join(f"{r:.2f}" for r in paired))
-    if c64 and st_one:
-        add("64 callers, mixed lengths ≥ 1.5× sentence-transformers one at a time",
-            c64["tokens_per_s"] / st_one["tokens_per_s"], 1.5, True,
-            f"{c64['tokens_per_s']:.0f} vs {st_one['tokens_per_s']:.0f} tokens/s")
-    concurrency = result.get("grpc", {}).get("concurrency", {})
-    if "64" in concurrency:
-        s = concurrency["64"]["server"]
-        add("padded ≤ 1.25× real tokens at 64 callers", concurrency["64"]["padded_over_real"],
-            1.25, False, f"{s['padded_tokens']:.0f} padded / {s['real_tokens']:.0f} real tokens "
-            f"in {s['batches']:.0f} batches (server /metrics)")
-    g, r = _find(rows, "1x16", GRPC), _find(rows, "1x16", RAW)
-    d = _find(rows, "1x16", DEFAULT)
-    if g and r:
-        add("1 text × 16 tokens, one caller: p50 ≤ 1.5× raw", g["p50_ms"] / r["p50_ms"], 1.5,
-            False, f"{g['p50_ms']:.2f} ms vs {r['p50_ms']:.2f} ms"
-            + (f" (default options {d['p50_ms']:.2f} ms)" if d else ""))
-    g, r = _find(rows, SHORT_CALLERS, GRPC), _find(rows, SHORT_IDEAL, RAW)
-    if g and r:
-        add("64 callers of 8-32-token texts ≥ 0.85× raw ideally batched", g["x_raw"], 0.85,
-            True, f"{g['tokens_per_s']:.0f} vs {r['tokens_per_s']:.0f} tokens/s")
-    for shape in result["workload"]["shapes"]:
-        name = shape["name"]
-        g, d, st = _find(rows, name, GRPC), _find(rows, name, DEFAULT), _find(rows, name, ST)
-        if g and d:
-            add(f"{name}: gRPC ≥ 0.90× onnxruntime at default options",
-                g["tokens_per_s"] / d["tokens_per_s"], 0.90, True,
-                f"{g['tokens_per_s']:.0f} vs {d['tokens_per_s']:.0f} tokens/s")
-        dt = _find(rows, name, DEFAULT_TEXTS)
-        if g and dt:  # texts in on both sides: the server tokenizes too
-            add(f"{name}: gRPC ≥ 0.90× tokenizer + onnxruntime at default options",
-                g["tokens_per_s"] / dt["tokens_per_s"], 0.90, True,
-                f"{g['tokens_per_s']:.0f} vs {dt['tokens_per_s']:.0f} tokens/s")
-        if g and st:
-            add(f"{name}: gRPC ≥ 1.0× sentence-transformers", g["tokens_per_s"] / st["tokens_per_s"],
-                1.0, True, f"{g['tokens_per_s']:.0f} vs {st['tokens_per_s']:.0f} tokens/s")
-    for name, limit in (("32x128", 1.6), ("32x512", 1.0)):
-        i8, r = _find(rows, name, RAW_INT8), _find(rows, name, RAW)
-        if i8 and r:
-            add(f"{name}: int8 ≥ {limit:.1f}× fp32 (raw, the server's backend)", i8["x_raw"], limit,
-                True, f"{i8['tokens_per_s']:.0f} vs {r['tokens_per_s']:.0f} tokens/s")
-    longest = max(result["workload"]["shapes"], key=lambda x: x["batch"] * x["seq"])["name"]
-    r, d = _find(rows, longest, RAW), _find(rows, longest, DEFAULT)
-    if r and d:
-        add(f"{longest}: the server's session (arena off) ≥ 0.95× onnxruntime at default options",
-            r["tokens_per_s"] / d["tokens_per_s"], 0.95, True,
-            f"{r['tokens_per_s']:.0f} vs {d['tokens_per_s']:.0f} tokens/s")
-    served = result.get("grpc", {}).get("shapes", {}).get(longest, {})
-    if "rss_after_idle" in served:
-        back = (served["rss_after_idle"] - served["rss_before"]) / 2**20
-        add(f"{longest}: the server's resident set 1 s after it ≤ 50 MiB over before it", back,
-            50, False, f"{served['rss_before'] / 2**20:.0f} MiB before, "
-            f"{served['rss_after_idle'] / 2**20:.0f} MiB after")
-    g8, st = _find(rows, "32x128", GRPC_INT8), _find(rows, "32x128", ST)
-    if g8 and st:
-        add("32x128: gRPC int8 ≥ 1.5× sentence-transformers", g8["tokens_per_s"] / st["tokens_per_s"],
-            1.5, True, f"{g8['tokens_per_s']:.0f} vs {st['tokens_per_s']:.0f} tokens/s")
-    memory = result.get("grpc", {}).get("attention_memory", {})
-    raw_memory = result.get("raw", {}).get("attention_memory", {})
-    one, every = memory.get("one_float32"), memory.get("all_float32")
-    raw_att = result.get("raw", {}).get("attention", {})
-    if one and every and raw_att.get("all"):
-        # Asking for 1 layer instead of all should save at least the maps of the others:
-        # (layers - 1) × one layer's maps. Met when the request's peak saves half of that.
-        layers = result["model"]["layers"]
-        expected = raw_att["all"]["output_bytes_fp32"] * (layers - 1) / layers
-        saved = every["request_peak_rss_bytes"] - one["request_peak_rss_bytes"]
-        batch_saved = every["batch_peak_bytes"] - one["batch_peak_bytes"]
-        raw_fig = ""
-        if raw_memory.get("one") and raw_memory.get("all"):
-            raw_fig = (f"; raw session peak {raw_memory['one']['peak_bytes'] / 2**20:.0f} vs "
-                       f"{raw_memory['all']['peak_bytes'] / 2**20:.0f} MiB")
-        mib = 2**20
-        add(f"1 layer's attention maps do not cost the memory of all {layers} "
-            f"({result['workload']['attention_shape']}, float32): request peak saved ÷ the "
-            f"other {layers - 1} layers' maps ≥ 0.5", saved / expected, 0.5, True,
-            f"server request peak RSS {one['request_peak_rss_bytes'] / mib:.0f} vs "
-            f"{every['request_peak_rss_bytes'] / mib:.0f} MiB (saves {saved / mib:.0f}, maps of "
-            f"{layers - 1} layers {expected / mib:.0f} MiB); batch peak (/metrics) "
-            f"{one['batch_peak_bytes'] / mib:.0f} vs {every['batch_peak_bytes'] / mib:.0f} MiB "
-            f"(saves {batch_saved / mib:.0f}){raw_fig}")
-    return out
-
-
-# --- text ------------------------------------------------------------------------------------
-
-def _fmt(value, spec: str, missing: str = "–") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def markdown(result: dict, rows: list[dict], verdicts: list[dict], tree: bool = True) -> str:
-    """The run's tables; `tree`: with the commit measured (bench/results keeps it; the
-    docs name the version and the date instead, see docs_section)."""
-    peak = result["peak"]
-    environment = result["environment"]
-    source = (f"Tree: commit {environment['commit']}"
-              + (" with uncommitted changes under server/" if environment["server_dirty"] else "")
-              + "; ") if tree else ""
-    lines = [
-        f"Peak fp32 matmul ({peak['n']}², {peak['threads']} threads): "
-        f"{peak['peak_gflops']:.0f} GFLOP/s ({peak['peak_source']}; numpy "
-        f"{peak['numpy_gflops']:.0f}, torch {peak['torch_gflops']:.0f}). "
-        f"Raw ORT graph: `{result.get('raw', {}).get('graph', '?')}` (the server's).",
-        f"{source}`{environment['command']}`, "
-        f"{result.get('seconds', 0):.0f} s. Mixed workload: "
-        f"{result['workload']['mixed_distribution']['count']} texts, "
-        f"{result['workload']['mixed_distribution']['kind']}, mean "
-        f"{result['workload']['mixed_distribution']['mean']:.0f} tokens "
-        f"(p10 {result['workload']['mixed_distribution']['p10']:.0f}, p90 "
-        f"{result['workload']['mixed_distribution']['p90']:.0f}).",
-        "Other load on the machine while each phase ran (cores, from /proc/stat): "
-        + ", ".join(f"{k} {result[k]['other_load_cores']:.2f}"
-                    for k in ("peak", "grpc", "torch") if k in result)
-        + " (grpc: the raw session and the server, measured in alternating blocks).",
-        "",
-        "| workload | system | tokens/s | p50 ms | p99 ms | % peak | × raw | note |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['workload']} | {r['system']} | {r['tokens_per_s']:,.0f} | {r['p50_ms']:.2f} | "
-            f"{r['p99_ms']:.2f} | {r['pct_peak']:.0f} | {_fmt(r['x_raw'], '.2f')} | {r['note']} |")
-    lines += ["", "| target | value | limit | verdict | figures |", "| --- | ---: | ---: | --- | --- |"]
-    for v in verdicts:
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[v["met"]]
-        lines.append(f"| {v['target']} | {_fmt(v['value'], '.2f')} | {v['limit']:.2f} | "
-                     f"{verdict} | {v['figures']} |")
-    attention = result.get("grpc", {}).get("attention")
-    memory = result.get("grpc", {}).get("attention_memory", {})
-    raw_att = result.get("raw", {}).get("attention", {})
-    raw_memory = result.get("raw", {}).get("attention_memory", {})
-    if attention:
-        mib = lambda b: _fmt(None if b is None else b / 2**20, ".1f")  # noqa: E731
-        lines += ["", f"Attention maps, {attention['shape']} (texts × tokens) per request; "
-                  "memory measured on a fresh server / process per row:", "",
-                  "| layers returned | dtype | gRPC p50 ms | response MiB | server batch peak MiB "
-                  "| server request peak RSS MiB | raw p50 ms | raw peak MiB |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for key, row in attention.items():
-            if key == "shape":
-                continue
-            mem, raw_row = memory.get(key, {}), raw_att.get(row["layers"], {})
-            lines.append(
-                f"| {row['layers']} ({row['layers_returned']}) | {row['dtype']} | "
-                f"{row['p50_ms']:.1f} | {mib(row['response_bytes'])} | "
-                f"{mib(mem.get('batch_peak_bytes'))} | {mib(mem.get('request_peak_rss_bytes'))} | "
-                f"{_fmt(raw_row.get('p50_ms'), '.1f')} | "
-                f"{mib(raw_memory.get(row['layers'], {}).get('peak_bytes'))} |")
-    breakdown = _breakdown(result)
-    if breakdown:
-        lines += ["", "Where the server's time goes (sums over each measurement, seconds; CPU "
-                  "seconds of the server and of the bench's client process):", "",
-                  "| measurement | wall | requests | batches | queue | tokenize | inference | "
-                  "respond | server CPU | client CPU |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += breakdown
-    return "\n".join(lines)
-
-
-def _breakdown(result: dict) -> list[str]:
-    grpc = result.get("grpc", {})
-    items = [(f"shape {k}", v["server"]) for k, v in grpc.get("shapes", {}).items()]
-    items += [(callers_name(int(k)), v["server"]) for k, v in grpc.get("concurrency", {}).items()]
-    if "short_callers" in grpc:
-        items.append((SHORT_CALLERS, grpc["short_callers"]["server"]))
-    lines = []
-    for name, s in items:
-        st = s["stage_seconds"]
-        lines.append(
-            f"| {name} | {s['wall_s']:.2f} | {s['requests']:.0f} | {s['batches']:.0f} | "
-            f"{st['queue']:.2f} | {st['tokenize']:.2f} | {st['inference']:.2f} | "
-            f"{st['respond']:.2f} | {s['server_cpu_s']:.2f} | {s['client_cpu_s']:.2f} |")
-    return lines
-
-
-# --- docs/benchmarks.md ------------------------------------------------------------------------
 
 # Where a machine's first run goes in the page: below this line, newest first.
-RUNS_MARKER = "<!-- python -m bench: runs written by `python -m bench --docs` follow, newest first -->"
+RUNS_MARKER = ("<!-- python -m bench: runs written by `python -m bench engines --docs` follow, newest "
+               "first -->")
 
 
 def slug(text: str) -> str:
@@ -311,7 +27,7 @@ def _markers(key: str) -> tuple[str, str]:
     return f"<!-- python -m bench: {key} -->", f"<!-- /python -m bench: {key} -->"
 
 
-def docs_section(result: dict, table: str, plot_file: str | None) -> tuple[str, str]:
+def docs_section(result: dict, tables: str, plot_file: str | None) -> tuple[str, str]:
     """(the machine, its section of the page): a heading naming the machine and the date,
     the command and versions measured, the plot, the tables."""
     environment = result["environment"]
@@ -323,8 +39,8 @@ def docs_section(result: dict, table: str, plot_file: str | None) -> tuple[str, 
              f"{environment['attnserve']}, onnxruntime {environment['onnxruntime']}, Python "
              f"{environment['python']}, {environment['threads']} threads.", ""]
     if plot_file:
-        lines += [f"![python -m bench on {key}]({plot_file})", ""]
-    lines += [table, end]
+        lines += [f"![python -m bench engines on {key}]({plot_file})", ""]
+    lines += [tables, end]
     return key, "\n".join(lines)
 
 
@@ -341,81 +57,3 @@ def update_page(page: str, key: str, section: str) -> str:
         raise ValueError(f"the page has no line {RUNS_MARKER!r} to put the run below")
     at += len(RUNS_MARKER)
     return page[:at] + "\n\n" + section + page[at:]
-
-
-# --- plot --------------------------------------------------------------------------------------
-
-SYSTEM_COLORS = {RAW: "#1f77b4", PLAIN: "#aec7e8", DEFAULT: "#17becf", DEFAULT_TEXTS: "#bcbd22",
-                 RAW_INT8: "#9edae5", GRPC: "#d62728", HTTP: "#ff9896", GRPC_INT8: "#8c564b",
-                 GRPC_WORKERS: "#9467bd", OURS: "#2ca02c", ST: "#ff7f0e"}
-
-
-def plot(result: dict, rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, axes = plt.subplots(3, 1, figsize=(13, 13),
-                             gridspec_kw={"height_ratios": [3, 2, 2]})
-    ax = axes[0]
-    systems = list(SYSTEM_COLORS)
-    width = 0.8 / len(systems)
-    x = np.arange(len(workloads))
-    for k, system in enumerate(systems):
-        values = [next((r["tokens_per_s"] for r in rows
-                        if r["workload"] == w and r["system"] == system), 0) for w in workloads]
-        if any(values):
-            ax.bar(x + (k - len(systems) / 2 + 0.5) * width, values, width, label=system,
-                   color=SYSTEM_COLORS[system])
-    ax.set_xticks(x, workloads, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s (real tokens)")
-    peak = result["peak"]
-    ax.set_title(f"all-MiniLM-L6-v2 fp32 on {result['environment']['cores']} cores "
-                 f"(peak {peak['peak_gflops']:.0f} GFLOP/s): tokens/s by workload")
-    ax.legend(fontsize=8, ncol=3)
-    ax.grid(axis="y", alpha=0.3)
-
-    ax = axes[1]
-    served = [r for r in rows if r["system"] == GRPC and r["x_raw"] is not None]
-    ax.barh([r["workload"] for r in served], [r["x_raw"] for r in served],
-            color=SYSTEM_COLORS[GRPC])
-    for line, label in ((0.9, "0.90: 32×128 target"), (0.8, "0.80: 64 callers target")):
-        ax.axvline(line, color="k", ls="--", lw=0.8)
-        ax.text(line, len(served) - 0.45, label, fontsize=7, rotation=90, va="top", ha="right")
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("attnserve tokens/s ÷ raw session tokens/s (same inputs, same run; caller "
-                  "rows vs raw ideal batches)")
-    ax.tick_params(axis="y", labelsize=8)
-
-    ax = axes[2]
-    attention = result.get("grpc", {}).get("attention", {})
-    keys = [k for k in attention if k != "shape"]
-    if keys:
-        xs = np.arange(len(keys))
-        mib = lambda v: (v or 0) / 2**20  # noqa: E731
-        memory = result.get("grpc", {}).get("attention_memory", {})
-        raw_memory = result.get("raw", {}).get("attention_memory", {})
-        bars = (("response", lambda k: attention[k]["response_bytes"], "#9467bd"),
-                ("raw session peak (fresh process)",
-                 lambda k: raw_memory.get(attention[k]["layers"], {}).get("peak_bytes"),
-                 "#1f77b4"),
-                ("server batch peak (fresh server, /metrics)",
-                 lambda k: memory.get(k, {}).get("batch_peak_bytes"), "#8c564b"),
-                ("server request peak RSS (fresh server)",
-                 lambda k: memory.get(k, {}).get("request_peak_rss_bytes"), "#e377c2"))
-        for j, (label, value, color) in enumerate(bars):
-            ax.bar(xs + (j - 1.5) * 0.2, [mib(value(k)) for k in keys], 0.2, label=label,
-                   color=color)
-        ax.set_xticks(xs, [f"{attention[k]['layers']} layer(s)\n{attention[k]['dtype']}\n"
-                           f"{attention[k]['p50_ms']:.0f} ms" for k in keys], fontsize=8)
-        ax.set_ylabel("MiB per request")
-        ax.set_title(f"attention maps, {attention['shape']} texts per request: bytes, memory, "
-                     "p50 latency")
-        ax.legend(fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -1,13 +1,12 @@
-"""The inputs every engine gets, built once per run with a fixed seed and written to JSON.
+"""The inputs every engine gets, built once per run with a fixed seed.
 
 Texts are made of whole-word vocabulary entries that each tokenize to exactly one token,
 so a text of n tokens (with [CLS] and [SEP]) is the same sequence of ids for the raw
 session, the server's tokenizer, our PyTorch model and sentence-transformers' tokenizer.
 """
 
-import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,8 @@ MIXED_MEDIAN, MIXED_SIGMA, MIXED_MIN, MIXED_MAX = 48, 0.75, 8, 256
 IDEAL_BATCH = 32
 IDEAL_PADDING = 1.1
 ATTENTION_SHAPE = (8, 256)
+IDS_1X16 = [101, *range(2000, 2014), 102]
+"""one 16-token sequence of token ids, [CLS] … [SEP]: where the request path, not the model, costs"""
 # Short texts (queries, titles, chat turns): where the per-request cost shows most.
 SHORT_MIN, SHORT_MAX = 8, 32
 
@@ -61,17 +62,6 @@ class Workload:
     short_batches: list[list[int]]
     """ideal batches of `short`, as ideal_batches of mixed"""
     mixed_distribution: dict
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
-
-    @classmethod
-    def load(cls, path: Path) -> "Workload":
-        data = json.loads(Path(path).read_text())
-        shape = lambda s: Shape(s["name"], s["batch"], s["seq"], Texts(**s["inputs"]))  # noqa: E731
-        return cls(data["seed"], [shape(s) for s in data["shapes"]], Texts(**data["mixed"]),
-                   data["ideal_batches"], shape(data["attention"]), Texts(**data["short"]),
-                   data["short_batches"], data["mixed_distribution"])
 
 
 def shape_name(batch: int, seq: int) -> str:

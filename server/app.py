@@ -7,13 +7,12 @@ import logging
 import signal
 
 from attnserve.server.config import ServeConfig
-from attnserve.server.doors.ports import Ports
-from attnserve.server.engine.data_plane import DataPlane
 from attnserve.server.engine.offload import Offload
+from attnserve.server.engine.plane import build_plane
 from attnserve.server.engine.registry import load_models, load_tokenizers, log_default_prompts
 from attnserve.server.engine.runner import Runners
-from attnserve.server.engine.served_model import ServedModel
 from attnserve.server.metrics import Metrics
+from attnserve.server.ports import Ports
 from attnserve.server.startup import write_ready_file
 
 log = logging.getLogger("attnserve.server")
@@ -29,26 +28,22 @@ class Server:
         log_default_prompts(config, self.named)
         self.metrics = Metrics(max(n.artifact.manifest.max_positions for n in self.named))
         self.runners = Runners(config, self.named, self.metrics)
-        self.tokenizers = dict(zip((n.name for n in self.named), load_tokenizers(self.named),
-                                   strict=True))
+        self.tokenizers = load_tokenizers(self.named)
         self.ports = Ports(config, self.metrics)
         self.draining = False
 
-    @property
     def serving(self) -> bool:
-        return self.runners.ready and not self.draining
+        return self.runners.warm and not self.draining
 
     async def start(self) -> None:
         runners, config = self.runners, self.config
         runners.start()
         offload = Offload()
-        models = [ServedModel(r.name, r.artifact, self.tokenizers[r.name], r.queue, r.memory,
-                              r.backend.placement, offload, self.metrics, lambda: self.serving,
-                              config.max_chunking_chars, named.default_prompt)
-                  for r, named in zip(runners.models, self.named, strict=True)]
-        self.plane = DataPlane(models, runners.budget, offload, self.metrics, lambda: self.serving)
+        self.plane = build_plane(config, self.named, self.tokenizers,
+                                 [(r.queue, r.memory, r.backend.placement) for r in runners.models],
+                                 runners.budget, offload, self.metrics, self.serving)
         runners.describe()
-        self.metrics.live.serving = lambda: self.serving
+        self.metrics.live.serving = self.serving
         await self.ports.start(self.plane, offload.requests_pool)
         await runners.warm_up()
         await self.ports.set_health(True)

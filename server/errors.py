@@ -25,11 +25,6 @@ class RequestError(Exception):
         super().__init__(message)
         self.message = message
 
-    @property
-    def client_mistake(self) -> bool:
-        """The caller's doing (logged below ERROR), not a fault of the server."""
-        return self.code is not Code.INTERNAL
-
 
 class InvalidArgument(RequestError):
     code = Code.INVALID_ARGUMENT

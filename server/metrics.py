@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
@@ -117,11 +118,26 @@ class Merged:
 
     def __init__(self, own: CollectorRegistry, directory: str):
         self.own = own
-        self.files = MultiProcessCollector(None, directory)
+        self.directory = Path(directory)
+
+    def _files(self) -> list[str]:
+        """The front ends' files with counts in them. A process creates its file empty and
+        sizes it a moment later (prometheus-client's MmapedDict): one read in between would
+        fail the whole scrape, and holds no count yet. A file removed meanwhile (a dead front
+        end's live gauges) is passed over too."""
+        files = []
+        for path in self.directory.glob("*.db"):
+            try:
+                if path.stat().st_size:
+                    files.append(str(path))
+            except FileNotFoundError:
+                continue
+        return files
 
     def collect(self):
         families: dict[str, Metric] = {}
-        for metric in itertools.chain(self.own.collect(), self.files.collect()):
+        front_ends = MultiProcessCollector.merge(self._files(), accumulate=True)
+        for metric in itertools.chain(self.own.collect(), front_ends):
             family = families.setdefault(metric.name, Metric(metric.name, metric.documentation,
                                                              metric.type, metric.unit))
             family.samples += metric.samples

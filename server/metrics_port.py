@@ -9,7 +9,7 @@ import threading
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from attnserve.server.listener import Listener
+from attnserve.server.http.listener import Listener
 from attnserve.server.metrics import Metrics
 
 

@@ -1,5 +1,5 @@
 """Shared fixtures: real artifacts exported once per session, and real servers started as
-`attnserve serve` subprocesses on loopback ports (through harness.py, the one
+`attnserve serve` subprocesses on loopback ports (through tests/harness.py, the one
 harness the benchmarks use too)."""
 
 import os
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import harness
-from bench.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
+from tests import harness
 from tests.families import make_reranker, make_sentence_transformer
+from tests.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
 
 # Its artifact's graphs are each written with their weights in an external data file (the
 # threshold lowered to nothing), as a graph past 2 GB is: the export, the optimiser, the

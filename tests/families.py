@@ -293,7 +293,7 @@ def _bert(directory: Path, overrides: dict) -> Path:
     import torch
     import transformers
 
-    from bench.harness import minilm_dir
+    from tests.harness import minilm_dir
 
     directory.mkdir(parents=True, exist_ok=True)
     for name in _MINILM_TOKENIZER_FILES:

@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from bench.harness import ATTNSERVE, REPO
 from tests.conftest import EXTERNAL_DATA_FAMILY
 from tests.families import make_sparse_encoder
+from tests.harness import ATTNSERVE, REPO
 
 
 def refusal(*args: str) -> str:

@@ -46,6 +46,10 @@ def test_the_wheel_installs_one_top_level_package_that_works(tmp_path):
     assert {name.split("/", 1)[0] for name in names} == {"attnserve", wheel.name.split("-py")[0]
                                                          + ".dist-info"}
     assert "attnserve/server/_proto/attnserve/v1/encoder_pb2.py" in names
+    # Every package of the server's layers, each of its modules (pyproject.toml lists them).
+    for package in REPO.glob("server/**/__init__.py"):
+        for module in package.parent.glob("*.py"):
+            assert f"attnserve/{module.relative_to(REPO)}" in names, module
     assert ("attnserve/server/memory/_alloc_peak.so" in names) == HOOK.is_file()
     # The benchmarks and the test harness are repository tools, not part of the product.
     assert not any(name.startswith(("attnserve/tests/", "attnserve/deploy/", "attnserve/bench/"))

@@ -1,2 +1,3 @@
-"""The engine: the protocol-neutral entry point behind every door (data_plane.py), and the
-path a request takes through it: tokenize -> queue -> batch loop."""
+"""The engine: the protocol-neutral entry point behind every door (plane.py: the models by
+name; model.py: what every call to one shares), a module a job (embed.py, chunked.py,
+pairs.py, tensors.py), and the path a request takes: tokenize -> queue -> batch loop."""

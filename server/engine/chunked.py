@@ -1,24 +1,42 @@
-"""A chunked text's plan: the sequences it runs and, once they have run, its chunk vectors.
+"""Chunked embedding: each text cut into chunks (server/engine/chunk_cuts.py), one vector
+a chunk, and a chunked text's plan: the sequences it runs and, once they have run, its
+chunk vectors.
 
-LATE runs the text's windows (server/engine/chunking.py), only those some chunk is pooled
-from, each between the model's special tokens; each window's result carries the mean
-embedding of every chunk pooled from it (the scheduler's `spans`). ISOLATED runs each
-chunk alone between the special tokens, mean-pooled by the graph as a text's pooled
-vector is.
+LATE runs the text's windows, only those some chunk is pooled from, each between the
+model's special tokens; each window's result carries the mean embedding of every chunk
+pooled from it (the scheduler's `spans`). ISOLATED runs each chunk alone between the
+special tokens, mean-pooled by the graph as a text's pooled vector is. A prompt's tokens
+run in every window or chunk, after its leading special tokens.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from attnserve.server.engine.chunking import Chunks, best_windows, default_overlap, windows
-from attnserve.server.engine.requests import Chunking, ChunkingMode, FieldNames
-from attnserve.server.engine.tokenize import TextTokens
+from attnserve.artifact import pooled_output
+from attnserve.server.engine import timings
+from attnserve.server.engine.chunk_cuts import Chunks, best_windows, cut, default_overlap, windows
+from attnserve.server.engine.model import ServedModel
+from attnserve.server.engine.offload import CHUNK_S, CUT_CHAR_S, TEXT_CHAR_S, TEXT_S, cost
+from attnserve.server.engine.pooling import to_dimensions
+from attnserve.server.engine.requests import (
+    ChunkedText,
+    Chunking,
+    ChunkingMode,
+    Embedded,
+    EmbedRequest,
+    Fields,
+    ResponseSize,
+    Submission,
+)
+from attnserve.server.engine.tokenize import KEPT_BYTES_PER_ID, Prompt, TextTokens
 from attnserve.server.errors import InvalidArgument
+from attnserve.server.memory.ledger import Holds
 from attnserve.server.runtime.backend import SequenceResult
 
 
-def window_overlap(chunking: Chunking, names: FieldNames, width: int) -> int:
+def window_overlap(chunking: Chunking, names: Fields, width: int) -> int:
     """The overlap LATE windows run with (0 for ISOLATED), the request's checked; `width`:
     the tokens a window holds, special tokens aside."""
     field = names.chunking
@@ -97,3 +115,102 @@ class TextPlan:
         if normalize:
             vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return vectors
+
+
+async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Prompt | None,
+                        dimensions: int, holds: Holds, deadline: float | None) -> Embedded:
+    """Each text cut into chunks and run as its windows (LATE) or chunks (ISOLATED), under
+    the same bounds as any request, each as soon as it can be known: the queue and the
+    response from the count of texts, the response again from the count of chunks, the
+    queue from the tokens of every window, the memory budget from the longest."""
+    names, texts, chunking = request.names, request.texts, request.chunking
+    if request.token_ids:
+        raise InvalidArgument(names.chunking, "chunking cuts texts into chunks: send texts, "
+                              "not token ids")
+    tokenizer = model.tokenizer
+    head = tokenizer.head_ids if prompt is None else np.concatenate((tokenizer.head_ids,
+                                                                     prompt.ids))
+    specials = len(head) + len(tokenizer.tail_ids)
+    width = model.manifest.max_positions - specials  # a window's tokens, specials aside
+    overlap = window_overlap(chunking, names, width)
+    # A text may have no tokens, and so no chunks.
+    model.scheduler.admit(0, at_least=True)
+    request.size.check(np.zeros(len(texts), dtype=np.int64), at_least=True)
+    with model.metrics.stage_duration.labels(model.name, "tokenize").time(), \
+            timings.stage("tokenize"):
+        plans = await model.offload.request(
+            cost(texts, TEXT_S, TEXT_CHAR_S + CUT_CHAR_S), _plan_chunks, model, texts, chunking,
+            width, overlap, names, request.size, holds)
+    size = request.size.check(np.fromiter((p.chunks.count for p in plans), np.int64, len(plans)))
+    per_text = [p.lengths(specials) for p in plans]
+    lengths = np.concatenate(per_text)
+    late = chunking.mode is ChunkingMode.LATE
+    planning = cost(plans, CHUNK_S, CHUNK_S, lambda p: p.chunks.count)
+    results: list[SequenceResult] = []
+    if len(lengths):
+        model.scheduler.admit(int(lengths.sum()))
+        sequences, spans = await model.offload.request(planning, _sequences, plans, late, head,
+                                                       tokenizer.tail_ids, holds)
+        text_of = np.repeat(np.arange(len(plans)), list(map(len, per_text)))
+        # LATE: the chunks' means from their windows' spans; ISOLATED: each chunk's pooled
+        # vector. Cut to `dimensions` with the rest of the chunk vectors.
+        outputs = frozenset() if late else frozenset({pooled_output("mean", request.normalize)})
+        results = await model.run_pooled(
+            Submission(sequences, lengths, deadline=deadline, outputs=outputs, spans=spans),
+            lambda i: names.sequence(int(text_of[i])), size, holds, prompt, 0)
+    chunked = await model.offload.request(
+        planning, _chunk_vectors, plans, list(map(len, per_text)), results, request.normalize,
+        dimensions, model.manifest.hidden_size)
+    return Embedded([], lengths, [], chunked, size)
+
+
+def _plan_chunks(model: ServedModel, texts: Sequence[str], chunking: Chunking, width: int,
+                 overlap: int, names: Fields, size: ResponseSize, holds: Holds) -> list[TextPlan]:
+    """Each text tokenized whole, cut into chunks and (LATE) placed in windows of `width`
+    tokens that overlap by `overlap`."""
+    max_tokens, limit = chunking.max_tokens, model.max_chunking_chars
+    for i, text in enumerate(texts):
+        if len(text) > limit:
+            raise InvalidArgument(names.sequence(i), f"{len(text)} characters, more than the "
+                                  f"{limit} a text to chunk may have on this server "
+                                  "(--max-chunking-chars): split it")
+    tokens = model.tokenizer.encode_whole(texts, holds)
+    # Before any cutting: each text has at least this many chunks.
+    size.check(np.fromiter((-(-len(t.ids) // max_tokens) for t in tokens), np.int64,
+                           len(tokens)), at_least=True)
+    plans = []
+    for text, text_tokens in zip(texts, tokens, strict=True):
+        chunks = cut(text, text_tokens, max_tokens)
+        plans.append(TextPlan.late(text_tokens, chunks, width, overlap)
+                     if chunking.mode is ChunkingMode.LATE
+                     else TextPlan.isolated(text_tokens, chunks))
+    return plans
+
+
+def _sequences(plans: list[TextPlan], late: bool, head: np.ndarray, tail: np.ndarray,
+               holds: Holds) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Every plan's sequences, each between the ids `head` and `tail`, and, for windows
+    (`late`), the chunks' token spans in each."""
+    sequences: list[np.ndarray] = []
+    spans: list[np.ndarray] = []
+    for plan in plans:
+        sequences += plan.sequences(head, tail)
+        if late:
+            spans += plan.spans(len(head))
+    holds.take(KEPT_BYTES_PER_ID * sum(map(len, sequences)), "token ids")
+    return sequences, spans if late else None
+
+
+def _chunk_vectors(plans: list[TextPlan], counts: list[int], results: list[SequenceResult],
+                   normalize: bool, dimensions: int, hidden: int) -> list[ChunkedText]:
+    """Each text's chunks and their vectors, cut to `dimensions` (0: whole); `counts`: the
+    sequences each plan ran."""
+    pooled = pooled_output("mean", normalize)
+    out, at = [], 0
+    for plan, count in zip(plans, counts, strict=True):
+        vectors = to_dimensions(plan.vectors(results[at:at + count], pooled, normalize, hidden),
+                                dimensions, normalize)
+        out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans, plan.chunks.token_counts,
+                               vectors))
+        at += count
+    return out

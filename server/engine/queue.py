@@ -24,6 +24,7 @@ import numpy as np
 
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine import timings
+from attnserve.server.engine.requests import Submission
 from attnserve.server.errors import (
     DeadlineExceeded,
     RequestError,
@@ -200,30 +201,17 @@ class RequestQueue:
         if self.watch is not None:
             self.watch(len(self.jobs), self.waiting_tokens)
 
-    async def submit(self, sequences: list[np.ndarray], layers: tuple[int, ...] = (),
-                     deadline: float | None = None, outputs: Outputs = HIDDEN_ONLY,
-                     alone: float = 0.0, lengths: np.ndarray | None = None,
-                     spans: list[np.ndarray] | None = None,
-                     segments: np.ndarray | None = None) -> list[SequenceResult]:
-        """Queue a request's sequences and wait for their results, in order. `outputs`:
-        the graph outputs the results must carry; `alone`: the peak of its largest batch
-        run alone (ModelMemory.check), kept free while it waits; `lengths`: the
-        sequences' lengths, when already known; `spans`: per sequence, int64 [k, 2]
-        token ranges [start, end), ascending, not overlapping, none empty, whose mean
-        embeddings each result carries (SequenceResult.span_means) beside `outputs`
-        (which need not name the token embeddings the means are taken from): a request
-        of many long sequences keeps a few vectors of each, not every batch output it
-        ran in; `segments`: per sequence, the position where its second segment (token
-        type 1) starts, its length for none (a reranker's pairs: the text's side). A big
-        request is queued a slice at a time, so the event loop serves other calls in
-        between."""
-        if lengths is None:
-            lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    async def submit(self, submission: Submission) -> list[SequenceResult]:
+        """Queue a request's sequences and wait for their results, in order (Submission
+        says what each field asks). A big request is queued a slice at a time, so the
+        event loop serves other calls in between."""
+        sequences, lengths, deadline = submission.sequences, submission.lengths, submission.deadline
         tokens = int(lengths.sum())
         self.admit(tokens)
-        job = Job(sequences, layers, deadline, asyncio.get_running_loop().create_future(),
-                  alone=alone, outputs=outputs, spans=spans, segments=segments,
-                  times=timings.current())
+        job = Job(sequences, submission.layers, deadline,
+                  asyncio.get_running_loop().create_future(), alone=submission.alone,
+                  outputs=submission.outputs, spans=submission.spans,
+                  segments=submission.segments, times=timings.current())
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None

@@ -2,36 +2,43 @@
 
 A door turns its wire format into one of these requests and renders the result in its
 own protocol. Where the engine finds a fault in a request, it names the field with the
-door's own names (`FieldNames`), so an error reaches each caller in the terms of the
+door's own names (`Fields`), so an error reaches each caller in the terms of the
 request it sent, with no rewriting."""
 
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from attnserve.server.errors import ResourceExhausted
-from attnserve.server.runtime.backend import Outputs, SequenceResult
+from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 
 
-class FieldNames(Protocol):
-    """The door's names for the parts of a request the engine checks."""
+@dataclass(frozen=True)
+class Fields:
+    """A request's field names as its door's callers write them: where the engine finds a
+    fault, its error names the field in these terms (`texts[3]`, `input[3][5]`,
+    `token_ids[3].ids[5]`, `inputs.sentences[1]`)."""
 
-    sequences: str
-    """the field holding every text or id sequence (`texts`, `input`)"""
+    sequences: str = "texts"
+    """the field holding every text or id sequence (`texts`, `input`, `documents`)"""
+    single: bool = False
+    """the field holds one sequence (a lone string or id list): it is its own sequence 0"""
+    token_at: str = "{sequence}[{position}]"
+    """a token's field, from its sequence's (`{sequence}`), the sequence's index
+    (`{index}`) and its position (`{position}`)"""
+    query: str = "query"
+    """the field holding the query a request scores its texts against"""
+    top_n: str = "top_n"
+    chunking: str = "chunking"
 
     def sequence(self, index: int) -> str:
-        """the field of text or id sequence `index` (`texts[3]`, `input[3]`)"""
-        ...
+        return self.sequences if self.single else f"{self.sequences}[{index}]"
 
     def token(self, index: int, position: int) -> str:
-        """the field of id `position` of sequence `index` (`token_ids[3].ids[5]`)"""
-        ...
-
-    chunking: str
-    """the field holding the chunking options (`chunking`)"""
+        return self.token_at.format(sequence=self.sequence(index), index=index,
+                                    position=position)
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class TruncationDirection(enum.Enum):
 
 @dataclass(frozen=True)
 class Chunking:
-    """One vector per chunk of each text (server/engine/chunking.py)."""
+    """One vector per chunk of each text (server/engine/chunked.py)."""
 
     max_tokens: int
     """the most tokens in one chunk, special tokens aside"""
@@ -89,7 +96,7 @@ class EmbedRequest:
     """Texts (tokenized by the engine) or token ids (taken as they are), and the graph
     outputs the response is built from."""
 
-    names: FieldNames
+    names: Fields
     size: ResponseSize
     texts: Sequence[str] = ()
     token_ids: Sequence[Sequence[int]] = ()
@@ -151,26 +158,11 @@ class Embedded:
         return np.fromiter((len(c.spans) for c in self.chunked), np.int64, len(self.chunked))
 
 
-class PairNames(Protocol):
-    """The door's names for the parts of a request that scores texts against a query."""
-
-    query: str
-    """the field holding the query (`query`, `inputs.source_sentence`)"""
-    sequences: str
-    """the field holding the texts (`texts`, `documents`)"""
-    top_n: str
-    """the field holding how many results to return"""
-
-    def sequence(self, index: int) -> str:
-        """the field of text `index` (`texts[3]`, `documents[3]`)"""
-        ...
-
-
 @dataclass(frozen=True)
 class RerankRequest:
     """A query and texts, each pair scored by a reranker (a cross-encoder)."""
 
-    names: PairNames
+    names: Fields
     size: ResponseSize
     """measures the response for the results of these text indexes"""
     query: str
@@ -184,6 +176,8 @@ class RerankRequest:
     positions, instead of refusing it"""
     max_text_tokens: int | None = None
     """every text cut to at most this many tokens (Cohere's max_tokens_per_doc)"""
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    """which end of a text a cut keeps"""
 
 
 @dataclass
@@ -212,13 +206,16 @@ class ScoreMode(enum.Enum):
 class ScoreRequest:
     """A query and texts, each text scored against the query by an embedding model."""
 
-    names: PairNames
+    names: Fields
     size: ResponseSize
     """measures the response for texts of these lengths"""
     query: str
     texts: Sequence[str]
     mode: ScoreMode
     truncate: bool = False
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    prompt_name: str | None = None
+    """the prompt put before the query and each text; None: the model's default prompt"""
 
 
 @dataclass
@@ -232,7 +229,7 @@ class Scored:
 
 @dataclass(frozen=True)
 class TokenizeRequest:
-    names: FieldNames
+    names: Fields
     texts: Sequence[str]
     truncate: bool = False
     truncation_direction: TruncationDirection = TruncationDirection.RIGHT
@@ -245,38 +242,67 @@ class TokenizeRequest:
 class DecodeRequest:
     """Token ids back to text: each sequence's ids in the model's vocabulary."""
 
-    names: FieldNames
+    names: Fields
     token_ids: Sequence[Sequence[int]]
     skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
 class InputTensor:
-    """One named input tensor as a caller sent it: checked by the engine against the
-    model's inputs before any of its data is read."""
+    """One named int64 input tensor of shape [batch, seq], as a caller sent it: its data is
+    read only once the request has passed every check its shapes allow."""
 
     name: str
-    datatype: str
-    shape: Sequence[int]
+    shape: tuple[int, int]
     data: bytes | Sequence[int]
-    """little-endian bytes, or the values, row-major"""
+    """little-endian int64 bytes, or the values, row-major"""
 
 
 @dataclass(frozen=True)
-class InferRequest:
-    """Raw tensors in (input_ids and attention_mask, [batch, seq]), the outputs named."""
+class TensorRequest:
+    """Raw tensors in (the model's inputs: input_ids and attention_mask, a BERT reranker's
+    token_type_ids), the outputs named."""
 
     inputs: Sequence[InputTensor]
     outputs: Sequence[str] = ()
-    """output names (`ModelInfo.outputs`); empty means the hidden state alone"""
+    """output names (`ModelInfo.outputs`); empty means the model's first"""
     size: Callable[[list[tuple[str, tuple[int, ...]]]], ResponseSize] | None = None
     """the door's response size for these (name, shape) outputs"""
+    names: Fields = Fields("input_ids", token_at="input_ids[{index}, {position}]")
 
 
 @dataclass
-class Inferred:
-    outputs: list[tuple[str, np.ndarray]]
-    """(name, float32 array) in the order asked for, zero past each row's length"""
+class Submission:
+    """One request's sequences, as a scheduler (the request queue, or the engine process's
+    with --workers) queues and runs them."""
+
+    sequences: list[np.ndarray]
+    lengths: np.ndarray | None = None
+    """int64, each sequence's length; None: measured here"""
+    layers: tuple[int, ...] = ()
+    """the attention maps every result carries, by layer"""
+    deadline: float | None = None
+    """on the monotonic clock"""
+    outputs: Outputs = HIDDEN_ONLY
+    """the graph outputs the results must carry"""
+    alone: float = 0.0
+    """the peak of its largest batch run alone (ModelMemory.check), kept free while it waits"""
+    spans: list[np.ndarray] | None = None
+    """per sequence, int64 [k, 2] token ranges [start, end), ascending, not overlapping,
+    none empty, whose mean embeddings each result carries (SequenceResult.span_means)
+    beside `outputs` (which need not name the token embeddings the means are taken from)"""
+    segments: np.ndarray | None = None
+    """per sequence, where its second segment (token type 1) starts, its length for none
+    (a reranker's pairs: the text's side)"""
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:
+            self.lengths = lengths_of(self.sequences)
+
+
+def lengths_of(sequences: Sequence) -> np.ndarray:
+    """int64: each sequence's (or text's) length."""
+    return np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
 
 
 @dataclass(frozen=True)

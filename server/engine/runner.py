@@ -4,7 +4,7 @@ their warm-up. Every start-up check happens while they are built, with nothing b
 
 Each model has its own inference thread(s): a batch of one model runs beside a batch of
 another, so a flood of calls to one model delays another's by sharing the device, never by
-queueing behind it (bench/fairness.py measures it)."""
+queueing behind it (`python -m bench fairness` measures it)."""
 
 import asyncio
 import logging
@@ -24,8 +24,7 @@ from attnserve.server.memory.ledger import Totals
 from attnserve.server.memory.model import MemoryModels, load_memory_model
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
-from attnserve.server.runtime.backend import Backend, Strategy
-from attnserve.server.runtime.backends import create_backend
+from attnserve.server.runtime.backend import Backend, Strategy, create_backend
 
 log = logging.getLogger("attnserve.server")
 
@@ -46,7 +45,8 @@ class ModelRunner:
         self.queue = RequestQueue(name, limits, memory, metrics)
         self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, metrics, probe,
                                     limits, memory, artifact.manifest.pad_token_id)
-        self.ready = False
+        self.warm = False
+        """both graphs have run on every inference thread"""
 
     def start(self, watch: Callable[[int, int], None] | None = None) -> None:
         """The batch loop, on the running event loop; `watch(requests, tokens)`: told the
@@ -55,7 +55,7 @@ class ModelRunner:
         self.batch_loop.start()
 
     async def warm_up(self) -> None:
-        """Ready only once both graphs have run, every shape bucket included, on every
+        """Warm only once both graphs have run, every shape bucket included, on every
         inference thread's sessions: the first caller must not pay for it."""
         shapes = self.backend.warm_up_shapes(self.limits.max_batch_tokens)
         threads, started = self.inference_threads, time.perf_counter()
@@ -65,7 +65,7 @@ class ModelRunner:
             self.inference, threads, lambda: self.backend.warm_up(shapes))))
         log.info("event=warmed_up model=%s shapes=%d threads=%d seconds=%.2f", self.name,
                  len(shapes), threads, time.perf_counter() - started)
-        self.ready = True
+        self.warm = True
 
 
 class Runners:
@@ -117,8 +117,8 @@ class Runners:
                                            self.limits, metrics, self.probe))
 
     @property
-    def ready(self) -> bool:
-        return all(m.ready for m in self.models)
+    def warm(self) -> bool:
+        return all(m.warm for m in self.models)
 
     def describe(self) -> None:
         """What /metrics says of the models and the device."""

@@ -300,12 +300,14 @@ class TextTokenizer:
         return encodings
 
     def encode_pairs(self, query: str, texts: Sequence[str], truncate: bool, holds: Holds,
-                     max_text_tokens: int | None = None) -> tuple[list[np.ndarray], np.ndarray | None]:
+                     max_text_tokens: int | None = None,
+                     left: bool = False) -> tuple[list[np.ndarray], np.ndarray | None]:
         """Each (query, text) pair's ids, and where each pair's second segment starts
         (None when the template has none). Refuses (TooLong) a query that leaves no room
         for a text (index -1), and a pair over the model's positions unless `truncate`,
-        which cuts its text to fit; `max_text_tokens`: every text cut to at most that (a
-        text it makes fit is not refused)."""
+        which cuts its text to fit, keeping its start (its end with `left`);
+        `max_text_tokens`: every text cut to at most that (a text it makes fit is not
+        refused)."""
         pair = self.pair
         room = self.max_positions - pair.specials
         (asked,) = self._encode_slice([query], holds, limit=room)
@@ -328,13 +330,24 @@ class TextTokenizer:
                         f"with the query, more than {self.max_positions} tokens, longer than the "
                         f"model's {self.max_positions} positions; set truncate=true to cut the "
                         "text"))
-                pairs.append(np.concatenate([head, np.asarray(ids[:cap], dtype=np.int64),
-                                             pair.tail]))
+                kept = (self._last_tokens(texts[i], cap, holds) if left and len(ids) > cap
+                        else ids[:cap])
+                pairs.append(np.concatenate([head, np.asarray(kept, dtype=np.int64), pair.tail]))
             del encodings
             holds.take(sum(KEPT_BYTES_PER_TEXT + KEPT_BYTES_PER_ID * len(p)
                            for p in pairs[start:]), "token ids")
         segments = np.full(len(pairs), len(head), dtype=np.int64) if pair.segments else None
         return pairs, segments
+
+    def _last_tokens(self, text: str, count: int, holds: Holds) -> list[int]:
+        """The last `count` tokens of a text that has more, special tokens aside: tokenized
+        a suffix at a time from a cut point near its end, as `_keep_end` does."""
+        start, size = self._suffix(text, self._first_prefix())
+        (encoding,) = self._tokenize([text[start:]], holds, self.whole)
+        while start > 0 and len(encoding) <= count:
+            start, size = self._suffix(text, size * PREFIX_GROWTH)
+            (encoding,) = self._tokenize([text[start:]], holds, self.whole)
+        return encoding.ids[len(encoding) - count:]
 
     def _tokenize(self, texts: list[str], holds: Holds, tokenizer: Tokenizer,
                   special_tokens: bool = True) -> list:

@@ -28,7 +28,7 @@ high-water mark (VmHWM, reset through /proc/self/clear_refs), logged as degraded
 On CUDA it is the rise of the device memory NVML reports after the batch over what was
 in use before (onnxruntime's arena keeps the peak, so "after" sees it): the arena's
 growth, which is 0 for a batch that fits in what the arena already holds. Per-shape
-peaks on CUDA come from `attnserve memory-profile` and bench/gpu_bench.py, a fresh
+peaks on CUDA come from `attnserve memory-profile` and `python -m bench gpu`, a fresh
 session per shape.
 """
 

@@ -1,19 +1,29 @@
-"""The seam between the batch loop and whatever runs the model.
+"""The seam between the batch loop and whatever runs the model, and where a backend
+comes from.
 
 The batch loop knows only this interface: it hands a padded batch to `run` with the
 outputs its requests need and gets back those outputs. Which framework, provider, graphs,
 sessions or shape strategy sit behind it (onnxruntime on the CPU or CUDA today:
-`ort_backend.py`, with shape buckets, several sessions and CUDA graphs) is the backend's
-own business, so those can change without touching the queue or the loop.
+`onnx.py`, with shape buckets, several sessions and CUDA graphs) is the backend's own
+business, so those can change without touching the queue or the loop.
+
+A backend module under server/runtime/ offers a `KIND` (a BackendKind) for the artifact
+format it runs (`Manifest.runtime`), named in BUILTIN below: onnxruntime's is "onnx",
+onnx.py, imported only when an artifact of its format is served. The server asks for a
+backend by the artifact and the device flags (`create_backend`), or first only for where
+it would run (`place`: cheap, nothing loaded), and never names a framework or a provider:
+adding a backend is one module and one line in BUILTIN (or, from outside the server, one
+`register` call).
 """
 
+import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from attnserve.artifact import HIDDEN_OUTPUT
+from attnserve.artifact import HIDDEN_OUTPUT, Artifact, ArtifactError, Manifest
 from attnserve.server.runtime.shapes import Shape
 
 Outputs = frozenset[str]
@@ -22,8 +32,8 @@ Outputs = frozenset[str]
 layer."""
 HIDDEN_ONLY: Outputs = frozenset({HIDDEN_OUTPUT})
 
-__all__ = ["DEFAULT_STRATEGY", "HIDDEN_ONLY", "Backend", "BatchOutput", "Outputs", "Placement",
-           "SequenceResult", "Shape", "Strategy"]
+__all__ = ["DEFAULT_STRATEGY", "HIDDEN_ONLY", "Backend", "BackendKind", "BatchOutput", "Outputs",
+           "Placement", "SequenceResult", "Shape", "Strategy", "create_backend", "place", "register"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,6 @@ class Placement:
     """one phrase: why this provider, for the start-up log"""
     platform: str
     """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
-
 
 
 @dataclass
@@ -143,3 +152,44 @@ class Backend(Protocol):
     def warm_up(self, shapes: Iterable[Shape]) -> None:
         """Run the graphs at each shape on the calling inference thread's sessions."""
         ...
+
+
+class BackendKind(Protocol):
+    def place(self, manifest: Manifest, device: str, precision: str) -> Placement:
+        """Where `serve --device DEVICE --precision PRECISION` would run the artifact; raises
+        ConfigError or a DeviceError for a choice that cannot be served."""
+        ...
+
+    def create(self, artifact: Artifact, device: str, precision: str, intra_op_threads: int,
+               strategy: Strategy) -> Backend:
+        ...
+
+
+BUILTIN = {"onnx": "attnserve.server.runtime.onnx"}
+"""runtime -> the module whose KIND runs it"""
+KINDS: dict[str, BackendKind] = {}
+
+
+def register(runtime: str, kind: BackendKind) -> None:
+    KINDS[runtime] = kind
+
+
+def kind_of(manifest: Manifest, where: str = "manifest.json") -> BackendKind:
+    if manifest.runtime not in KINDS and manifest.runtime in BUILTIN:
+        register(manifest.runtime, importlib.import_module(BUILTIN[manifest.runtime]).KIND)
+    kind = KINDS.get(manifest.runtime)
+    if kind is None:
+        raise ArtifactError(f"{where}: runtime {manifest.runtime!r} is not one this server runs "
+                            f"({', '.join(sorted(KINDS.keys() | BUILTIN.keys()))})")
+    return kind
+
+
+def place(artifact: Artifact, device: str = "auto", precision: str = "auto") -> Placement:
+    return kind_of(artifact.manifest, str(artifact.path("manifest.json"))).place(
+        artifact.manifest, device, precision)
+
+
+def create_backend(artifact: Artifact, device: str = "auto", precision: str = "auto",
+                   intra_op_threads: int = 0, strategy: Strategy = DEFAULT_STRATEGY) -> Backend:
+    kind = kind_of(artifact.manifest, str(artifact.path("manifest.json")))
+    return kind.create(artifact, device, precision, intra_op_threads, strategy)

@@ -27,7 +27,6 @@ log = logging.getLogger("attnserve.workers")
 INLINE_BYTES = 32 << 10
 _ALIGN = 64
 _HEAD = struct.Struct("<I")
-_FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))
 
 Entry = Sequence[np.ndarray]
 """the parts of one array: raveled and laid end to end, the receiver gets one flat array"""

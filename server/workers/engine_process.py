@@ -20,6 +20,7 @@ from attnserve.server.engine import timings
 from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
 from attnserve.server.engine.queue import RequestQueue
 from attnserve.server.engine.registry import load_models, log_default_prompts
+from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.runner import Runners
 from attnserve.server.errors import RequestError
 from attnserve.server.host import resident_bytes_of
@@ -54,12 +55,10 @@ class FrontEndLink:
     def message(self, header, arrays: list[np.ndarray]) -> None:
         kind = header[0]
         if kind == "submit":
-            _, job, model, layers, deadline, outputs, alone, _, _ = header
-            sequences, lengths, spans, segments = messages.submitted(header, arrays)
+            job, model = header[1:3]
             queue = self.process.runners.models[model].queue
             self.jobs[job] = asyncio.get_running_loop().create_task(
-                self.run(queue, job, sequences, lengths, tuple(layers), deadline,
-                         frozenset(outputs), alone, spans, segments))
+                self.run(queue, job, messages.submitted(header, arrays)))
         elif kind == "cancel":
             task = self.jobs.get(header[1])
             if task is None:  # answered already: its place is free
@@ -69,13 +68,11 @@ class FrontEndLink:
         elif kind == "bye":
             self.said_bye = True
 
-    async def run(self, queue: RequestQueue, job: int, sequences, lengths, layers, deadline,
-                  outputs, alone, spans, segments) -> None:
+    async def run(self, queue: RequestQueue, job: int, submission: Submission) -> None:
         times = timings.begin()  # this task's own: the queue fills it in for the front end
         try:
-            results = await queue.submit(sequences, layers, deadline, outputs, alone, lengths,
-                                         spans, segments)
-            header, entries = messages.results(job, results, layers, times)
+            results = await queue.submit(submission)
+            header, entries = messages.results(job, results, submission.layers, times)
             del results
             nbytes = sum(part.nbytes for parts in entries for part in parts)
             # Copying a large result into its message is done off the event loop.
@@ -148,7 +145,7 @@ class EngineProcess:
         signals.take_stop(loop, stop.set)
         accepting = loop.create_task(self._accept())
         await runners.warm_up()
-        fields.engine_ready = 1
+        fields.engine_warm = 1
         log.info("event=engine_serving models=%s budget_bytes=%d memory_model=%r",
                  ",".join(self.index), self.facts.budget, runners.memory_source())
         await stop.wait()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.timings import CallTimes
 from attnserve.server.errors import (
     DeadlineExceeded,
@@ -25,7 +26,7 @@ from attnserve.server.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from attnserve.server.runtime.backend import Outputs, Placement, SequenceResult
+from attnserve.server.runtime.backend import Placement, SequenceResult
 
 ERRORS = {cls.__name__: cls for cls in (RequestError, ResourceExhausted, Unavailable,
                                         DeadlineExceeded)}
@@ -43,17 +44,17 @@ class EngineFacts:
     """where each model runs, in --artifact's order"""
 
 
-def submit(job: int, model: int, sequences: list[np.ndarray], lengths: np.ndarray, layers: tuple[int, ...],
-           deadline: float | None, outputs: Outputs, alone: float,
-           spans: list[np.ndarray] | None, segments: np.ndarray | None):
-    ids = [s.astype(np.int32, copy=False) for s in sequences]
-    entries = [ids, [lengths]]
+def submit(job: int, model: int, submission: Submission):
+    ids = [s.astype(np.int32, copy=False) for s in submission.sequences]
+    entries = [ids, [submission.lengths]]
+    spans, segments = submission.spans, submission.segments
     if spans is not None:  # late chunking: each sequence's [k, 2] token spans, and the ks
         entries += [spans, [np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))]]
     if segments is not None:
         entries.append([segments])
-    header = ["submit", job, model, list(layers), deadline, sorted(outputs), alone,
-              spans is not None, segments is not None]
+    header = ["submit", job, model, list(submission.layers), submission.deadline,
+              sorted(submission.outputs), submission.alone, spans is not None,
+              segments is not None]
     return header, entries
 
 
@@ -64,14 +65,14 @@ def _split(flat: np.ndarray, counts: np.ndarray, width: int) -> list[np.ndarray]
     return [rows[end - n:end] for n, end in zip(counts.tolist(), ends, strict=True)]
 
 
-def submitted(header, arrays: list[np.ndarray]):
-    """The sequences (views of the message), their lengths, their spans and their
-    segments (each None where not sent)."""
+def submitted(header, arrays: list[np.ndarray]) -> Submission:
+    """The submission, its sequences views of the message."""
+    _, _, _, layers, deadline, outputs, alone, has_spans, has_segments = header
     lengths = arrays[1].astype(np.int64)
     sequences = [s.reshape(-1) for s in _split(arrays[0], lengths, 1)]
-    spans = _split(arrays[2], arrays[3], 2) if header[7] else None
-    segments = arrays[-1].astype(np.int64) if header[8] else None
-    return sequences, lengths, spans, segments
+    return Submission(sequences, lengths, tuple(layers), deadline, frozenset(outputs), alone,
+                      _split(arrays[2], arrays[3], 2) if has_spans else None,
+                      arrays[-1].astype(np.int64) if has_segments else None)
 
 
 def results(job: int, results: list[SequenceResult], layers: tuple[int, ...], times: CallTimes):

@@ -36,7 +36,7 @@ class _Fields(ctypes.Structure):
         ("engine_pid", ctypes.c_int64),
         # The engine's budget and ledger limit are set: front ends may start.
         ("engine_loaded", ctypes.c_int64),
-        ("engine_ready", ctypes.c_int64),
+        ("engine_warm", ctypes.c_int64),
         ("draining", ctypes.c_int64),
         ("metrics_port", ctypes.c_int64),
         ("workers", ctypes.c_int64),
@@ -54,7 +54,7 @@ class _Fields(ctypes.Structure):
         ("worker_drained", ctypes.c_int64 * MAX_WORKERS),
         ("engine_drained", ctypes.c_int64),
         # The pid of the standby front end once it is loaded and waiting.
-        ("standby_ready", ctypes.c_int64),
+        ("standby_waiting_pid", ctypes.c_int64),
     ]
 
 
@@ -102,7 +102,7 @@ class SharedState:
         """What health says for the group: the engine warm, no drain, a front end up. Only
         its own calls fail with a front end that dies: the others go on serving."""
         f = self.fields
-        return (bool(f.engine_ready) and not f.draining
+        return (bool(f.engine_warm) and not f.draining
                 and any(f.worker_up[i] for i in range(f.workers)))
 
     def whole(self) -> bool:

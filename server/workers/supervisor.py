@@ -117,7 +117,7 @@ class Group:
                CONFIG_ENV: config_to_json(self.front_config)}
         with signals.starting_a_child():
             return subprocess.Popen(
-                [sys.executable, "-m", "attnserve.server.workers.front_process",
+                [sys.executable, "-m", "attnserve.server.workers.front_end",
                  str(self.shared.fd), index, self.address, *map(str, fds)],
                 pass_fds=(self.shared.fd, *fds), env=env)
 
@@ -139,7 +139,7 @@ class Group:
         """The standby is loaded and waiting (or has died: the group serves without one)."""
         process = self.standby[0] if self.standby is not None else None
         return (process is None or process.poll() is not None
-                or self.shared.fields.standby_ready == process.pid)
+                or self.shared.fields.standby_waiting_pid == process.pid)
 
     def _standby_wanted(self) -> bool:
         """No standby waits (the last took a dead front end's place, or died): start
@@ -294,7 +294,7 @@ def workers_for(config: ServeConfig) -> int:
 def auto_workers(cuda: bool, cores: int) -> int:
     """One process on the CPU, where the model takes every core a front end would want
     (a group pays off there only for a model far cheaper than its callers' calls:
-    bench/workers.py); on a GPU, a front end for every two cores, up to
+    `python -m bench workers`); on a GPU, a front end for every two cores, up to
     MAX_AUTO_WORKERS, the rest left to the engine process."""
     if not cuda:
         return 1

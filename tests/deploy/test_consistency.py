@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.cli import main
 from attnserve.client import EncoderClient
-from bench.harness import ATTNSERVE, ServerProcess, free_port
+from tests.harness import ATTNSERVE, ServerProcess, free_port
 
 from .helpers import (
     EXPORTED_METRICS,

@@ -17,8 +17,8 @@ from attnserve.artifact import (
     load_artifact,
 )
 from attnserve.export.quantize import pooled_cosines
-from bench.harness import make_tiny_checkpoint
 from tests.conftest import ATTNSERVE, REPO, export
+from tests.harness import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_cpu_sessions_keep_layer_norms_unfused(int8_artifact, tmp_path):
     import numpy as np
     import onnxruntime as ort
 
-    from attnserve.server.runtime.ort_backend import CPU, session_options
+    from attnserve.server.runtime.onnx import CPU, session_options
 
     path = str(int8_artifact.path("encoder_int8.onnx"))
     assert "SkipLayerNormalization" not in _ops(int8_artifact, "encoder_int8.onnx")
@@ -114,7 +114,7 @@ def test_cpu_sessions_multiply_int8_exactly():
     from onnx import TensorProto, helper, numpy_helper
 
     from attnserve.artifact import cpu_session_config
-    from attnserve.server.runtime.ort_backend import CPU, session_options
+    from attnserve.server.runtime.onnx import CPU, session_options
 
     depth = 64
     weights = np.full((depth, 2), 127, dtype=np.int8)

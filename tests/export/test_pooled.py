@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from attnserve.artifact import HIDDEN_OUTPUT, POOLED_OUTPUTS, load_artifact
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 from tests.hugging_face import HuggingFace
 
 TEXTS = [

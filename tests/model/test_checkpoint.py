@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from attnserve.model import CheckpointError, load_checkpoint
-from bench.harness import make_tiny_checkpoint
+from tests.harness import make_tiny_checkpoint
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnserve.model import CheckpointError, load_checkpoint
-from bench.harness import make_tiny_checkpoint, minilm_dir
+from tests.harness import make_tiny_checkpoint, minilm_dir
 
 SERVED = ("attnserve exports bert, roberta, xlm-roberta, modernbert, mpnet, distilbert, qwen3, "
           "gemma3_text")

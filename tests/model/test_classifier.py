@@ -92,7 +92,7 @@ def test_other_heads_are_still_refused(tmp_path):
 
 def test_a_classifier_missing_its_head_is_refused_naming_the_tensor(tmp_path):
     """A base model's weights under a classifier's config.json: no head to load."""
-    from bench.harness import make_tiny_checkpoint
+    from tests.harness import make_tiny_checkpoint
 
     directory = make_tiny_checkpoint(tmp_path / "headless")
     edit_config(directory, architectures=["BertForSequenceClassification"])

@@ -7,7 +7,7 @@ import pytest
 
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 from tests.hugging_face import HuggingFace
 
 

@@ -18,8 +18,14 @@ from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
-from attnserve.server.runtime.ort_backend import OrtBackend
-from bench.harness import ServerProcess
+from attnserve.server.config import ServeConfig
+from attnserve.server.engine.offload import Offload
+from attnserve.server.engine.plane import DataPlane, build_plane
+from attnserve.server.engine.registry import load_models, load_tokenizers
+from attnserve.server.engine.runner import Runners
+from attnserve.server.metrics import Metrics
+from attnserve.server.runtime.onnx import OrtBackend
+from tests.harness import ServerProcess
 
 CLS, SEP = 101, 102
 MIB = 1 << 20
@@ -27,6 +33,17 @@ BIG = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_len
 # What a hostile or overloaded call may get back; anything else is a broken promise.
 EXPECTED_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                      grpc.StatusCode.NOT_FOUND}
+
+
+def assembled(config: ServeConfig) -> tuple[DataPlane, Runners]:
+    """What server/app.py assembles, in this process: the runners and the data plane."""
+    named = load_models(config)
+    metrics = Metrics(512)
+    runners = Runners(config, named, metrics)
+    plane = build_plane(config, named, load_tokenizers(named),
+                        [(r.queue, r.memory, r.backend.placement) for r in runners.models],
+                        runners.budget, Offload(), metrics, lambda: runners.warm)
+    return plane, runners
 
 
 def serve(artifact: Path, *flags: str, env: dict | None = None) -> ServerProcess:

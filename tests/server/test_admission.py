@@ -13,7 +13,7 @@ import pytest
 
 from attnserve.artifact import load_artifact
 from attnserve.server.memory.budget import RESPONSE_COPIES
-from bench.harness import sample
+from tests.harness import sample
 from tests.server.reliability import BIG, MIB, Peak, Reference, embed_ids, ids_of, serve, stub
 
 # Also run against a server of several processes (make test: --server-workers 2).

@@ -14,7 +14,7 @@ import pytest
 
 from attnserve.client import EncoderClient
 from attnserve.server.memory import alloc_hook
-from bench.harness import ServerProcess
+from tests.harness import ServerProcess
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None,
                                 reason="no C compiler: the server samples memory instead")

@@ -2,7 +2,7 @@
 
 A second backend is one module and one registration: the test's own backend below (an
 embedding table looked up in numpy, of an artifact whose manifest says runtime "lookup")
-registers with server/runtime/backends.py and is then built, placed, warmed and run by the
+registers with server/runtime/backend.py and is then built, placed, warmed and run by the
 server's own runners, queues, batch loops and data plane, exactly as onnxruntime's is.
 Two such models share one memory budget: a batch of one waits for the other's batch in
 flight when both would not fit, and runs as soon as that one ends."""
@@ -27,19 +27,15 @@ from attnserve.artifact import (
     write_manifest,
 )
 from attnserve.server.config import ModelSource, ServeConfig
-from attnserve.server.engine.data_plane import DataPlane
-from attnserve.server.engine.offload import Offload
-from attnserve.server.engine.registry import load_models
-from attnserve.server.engine.requests import EmbedRequest, ResponseSize
+from attnserve.server.engine.embed import embed
+from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.requests import EmbedRequest, Fields, ResponseSize
 from attnserve.server.engine.runner import Runners
-from attnserve.server.engine.served_model import ServedModel
-from attnserve.server.engine.tokenize import load_tokenizer
 from attnserve.server.errors import NotFound
 from attnserve.server.memory.model import EMBEDDINGS, model_key, save_entries
-from attnserve.server.metrics import Metrics
-from attnserve.server.runtime import backends
-from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy
-from bench.harness import minilm_dir
+from attnserve.server.runtime.backend import BatchOutput, Placement, Strategy, register
+from tests.harness import minilm_dir
+from tests.server.reliability import assembled
 
 HIDDEN, HEADS, LAYERS, VOCAB = 8, 2, 1, 30522
 TABLE = "table.npy"
@@ -103,7 +99,7 @@ class LookupKind:
         return LookupBackend(artifact.directory)
 
 
-backends.register("lookup", LookupKind())
+register("lookup", LookupKind())
 
 
 def lookup_artifact(directory: Path, name: str, seed: int) -> Path:
@@ -125,18 +121,8 @@ def lookup_artifact(directory: Path, name: str, seed: int) -> Path:
     return directory
 
 
-class Names:
-    sequences, chunking = "token_ids", "chunking"
-
-    def sequence(self, index):
-        return f"token_ids[{index}]"
-
-    def token(self, index, position):
-        return f"token_ids[{index}].ids[{position}]"
-
-
 def request(ids: list[list[int]]) -> EmbedRequest:
-    return EmbedRequest(names=Names(), size=ResponseSize(lambda _: 0, 1 << 30, ""), token_ids=ids,
+    return EmbedRequest(names=Fields("token_ids"), size=ResponseSize(lambda _: 0, 1 << 30, ""), token_ids=ids,
                         outputs=frozenset({HIDDEN_OUTPUT, pooled_output("mean", False)}))
 
 
@@ -148,17 +134,8 @@ def artifacts(tmp_path_factory) -> list[Path]:
 
 def assemble(artifacts: list[Path], budget: int) -> tuple[DataPlane, Runners]:
     """What server/app.py assembles, in this process, on the lookup backend."""
-    config = ServeConfig(artifact=tuple(ModelSource(path) for path in artifacts), device="cpu",
-                         memory_budget_bytes=budget)
-    named = load_models(config)
-    metrics = Metrics(512)
-    runners = Runners(config, named, metrics)
-    offload = Offload()
-    ready = lambda: runners.ready  # noqa: E731
-    models = [ServedModel(r.name, r.artifact, load_tokenizer(r.artifact), r.queue, r.memory,
-                          r.backend.placement, offload, metrics, ready, config.max_chunking_chars)
-              for r in runners.models]
-    return DataPlane(models, runners.budget, offload, metrics, ready), runners
+    return assembled(ServeConfig(artifact=tuple(ModelSource(path) for path in artifacts),
+                                 device="cpu", memory_budget_bytes=budget))
 
 
 def test_a_second_backend_serves_through_the_seam_alone(artifacts):
@@ -170,7 +147,7 @@ def test_a_second_backend_serves_through_the_seam_alone(artifacts):
         ids = [[101, 2000, 3000, 102], [101, 7, 102]]
         for name in ("lookup-a", "lookup-b", None):
             model = plane.model(name)
-            embedded = await model.embed(request(ids), plane.holds(), None)
+            embedded = await embed(model, request(ids), plane.holds(), None)
             table = runners.models[0 if name in ("lookup-a", None) else 1].backend.table
             for sequence, result in zip(ids, embedded.results, strict=True):
                 np.testing.assert_array_equal(result.hidden, table[sequence])
@@ -196,8 +173,8 @@ def test_models_share_one_budget(artifacts):
         await runners.warm_up()
         a, b = (r.backend for r in runners.models)
         a.gate, a.running = threading.Event(), threading.Event()
-        first = asyncio.create_task(plane.model("lookup-a").embed(
-            request([[1000] * 300, [1001] * 300]), plane.holds(), None))
+        first = asyncio.create_task(embed(plane.model("lookup-a"), request(
+            [[1000] * 300, [1001] * 300]), plane.holds(), None))
         for _ in range(WAIT_S * 100):
             if a.running.is_set():
                 break
@@ -205,8 +182,8 @@ def test_models_share_one_budget(artifacts):
         assert a.running.is_set()
         assert runners.budget.in_flight_bytes() == 600
         runs_of_b = len(b.ran)
-        second = asyncio.create_task(plane.model("lookup-b").embed(
-            request([[1002] * 300, [1003] * 300]), plane.holds(), None))
+        second = asyncio.create_task(embed(plane.model("lookup-b"), request(
+            [[1002] * 300, [1003] * 300]), plane.holds(), None))
         # b's batch loop has formed its batch and held it back for memory.
         def waits() -> float:
             return plane.metrics.registry.get_sample_value("attnserve_memory_waits_total",

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from attnserve.artifact import load_artifact
 from attnserve.server.engine.batch_loop import MAX_PADDING_RATIO
 from attnserve.server.engine.queue import Limits, State
+from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.runner import ModelRunner
 from attnserve.server.errors import RequestError
 from attnserve.server.memory.budget import MemoryBudget
@@ -25,7 +26,7 @@ from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY
-from attnserve.server.runtime.ort_backend import OrtBackend
+from attnserve.server.runtime.onnx import OrtBackend
 
 WAIT_S = 30  # bound on any wait: a broken loop fails the test instead of hanging it
 # a + b·batch·seq bytes: a batch's predicted memory is its padded tokens plus 1000.
@@ -91,7 +92,7 @@ def assembled(backend, budget: int = 1 << 40, **caps) -> ModelRunner:
 
 def submit(core: ModelRunner, lengths: list[int], layers: tuple[int, ...] = ()) -> asyncio.Task:
     sequences = [np.arange(1000, 1000 + n, dtype=np.int64) for n in lengths]
-    return asyncio.get_running_loop().create_task(core.queue.submit(sequences, layers))
+    return asyncio.get_running_loop().create_task(core.queue.submit(Submission(sequences, layers=layers)))
 
 
 def sample(core: ModelRunner, name: str, **labels) -> float:

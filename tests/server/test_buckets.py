@@ -20,15 +20,16 @@ from attnserve.artifact import HIDDEN_OUTPUT, load_artifact, pooled_output
 from attnserve.client import EncoderClient
 from attnserve.server.engine.offload import inference_pool, on_every_thread
 from attnserve.server.engine.queue import Limits
+from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.runner import ModelRunner
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.model import MemoryModel
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Strategy
-from attnserve.server.runtime.ort_backend import OrtBackend
+from attnserve.server.runtime.onnx import OrtBackend
 from attnserve.server.runtime.shapes import ShapeBuckets
-from bench.harness import ATTNSERVE, REPO, ServerProcess, sample
+from tests.harness import ATTNSERVE, REPO, ServerProcess, sample
 
 WAIT_S = 60
 MEAN = pooled_output("mean", False)
@@ -129,8 +130,9 @@ def test_the_batch_loop_caps_padded_tokens_and_runs_only_warmed_shapes(bucketed)
     async def scenario():
         core = assembled(bucketed, max_batch_tokens=256)
         core.batch_loop.start()
+        ask = Submission(sequences([20]), outputs=frozenset({MEAN}))
         results = await asyncio.wait_for(asyncio.gather(
-            *(core.queue.submit(sequences([20]), outputs=frozenset({MEAN})) for _ in range(9))), WAIT_S)
+            *(core.queue.submit(ask) for _ in range(9))), WAIT_S)
         return core, results
 
     core, results = asyncio.run(scenario())
@@ -154,7 +156,7 @@ def test_each_request_gets_the_outputs_it_asked_for_from_a_shared_batch(bucketed
     async def scenario():
         core = assembled(bucketed)
         core.batch_loop.start()
-        tasks = [core.queue.submit(sequences([n]), outputs=ask)
+        tasks = [core.queue.submit(Submission(sequences([n]), outputs=ask))
                  for n, ask in zip((9, 10, 11), asks, strict=True)]
         return core, await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
 

@@ -1,13 +1,13 @@
-"""The GPU benchmark's CPU dry run (bench/gpu_bench.sh --device cpu --quick), end to end:
-what it runs on a GPU runs here first. Every onnxruntime phase: the backend's parity and
-tokens/s, the raw sessions, three server configurations (one process, two front ends, CUDA
-graphs) and peak memory per shape; tiny model, small workloads."""
+"""The GPU benchmark's CPU dry run (bench/gpu_bench.sh --device cpu --quick, which runs
+`python -m bench gpu`), end to end: what it runs on a GPU runs here first. Every onnxruntime
+phase: the backend's parity and tokens/s, the raw sessions, three server configurations (one
+process, two front ends, CUDA graphs) and peak memory per shape; tiny model, small workloads."""
 
 import json
 import os
 import subprocess
 
-from bench.harness import REPO
+from tests.harness import REPO
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_its_table(tmp_path, tiny_artifact):
@@ -19,7 +19,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_prints_its_table(tmp_path, tiny_a
                           text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| 32x128, one caller, p50 |" in done.stdout
-    result = json.loads((tmp_path / "gpu_bench.json").read_text())
+    result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["phases"] == ["backend", "raw", "servers", "memory"]
     servers = result["servers"]
     assert set(servers) == {"default", "2 workers", "CUDA graphs"}

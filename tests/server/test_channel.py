@@ -10,6 +10,7 @@ import socket
 import numpy as np
 import pytest
 
+from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.timings import CallTimes
 from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted
 from attnserve.server.runtime.backend import Placement, SequenceResult
@@ -92,18 +93,21 @@ def test_every_message_reads_back_as_it_was_written(layers, pooled, spans, segme
     sequences = [rng.integers(0, 30000, n).astype(np.int64) for n in lengths]
     token_spans = None if spans is None else [np.array([[0, 1], [1, n]]) for n in lengths]
     segments = np.array([2, 1, 3], dtype=np.int64) if segmented else None
-    header, entries = messages.submit(7, 2, sequences, lengths, (1,), 12.5,
-                                      frozenset({"last_hidden_state"}), 3.0, token_spans, segments)
+    header, entries = messages.submit(7, 2, Submission(
+        sequences, lengths, (1,), 12.5, frozenset({"last_hidden_state"}), 3.0, token_spans,
+        segments))
     (got_header, arrays), = asyncio.run(exchange([(header, entries)]))[0]
     assert got_header[:7] == ["submit", 7, 2, [1], 12.5, ["last_hidden_state"], 3.0]
-    back, back_lengths, back_spans, back_segments = messages.submitted(got_header, arrays)
-    assert back_lengths.tolist() == lengths.tolist()
-    assert (None if back_segments is None else back_segments.tolist()) == (
+    back = messages.submitted(got_header, arrays)
+    assert back.lengths.tolist() == lengths.tolist()
+    assert (back.layers, back.deadline, back.outputs, back.alone) == (
+        (1,), 12.5, frozenset({"last_hidden_state"}), 3.0)
+    assert (None if back.segments is None else back.segments.tolist()) == (
         None if segments is None else segments.tolist())
-    assert [s.tolist() for s in back] == [s.tolist() for s in sequences]
-    assert (back_spans is None) == (token_spans is None)
+    assert [s.tolist() for s in back.sequences] == [s.tolist() for s in sequences]
+    assert (back.spans is None) == (token_spans is None)
     if token_spans is not None:
-        assert [s.tolist() for s in back_spans] == [s.tolist() for s in token_spans]
+        assert [s.tolist() for s in back.spans] == [s.tolist() for s in token_spans]
 
     results = [result(int(n), hidden, heads, layers, pooled, spans, rng) for n in lengths]
     times = CallTimes(compute_tokens=9)

@@ -1,4 +1,4 @@
-"""Chunk boundaries, windows and span pooling (server/engine/chunking.py, chunked.py), on
+"""Chunk boundaries, windows and span pooling (server/engine/chunk_cuts.py, chunked.py), on
 the real tokenizer, no server: chunks cover the text in order with only whitespace
 between them, end where the text's sentences and words end, and each lies whole in the
 window that gives it the most context; a whole text tokenized in pieces is the text
@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from attnserve.server.doors.grpc_encoder_pack import EmbedPlan, chunked_response_bytes, tensor
 from attnserve.server.engine.batch_loop import span_means
+from attnserve.server.engine.chunk_cuts import best_windows, cut, default_overlap, windows
 from attnserve.server.engine.chunked import TextPlan
-from attnserve.server.engine.chunking import best_windows, cut, default_overlap, windows
 from attnserve.server.engine.requests import Chunking
 from attnserve.server.engine.tokenize import TextTokenizer
-from bench.harness import minilm_dir
+from attnserve.server.grpc.encoder_pack import EmbedPlan, chunked_response_bytes, tensor
+from tests.harness import minilm_dir
 from tests.server.test_hostile_units import Unlimited
 
 BOUNDED = settings(max_examples=80, deadline=None, derandomize=True, database=None,

@@ -17,7 +17,7 @@ from grpc_status import rpc_status
 
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from bench.harness import ATTNSERVE, REPO
+from tests.harness import ATTNSERVE, REPO
 from tests.hugging_face import HuggingFace
 from tests.server.reliability import MIB, HealthProbe, serve
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from attnserve.cli import main
-from bench.harness import ATTNSERVE, REPO, ServerProcess
+from tests.harness import ATTNSERVE, REPO, ServerProcess
 from tests.server.reliability import health
 
 # Also run against a server of several processes (make test: --server-workers 2).

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.harness import sample
+from tests.harness import sample
 from tests.server.reliability import (
     BIG,
     Reference,

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.harness import delta
+from tests.harness import delta
 from tests.server.reliability import serve
 from tests.server.test_http import post
 

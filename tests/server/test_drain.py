@@ -19,7 +19,7 @@ import pytest
 
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from bench.harness import sample
+from tests.harness import sample
 from tests.server.reliability import (
     BIG,
     Reference,

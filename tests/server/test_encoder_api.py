@@ -11,7 +11,7 @@ from grpc_status import rpc_status
 from attnserve.artifact import load_artifact
 from attnserve.client import to_numpy
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from bench.harness import delta
+from tests.harness import delta
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers

@@ -12,11 +12,11 @@ import pytest
 from attnserve.client import EncoderClient
 from attnserve.embed import token_texts
 from attnserve.server.engine import tokenize
-from attnserve.server.engine.chunking import cut
+from attnserve.server.engine.chunk_cuts import cut
 from attnserve.server.engine.tokenize import TextTokenizer
-from bench.harness import ATTNSERVE, REPO, ServerProcess
 from tests.conftest import export
 from tests.families import FAMILIES, make_checkpoint
+from tests.harness import ATTNSERVE, REPO, ServerProcess
 from tests.hugging_face import HuggingFace
 from tests.server.test_chunking import assert_covers
 from tests.server.test_hostile_units import Unlimited

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attnserve.client import EncoderClient
-from bench.harness import ServerProcess
+from tests.harness import ServerProcess
 from tests.hugging_face import FP16_HIDDEN_ATOL, FP16_MAPS_ATOL, HuggingFace
 from tests.server.reliability import ids_of
 

@@ -17,7 +17,7 @@ from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from bench.harness import ATTNSERVE, REPO, free_port
+from tests.harness import ATTNSERVE, REPO, free_port
 from tests.server.reliability import serve, stub, wait_for
 
 # Also run against a server of several processes (make test: --server-workers 2).

@@ -25,9 +25,9 @@ from tokenizers import Tokenizer
 from attnserve.artifact import TOKENIZER, load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from attnserve.server.doors.grpc_encoder import plan_embed
-from attnserve.server.doors.grpc_encoder_pack import embed_response_bytes
-from bench.harness import delta
+from attnserve.server.grpc.encoder import plan_embed
+from attnserve.server.grpc.encoder_pack import embed_response_bytes
+from tests.harness import delta
 from tests.server.reliability import (
     BIG,
     MIB,

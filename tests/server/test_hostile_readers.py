@@ -23,7 +23,7 @@ import pytest
 
 from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from bench.harness import delta, sample
+from tests.harness import delta, sample
 from tests.server.reliability import (
     BIG,
     MIB,

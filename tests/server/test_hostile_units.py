@@ -22,12 +22,12 @@ from tokenizers import Tokenizer
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
-from attnserve.server.doors.grpc_encoder_pack import AttentionPlan, EmbedPlan, embed_response_bytes, tensor
-from attnserve.server.doors.grpc_wire import MAX_NESTED_BYTES, TooLarge, TooMany, decode_in_slices
 from attnserve.server.engine.tokenize import TextTokenizer, TooLong
 from attnserve.server.errors import ResourceExhausted
+from attnserve.server.grpc.encoder_pack import AttentionPlan, EmbedPlan, embed_response_bytes, tensor
+from attnserve.server.grpc.wire import MAX_NESTED_BYTES, NestedTooLarge, TooManyEntries, decode_in_slices
 from attnserve.server.memory.ledger import PER_CONNECTION_SHARE, Ledger
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 
 MIB = 1 << 20
 BOUNDED = settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -70,10 +70,10 @@ def test_a_model_infer_request_parsed_in_slices_is_the_request():
 
 def test_too_many_entries_or_too_large_a_nested_message_is_refused_unparsed():
     many = pb.EmbedRequest(texts=[""] * 100_001).SerializeToString()
-    with pytest.raises(TooMany, match="texts: more than 100000 entries"):
+    with pytest.raises(TooManyEntries, match="texts: more than 100000 entries"):
         decode_in_slices(pb.EmbedRequest, many, 100_000)
     large = pb.EmbedRequest(attention=pb.AttentionOptions(heads=[1] * (MAX_NESTED_BYTES + 1)))
-    with pytest.raises(TooLarge, match="attention: one entry of"):
+    with pytest.raises(NestedTooLarge, match="attention: one entry of"):
         decode_in_slices(pb.EmbedRequest, large.SerializeToString(), 10)
     # A long string is not nested: it parses in one piece, fast.
     long_text = pb.EmbedRequest(texts=["a" * (3 * MIB)])

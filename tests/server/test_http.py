@@ -25,7 +25,7 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from bench.harness import ServerProcess, delta, sample
+from tests.harness import ServerProcess, delta, sample
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers
@@ -226,22 +226,26 @@ def with_model(**fields) -> dict:
 @pytest.mark.parametrize("body,param,needle", [
     (with_model(input=[]), "input", "not empty"),
     (with_model(input="hi", dimensions=7), "dimensions", "one size, 384"),
-    (with_model(input="hi", encoding_format="int8"), "encoding_format", "'float' or 'base64'"),
+    (with_model(input="hi", encoding_format="int8"), "encoding_format",
+     "'int8'; expected one of 'base64', 'float'"),
     (with_model(input=[[101, 99999, 102]]), "input[0][1]", "outside the vocabulary"),
     (with_model(input=[101, 99999, 102]), "input[1]", "outside the vocabulary"),
     (with_model(input=["a", 1]), "input[1]", "expected a string"),
-    (with_model(input=[[101, 102], [1.5]]), "input[1][0]", "not a token id"),
+    (with_model(input=[[101, 102], [1.5]]), "input[1][0]", "expected an integer, got a number"),
     (with_model(input=[LONG_TEXT]), "input[0]", "longer than the model's 512 positions"),
     (with_model(input=LONG_TEXT), "input", "longer than the model's 512 positions"),
     (with_model(), "input", "required"),
     ({"input": "hi", "model": 7}, "model", "expected a string"),
     (with_model(input=""), "input", "empty string"),
     (with_model(input=["a", ""]), "input[1]", "empty string"),
-    (with_model(input=[True, False]), "input", "expected a string, a list of strings"),
-    (with_model(input=[[101, True]]), "input[0][1]", "not a token id"),
+    (with_model(input=[True, False]), "input[0]", "got true or false"),
+    (with_model(input=[[101, True]]), "input[0][1]", "expected an integer, got true or false"),
     (with_model(input=[101, 2 ** 64 - 1]), "input[1]", "outside the vocabulary"),
-    (with_model(input=[101, 10 ** 30]), "input[1]", "is not a token id"),
-    ([1, 2], "body", "JSON object"),
+    (with_model(input=[101, 10 ** 30]), "input[1]", "outside the vocabulary"),
+    (with_model(input="hi", chunking={"max_tokens": "a"}), "chunking.max_tokens",
+     "expected an integer, got a string"),
+    (with_model(input="hi", chunking={}), "chunking.max_tokens", "required"),
+    ([1, 2], "body", "expected an object, got a list"),
 ])
 def test_openai_bad_input_is_400_naming_the_param(minilm_server, body, param, needle):
     status, error = post(minilm_server.http_url + "/v1/embeddings", json.dumps(body).encode())
@@ -270,7 +274,8 @@ def test_openai_errors_reach_the_client_as_its_exceptions(minilm_server):
     (lambda h: h["inputs"][0].update(datatype="INT32"), 400, "datatype 'INT32', expected INT64"),
     (lambda h: h["inputs"][0].update(data=[1.5] * 10), 400, "1.5 is not an INT64 value"),
     (lambda h: h["inputs"][0].update(data=[True] * 10), 400, "True is not an INT64 value"),
-    (lambda h: h["inputs"][0].update(shape=[True, 5]), 400, "expected a list of integers"),
+    (lambda h: h["inputs"][0].update(shape=[True, 5]), 400,
+     "inputs[0].shape[0]: expected an integer, got true or false"),
     (lambda h: h["inputs"][1].update(data=[1, 1, 1, 1, 1, 1, 1, 0, 1, 0]), 400, "ones then zeros"),
     (lambda h: h.update(outputs=[{"name": "attentions.9"}]), 400, "unknown output 'attentions.9'"),
     (lambda h: h["inputs"].pop(), 400, "expected exactly"),

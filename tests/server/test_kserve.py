@@ -9,7 +9,7 @@ import pytest
 
 from attnserve.server._proto.inference import grpc_service_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
-from bench.harness import minilm_dir
+from tests.harness import minilm_dir
 from tests.hugging_face import HuggingFace
 
 # Also run against a server of several processes (make test: --server-workers 2).

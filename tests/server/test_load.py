@@ -17,7 +17,7 @@ import numpy as np
 from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from bench.harness import sample
+from tests.harness import sample
 from tests.server.reliability import (
     BIG,
     EXPECTED_REFUSALS,

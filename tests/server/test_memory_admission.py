@@ -32,7 +32,7 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server.memory import alloc_hook
 from attnserve.server.memory.budget import RESPONSE_COPIES
 from attnserve.server.memory.model import load_memory_model
-from bench.harness import ATTNSERVE, REPO, ServerProcess
+from tests.harness import ATTNSERVE, REPO, ServerProcess
 
 MIB = 1 << 20
 BUDGET = 320 * MIB

@@ -30,7 +30,7 @@ def _peaks(artifact_dir: str, runs: int, with_memray: bool) -> tuple[list[int], 
 
     from attnserve.artifact import load_artifact
     from attnserve.server.memory.probe import MemoryProbe
-    from attnserve.server.runtime.ort_backend import CPU, session_options
+    from attnserve.server.runtime.onnx import CPU, session_options
 
     artifact = load_artifact(Path(artifact_dir))
     graph = artifact.manifest.graph(attention=True, precision="fp32")

@@ -10,9 +10,9 @@ import pytest
 
 from attnserve.artifact import load_artifact
 from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, load_memory_model
-from bench.harness import ServerProcess
 from tests.conftest import export
 from tests.families import FAMILIES, make_checkpoint
+from tests.harness import ServerProcess
 from tests.server.test_memory_profile import BATCHES, CPU, SEQ_LENS, profile
 
 MIB = 1 << 20

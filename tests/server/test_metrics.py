@@ -17,7 +17,7 @@ from attnserve.artifact import MANIFEST
 from attnserve.client import EncoderClient
 from attnserve.server.memory import alloc_hook
 from attnserve.server.memory.model import MemoryModel
-from bench.harness import ServerProcess
+from tests.harness import ServerProcess
 
 # Also run against a server of several processes (make test: --server-workers 2).
 pytestmark = pytest.mark.workers
@@ -245,3 +245,19 @@ def test_promtool_catches_a_bad_exposition():
     done = subprocess.run([promtool(), "check", "metrics"], input=bad, capture_output=True,
                           text=True, timeout=30, check=False)
     assert done.returncode != 0
+
+
+def test_a_scrape_passes_over_a_front_ends_file_being_created(tmp_path):
+    """With --workers the engine serves the front ends' counts from their files. A front
+    end creates its file empty and sizes it a moment later: a scrape in between still
+    answers, with every count it can read (it answered 500 before)."""
+    from prometheus_client import generate_latest
+
+    from attnserve.server.metrics import Metrics
+
+    (tmp_path / "counter_4242.db").touch()
+    (tmp_path / "histogram_4242.db").touch()
+    metrics = Metrics(128, str(tmp_path))
+    metrics.requests.labels("Embed", "OK", "m").inc()
+    exposition = generate_latest(metrics.registry).decode()
+    assert 'attnserve_requests_total{code="OK",model="m",rpc="Embed"} 1.0' in exposition

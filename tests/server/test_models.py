@@ -24,7 +24,7 @@ from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from bench.harness import ATTNSERVE, REPO, sample
+from tests.harness import ATTNSERVE, REPO, sample
 from tests.server.reliability import Reference, infer_request, serve, stub, tensor
 
 # Also run against a server of several processes (make test: --server-workers 2).

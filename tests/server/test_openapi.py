@@ -14,7 +14,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from bench.harness import delta
+from tests.harness import delta
 from tests.server.reliability import serve
 
 EXAMPLES_PER_ROUTE = 30

@@ -25,7 +25,7 @@ from attnserve.export.embedding_ranges import calibration_embeddings
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from bench.harness import ServerProcess
+from tests.harness import ServerProcess
 
 pytestmark = pytest.mark.workers
 
@@ -167,12 +167,13 @@ def test_grpc_chunks_and_wire_dtypes(minilm_server):
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ({"embedding_types": ["float", "int4"]}, "embedding_types[1]", "'int4' is not an embedding type"),
+    ({"embedding_types": ["float", "int4"]}, "embedding_types[1]",
+     "'int4'; expected one of 'binary', 'float', 'int8', 'ubinary', 'uint8'"),
     ({"embedding_types": ["int8", "int8"]}, "embedding_types[1]", "listed twice"),
-    ({"embedding_types": "int8"}, "embedding_types", "expected a non-empty list"),
-    ({"embedding_types": []}, "embedding_types", "expected a non-empty list"),
-    ({"encoding_format": "hex"}, "encoding_format", "expected 'float' or 'base64'"),
-    ({"embedding_dtype": "bfloat16"}, "embedding_dtype", "expected 'float32' or 'float16'"),
+    ({"embedding_types": "int8"}, "embedding_types", "expected a list or null, got a string"),
+    ({"embedding_types": []}, "embedding_types", "expected a list of length >= 1"),
+    ({"encoding_format": "hex"}, "encoding_format", "expected one of 'base64', 'float'"),
+    ({"embedding_dtype": "bfloat16"}, "embedding_dtype", "expected one of 'float16', 'float32'"),
     ({"embedding_dtype": "float16"}, "embedding_dtype", "base64 only"),
 ])
 def test_openai_door_refuses_unknown_types_naming_the_field(minilm_server, body, param, needle):

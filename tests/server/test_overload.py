@@ -14,7 +14,7 @@ import time
 import grpc
 import numpy as np
 
-from bench.harness import sample
+from tests.harness import sample
 from tests.server.reliability import (
     BIG,
     Reference,

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from attnserve.client import EncoderClient
-from bench.harness import ServerProcess, free_port
+from tests.harness import ServerProcess, free_port
 
 PROMETHEUS_START_S = 30
 SCRAPED_WITHIN_S = 30

@@ -22,8 +22,8 @@ from attnserve.artifact import MANIFEST
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from bench.harness import ATTNSERVE, REPO, ServerProcess
 from tests.conftest import export
+from tests.harness import ATTNSERVE, REPO, ServerProcess
 from tests.server.test_http import post_json
 
 PROMPTS = {"query": "query: ", "passage": "passage: ", "document": ""}

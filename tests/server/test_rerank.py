@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from bench.harness import ATTNSERVE, REPO, delta
+from tests.harness import ATTNSERVE, REPO, delta
 from tests.server.reliability import serve, stub
 from tests.server.test_http import post_json
 
@@ -255,6 +255,28 @@ def test_a_long_pair_is_refused_or_has_its_text_cut(encoder, references, model):
     assert field == "query" and "leaving no room for a text" in message
 
 
+@pytest.mark.parametrize("model", [BERT, XLMR])
+def test_tei_rerank_cuts_a_long_text_at_the_side_asked(server, references, model):
+    """TEI's truncation_direction: with truncate, a pair over the model's positions keeps its
+    text's start (Right, the default) or its end (Left), never cutting the query, as
+    sentence-transformers scores it with its tokenizer cutting at that side."""
+    text = "Stock markets fell sharply on Monday. " * 20 + LONG  # markets first, cats last
+    tokenizer, scores = references[model].tokenizer, {}
+    for side in ("Right", "Left"):
+        status, ranks = post_json(server, "/rerank", {
+            "model": model, "query": QUERY, "texts": ["ok", text], "truncate": True,
+            "truncation_direction": side, "raw_scores": True})
+        tokenizer.truncation_side = side.lower()
+        try:
+            want = predicted(references, model, ["ok", text], raw=True)
+        finally:
+            tokenizer.truncation_side = "right"
+        scores[side] = {r["index"]: r["score"] for r in ranks}
+        assert status == 200
+        np.testing.assert_allclose([scores[side][0], scores[side][1]], want, atol=ATOL)
+    assert abs(scores["Left"][1] - scores["Right"][1]) > 10 * ATOL
+
+
 BAD_GRPC = [
     (lambda e: e.Rerank(pb.RerankRequest(model=BERT, query=QUERY)), "texts", "empty"),
     (lambda e: e.Rerank(pb.RerankRequest(model=BERT, texts=TEXTS)), "query", "empty"),
@@ -281,15 +303,20 @@ def test_bad_grpc_input_names_the_field(encoder, call, field, reason):
 BAD_HTTP = [
     ("/rerank", {"query": QUERY, "texts": []}, "texts: empty", "error"),
     ("/rerank", {"texts": TEXTS}, "query: required", "error"),
-    ("/rerank", {"query": QUERY, "texts": ["a", 3]}, "texts[1]: 3; expected a string", "error"),
+    ("/rerank", {"query": QUERY, "texts": ["a", 3]}, "texts[1]: expected a string, got an integer",
+     "error"),
     ("/rerank", {"query": QUERY, "texts": TEXTS, "model": MINILM}, "is an embedding model", "error"),
     ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": 0}, "top_n: 0; expected 1", "message"),
     ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": -1}, "top_n: -1", "message"),
-    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": "3"}, "top_n: '3'; expected an "
-     "integer", "message"),
-    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": 2.5}, "top_n: 2.5", "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": "3"}, "top_n: expected an "
+     "integer or null, got a string", "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": 2.5}, "top_n: expected an "
+     "integer or null, got a number", "message"),
     ("/v1/rerank", {"query": "", "documents": TEXTS}, "query: empty", "message"),
-    ("/v1/rerank", {"query": QUERY, "documents": [{"title": "x"}]}, "documents[0]:", "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": [{"title": "x"}]}, "documents[0].text: required",
+     "message"),
+    ("/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_k": 3}, "top_k: unknown field; known: "
+     "query, documents", "message"),
     ("/v2/rerank", {"query": QUERY, "documents": TEXTS, "model": MINILM}, "is an embedding model",
      "message"),
 ]
@@ -302,7 +329,8 @@ def test_bad_http_input_is_refused_in_the_routes_shape(server, path, body, reaso
     assert status == (422 if key == "error" else 400) and reason in answer[key], answer
     if key == "error":
         assert answer["error_type"] == "Validation"
-    assert post_json(server, path, {"query": QUERY, "texts": TEXTS, "documents": TEXTS})[0] == 200
+    texts = "documents" if key == "message" else "texts"
+    assert post_json(server, path, {"query": QUERY, texts: TEXTS})[0] == 200
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,31 @@ def test_tei_similarity(minilm_server, client):
                          ({"inputs": {"sentences": TEXTS}}, "inputs.source_sentence: required"),
                          ({"inputs": {"source_sentence": QUERY, "sentences": ["ok", LONG]}},
                           "inputs.sentences[1]: more than 512 tokens"),
-                         ({"inputs": "x"}, "inputs: expected a JSON object")):
+                         ({"inputs": "x"}, "inputs: expected an object, got a string")):
         status, answer = post_json(minilm_server, "/similarity", body)
         assert status == 422 and answer["error"].startswith(reason), answer  # TEI's status
         assert answer["error_type"] == "Validation"
+
+
+def test_tei_similarity_reads_teis_parameters(minilm_server, client):
+    """TEI's SimilarityRequest: truncate, truncation_direction and prompt_name in
+    `parameters`, each as Embed takes it; a truncate beside `inputs` is no field of TEI's,
+    ignored as TEI ignores it."""
+    long = "Stock markets fell sharply on Monday. " * 60 + LONG  # markets first, cats last
+    sentences = {"inputs": {"source_sentence": QUERY, "sentences": ["ok", long]}}
+    status, answer = post_json(minilm_server, "/similarity", sentences | {"truncate": True})
+    assert status == 422 and answer["error"].startswith("inputs.sentences[1]: more than 512")
+    query = embedded(client, [QUERY])[0].pooled
+    scored = {}
+    for side in ("Right", "left"):
+        status, scored[side] = post_json(minilm_server, "/similarity", sentences | {"parameters": {
+            "truncate": True, "truncation_direction": side}})
+        assert status == 200, scored[side]
+        cut = client.embed(["ok", long], pooling="mean", truncate=True,
+                           truncation_direction=side.lower())
+        np.testing.assert_allclose(scored[side], unit(np.stack([t.pooled for t in cut]))
+                                   @ unit(query), atol=ATOL)
+    assert scored["left"][1] > scored["Right"][1] + 0.1  # the end is about cats
+    status, answer = post_json(minilm_server, "/similarity", sentences | {"parameters": {
+        "prompt_name": "query"}})
+    assert status == 422 and answer["error"].startswith("prompt_name: 'query' is not a prompt")

@@ -8,7 +8,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bench import harness
+from tests import harness
 from tests.conftest import ATTNSERVE, REPO
 
 

@@ -21,8 +21,8 @@ from tokenizers import Tokenizer
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from bench.harness import ATTNSERVE, REPO, ServerProcess
 from tests.conftest import without_module
+from tests.harness import ATTNSERVE, REPO, ServerProcess
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

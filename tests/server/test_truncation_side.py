@@ -12,8 +12,8 @@ from tokenizers import Tokenizer
 from attnserve.client import EncoderClient
 from attnserve.server.engine import tokenize
 from attnserve.server.engine.tokenize import TextTokenizer, TooLong
-from bench.harness import ServerProcess, minilm_dir
 from tests.families import FAMILIES, make_checkpoint
+from tests.harness import ServerProcess, minilm_dir
 from tests.server.test_hostile_units import Unlimited
 from tests.server.test_http import post_json
 

@@ -1,0 +1,1 @@
+"""One module a benchmark; the runner imports every module here (bench/runner.py)."""

@@ -1,0 +1,224 @@
+"""One served model, protocol-neutral, and the steps every call to it shares.
+
+Typed requests in (server/engine/requests.py), typed results or typed errors out.
+What a request goes through between its door and the model's scheduler happens once, for
+every door: readiness, the cheap bounds before any work (entry counts, queue room, the
+response's size), tokenizing or reading ids, the memory budget and the call's holds, the
+deadline, and the choice of what runs inline and what on a pool
+(server/engine/offload.py). The model's jobs take it, each in a module of its own:
+embedding, tokenizing and decoding (embed.py), chunked embedding (chunked.py), pairs
+scored by a reranker or from an embedder's vectors (pairs.py), and raw tensors run as
+sent (tensors.py). An embedder and a reranker each refuse the other's jobs, naming what
+they are.
+
+It hands sequences to its scheduler (the request queue and batch loop in this process,
+or the engine process's with `--workers`) and gets back each sequence's share of a
+batch's outputs. The doors find a model through the data plane (plane.py)."""
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+from attnserve.artifact import (
+    EMBEDDER,
+    HIDDEN_OUTPUT,
+    LOGITS_OUTPUT,
+    RERANKER,
+    Artifact,
+    attention_output,
+)
+from attnserve.server.engine import timings
+from attnserve.server.engine.offload import POOLED_S, SPAN_S, TEXT_CHAR_S, TEXT_S, Offload, cost
+from attnserve.server.engine.pooling import POOLED, finish, prompt_spans
+from attnserve.server.engine.requests import (
+    ModelInfo,
+    Submission,
+    TensorInfo,
+    TruncationDirection,
+)
+from attnserve.server.engine.tokenize import Encoded, Prompt, TextTokenizer, TooLong
+from attnserve.server.errors import InvalidArgument, Unavailable, quote
+from attnserve.server.memory.budget import ModelMemory
+from attnserve.server.memory.ledger import Holds
+from attnserve.server.metrics import Metrics
+from attnserve.server.runtime.backend import Placement, SequenceResult
+
+ALL_ATTENTIONS = "attentions"
+"""the output holding every layer's attention maps, stacked: [layers, batch, heads, seq, seq]"""
+T = TypeVar("T")
+NOT_SERVING = ("server is not serving (starting, or draining): send the request to another "
+               "replica")
+KINDS_SAID = {EMBEDDER: ("an embedding model", "it embeds texts and scores texts against a "
+                                               "query from their vectors"),
+              RERANKER: ("a reranker (a cross-encoder)", "it scores (query, text) pairs")}
+"""kind -> (what it is, what it does), as a refusal says them"""
+# A refusal names at most this many of a model's prompts.
+PROMPTS_LISTED = 16
+
+
+class Scheduler(Protocol):
+    """Where sequences go to be run: the request queue (server/engine/queue.py), or the
+    engine process's (server/workers/front_end.py)."""
+
+    def admit(self, tokens: int, at_least: bool = False) -> None:
+        """Refuse (ResourceExhausted, Unavailable) a request the queue has no room for."""
+        ...
+
+    async def submit(self, submission: Submission) -> list[SequenceResult]:
+        ...
+
+
+class ServedModel:
+    def __init__(self, name: str, artifact: Artifact, tokenizer: TextTokenizer,
+                 scheduler: Scheduler, memory: ModelMemory, placement: Placement,
+                 offload: Offload, metrics: Metrics, serving: Callable[[], bool],
+                 max_chunking_chars: int, default_prompt: str | None = None):
+        """`serving() -> bool`: warm and not draining; `default_prompt`: the name of the
+        prompt a request that names none gets."""
+        self.name = name
+        """what callers name it by"""
+        self.artifact = artifact
+        self.manifest = m = artifact.manifest
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.memory = memory
+        self.offload = offload
+        self.metrics = metrics
+        self.placement = placement
+        self.serving = serving
+        self.max_chunking_chars = max_chunking_chars
+        """the longest text a chunked request may carry"""
+        self.default_prompt = default_prompt
+        self.kind = m.kind
+        self.dimensions = sorted({m.hidden_size, *m.matryoshka_dims}, reverse=True)
+        """the sizes a pooled vector may be cut to"""
+        if m.kind == RERANKER:
+            self.output_layers = {LOGITS_OUTPUT: ()}
+        else:
+            self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
+            self.output_layers |= {attention_output(i): (i,) for i in range(m.num_layers)}
+        """each tensor output the model answers raw tensor requests with -> the attention
+        layers it needs"""
+
+    def check_serving(self) -> None:
+        """New work only while serving: UNAVAILABLE before warm-up ends and while draining."""
+        if not self.serving():
+            raise Unavailable(NOT_SERVING)
+
+    def require(self, kind: str, operation: str) -> None:
+        """Refuse an operation that a model of another kind does not serve, naming the
+        model's kind."""
+        if self.kind != kind:
+            what, does = KINDS_SAID[self.kind]
+            raise InvalidArgument("model", f"{self.name!r} is {what}: {does}; {operation} takes "
+                                  f"{KINDS_SAID[kind][0]}")
+
+    def hold_response(self, holds: Holds, size: int, on_top: float = 0.0) -> None:
+        """Hold a response of `size` bytes (several times over: see RESPONSE_COPIES) until
+        it has been sent."""
+        holds.take(self.memory.response_copies * size, "the response", on_top=on_top)
+
+    async def pack(self, seconds: float, build: Callable[..., T], *args) -> T:
+        """`build(*args)`: a door's response built from a result, inline when it costs
+        less than offload.INLINE_S, else on the responses pool."""
+        with self.metrics.stage_duration.labels(self.name, "respond").time(), \
+                timings.stage("respond"):
+            return await self.offload.response(seconds, build, *args)
+
+    def prompt(self, name: str | None, texts: bool = True) -> Prompt | None:
+        """The prompt a request names (`prompt_name`), or the default one when it names
+        none; `texts`: the request carries texts (token ids are run as sent)."""
+        if not name:
+            return self.tokenizer.prompts[self.default_prompt] if texts and self.default_prompt else None
+        prompts = self.tokenizer.prompts
+        if name not in prompts:
+            known = list(prompts)
+            listed = ", ".join(map(repr, known[:PROMPTS_LISTED])) + (
+                f" and {len(known) - PROMPTS_LISTED} more" if len(known) > PROMPTS_LISTED else "")
+            raise InvalidArgument("prompt_name", f"{quote(name)} is not a prompt of "
+                                  f"{self.name!r}; " + (f"its prompts: {listed}" if known else
+                                                        "it has none"))
+        if not texts:
+            raise InvalidArgument("prompt_name", "a prompt goes before texts: token ids are "
+                                  "run as sent")
+        return prompts[name]
+
+    @staticmethod
+    def left(direction: TruncationDirection, texts: bool = True) -> bool:
+        """Whether a cut keeps a text's end; refused for token ids, cut as sent."""
+        if direction is TruncationDirection.RIGHT:
+            return False
+        if not texts:
+            raise InvalidArgument("truncation_direction", "left truncation keeps a text's "
+                                  "special tokens: send texts, or cut token ids yourself")
+        return True
+
+    async def tokenize(self, texts: Sequence[str], truncate: bool, field_of: Callable[[int], str],
+                       holds: Holds, details: bool = False, prompt: Prompt | None = None,
+                       left: bool = False, special_tokens: bool = True) -> list[Encoded]:
+        """The texts' token ids (TextTokenizer.encode), off the event loop when they are
+        many or long; a text too long is refused naming its field, `field_of(index)`."""
+        try:
+            with self.metrics.stage_duration.labels(self.name, "tokenize").time(), \
+                    timings.stage("tokenize"):
+                return await self.offload.request(
+                    cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
+                    holds, details, prompt, left, special_tokens)
+        except TooLong as err:
+            raise InvalidArgument(field_of(err.index), err.reason) from err
+
+    async def run(self, submission: Submission, field_of: Callable[[int], str],
+                  response_bytes: int, holds: Holds, kept_bytes: int = 0) -> list[SequenceResult]:
+        """Check the request against the memory budget, hold its response (and
+        `kept_bytes` of results kept until it is built), and wait for its sequences'
+        results; `field_of(i)`: the request's field sequence i comes from."""
+        lengths = submission.lengths
+        longest = int(lengths.argmax())
+        submission.alone = alone = self.memory.check(
+            int(lengths[longest]), field_of(longest), len(submission.layers), response_bytes)
+        on_top = alone if self.memory.shared else 0.0
+        self.hold_response(holds, response_bytes, on_top=on_top)
+        if kept_bytes:
+            holds.take(kept_bytes, "the token vectors kept until scored", on_top=on_top)
+        if (times := timings.current()) is not None:
+            times.compute_tokens += int(lengths.sum())
+        return await self.scheduler.submit(submission)
+
+    async def run_pooled(self, submission: Submission, field_of: Callable[[int], str],
+                         response_bytes: int, holds: Holds, prompt: Prompt | None,
+                         dimensions: int) -> list[SequenceResult]:
+        """`run`, the pooled vectors among the outputs as the request asks for them:
+        without the prompt's tokens where the model's pooling leaves them out (a span a
+        sequence, in place of the graph's pooled output), cut to `dimensions` (0: whole)."""
+        pooled = [name for name in submission.outputs if name in POOLED]
+        pooling = None
+        if prompt is not None and not self.manifest.include_prompt and pooled:
+            pooling = POOLED[pooled[0]][0]
+            submission.outputs -= set(pooled)
+            submission.spans = await self.offload.request(
+                len(submission.lengths) * SPAN_S, prompt_spans, submission.lengths,
+                prompt.length, pooling)
+        results = await self.run(submission, field_of, response_bytes, holds)
+        if pooling is not None or dimensions:
+            await self.offload.request(len(results) * POOLED_S, finish, results, pooled,
+                                       pooling is not None, dimensions)
+        return results
+
+    def model_info(self) -> ModelInfo:
+        m = self.manifest
+        if self.kind == RERANKER:
+            outputs = [TensorInfo(LOGITS_OUTPUT, "FP32", (-1, len(m.labels)))]
+        else:
+            outputs = [TensorInfo(HIDDEN_OUTPUT, "FP32", (-1, -1, m.hidden_size)),
+                       TensorInfo(ALL_ATTENTIONS, "FP32", (m.num_layers, -1, m.num_heads, -1, -1))]
+            outputs += [TensorInfo(attention_output(i), "FP32", (-1, m.num_heads, -1, -1))
+                        for i in range(m.num_layers)]
+        return ModelInfo(
+            model=self.name, hidden_size=m.hidden_size, num_layers=m.num_layers,
+            num_heads=m.num_heads, max_positions=m.max_positions, vocab_size=m.vocab_size,
+            default_pooling=m.default_pooling, provider=self.placement.provider,
+            precision=self.placement.precision, platform=self.placement.platform,
+            family=m.model_type, kind=m.kind, labels=list(m.labels),
+            artifact_sha256=self.artifact.manifest_sha256,
+            inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in m.inputs],
+            outputs=outputs, prompts=dict(m.prompts), default_prompt_name=self.default_prompt,
+            matryoshka_dims=list(m.matryoshka_dims))

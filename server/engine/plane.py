@@ -1,0 +1,109 @@
+"""The data plane: the registry of the models a server holds, and what every call shares,
+behind every door (as KServe's DataPlane over its ModelRepository).
+
+A door asks it for a model by the name a request gives (`model`), the first model served
+when the request names none (the first of the kind a call takes, for a call that only one
+kind serves: rerank, score), and gets NOT_FOUND naming the models served for any other
+name: no door checks names itself. Each model (model.py) has its own tokenizer,
+scheduler and memory model; the memory ledger, the pools and whether the server serves
+are the server's. `build_plane` assembles it, the same for a server of one process (its
+schedulers the request queues beside it), a front end of a server with --workers (the
+engine process's queues) and the tests."""
+
+import asyncio
+from collections.abc import Callable
+
+from attnserve.server.config import ServeConfig
+from attnserve.server.engine.model import NOT_SERVING, Scheduler, ServedModel
+from attnserve.server.engine.offload import Offload
+from attnserve.server.engine.registry import NamedArtifact
+from attnserve.server.engine.tokenize import TextTokenizer
+from attnserve.server.errors import NotFound, Unavailable, quote
+from attnserve.server.memory.budget import MemoryBudget, ModelMemory
+from attnserve.server.memory.ledger import Holds, trim_after
+from attnserve.server.metrics import Metrics, routed_to
+from attnserve.server.runtime.backend import Placement
+
+# A NOT_FOUND lists at most this many of the models served.
+NAMES_LISTED = 16
+# A request is held this many times over while its call lasts: the bytes received, the
+# parsed message or JSON, and the Python objects made from it (texts as str, ids as arrays).
+REQUEST_COPIES = 3
+# A request this small is not counted: health checks and one-text calls are never refused
+# for memory (1,000 streams of a gRPC connection hold at most 16 MiB of them).
+UNCOUNTED_REQUEST_BYTES = 16 << 10
+
+
+class DataPlane:
+    def __init__(self, models: list[ServedModel], memory: MemoryBudget, offload: Offload,
+                 metrics: Metrics, serving: Callable[[], bool]):
+        """`models` in the order named, the first the default; `serving() -> bool`: every
+        model warm and the server not draining."""
+        self.models = {m.name: m for m in models}
+        self.default = models[0]
+        self.memory = memory
+        self.offload = offload
+        self.metrics = metrics
+        self.serving = serving
+
+    def model(self, name: str | None, field: str = "model", kind: str | None = None) -> ServedModel:
+        """The model a request names (`field`, as the door calls it; empty: the default, or
+        the first model of `kind` where one is served). The call's metrics carry its name
+        from here on."""
+        if name:
+            model = self.models.get(name)
+        else:
+            model = next((m for m in self.models.values() if m.kind == kind), self.default)
+        if model is None:
+            raise NotFound(f"{field}: unknown model {quote(name)}; this server serves "
+                           f"{self.served()}", field)
+        routed_to(model.name)
+        return model
+
+    def served(self) -> str:
+        names = list(self.models)
+        shown = ", ".join(map(repr, names[:NAMES_LISTED]))
+        more = len(names) - NAMES_LISTED
+        return shown + (f" and {more} more" if more > 0 else "")
+
+    def check_serving(self) -> None:
+        """New work only while serving: UNAVAILABLE before warm-up ends and while draining."""
+        if not self.serving():
+            raise Unavailable(NOT_SERVING)
+
+    # --- a call's memory, the same for every door ------------------------------------
+
+    def holds(self, connection: str | None = None) -> Holds:
+        """A call's memory holds, released by `end_call` once the answer has been sent;
+        `connection` (the caller's peer) is charged its share."""
+        return self.memory.ledger.holds(connection)
+
+    @staticmethod
+    def hold_request(holds: Holds, received: int, held: int = 0) -> int:
+        """Hold a request of `received` bytes so far (as received, parsed and converted:
+        REQUEST_COPIES over), beside the `held` already taken for it; a small one is not
+        counted. Returns what the request holds now."""
+        if received <= UNCOUNTED_REQUEST_BYTES:
+            return held
+        holds.take(REQUEST_COPIES * received - held, "request")
+        return REQUEST_COPIES * received
+
+    def end_call(self, holds: Holds, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """The answer has been sent (or the caller is gone): everything the call held goes
+        back, and a call that held much hands the heap's free pages back to the OS (on the
+        responses pool, after a moment for the transport to free what it sent). `loop`: the
+        server's event loop, for a caller outside it."""
+        holds.release()
+        trim_after(holds, self.offload.responses_pool, loop or asyncio.get_running_loop())
+
+
+def build_plane(config: ServeConfig, named: list[NamedArtifact], tokenizers: list[TextTokenizer],
+                runs: list[tuple[Scheduler, ModelMemory, Placement]], budget: MemoryBudget,
+                offload: Offload, metrics: Metrics, serving: Callable[[], bool]) -> DataPlane:
+    """The data plane of these models, each with its tokenizer and (scheduler, memory,
+    placement), in --artifact's order."""
+    models = [ServedModel(n.name, n.artifact, tokenizer, scheduler, memory, placement, offload,
+                          metrics, serving, config.max_chunking_chars, n.default_prompt)
+              for n, tokenizer, (scheduler, memory, placement)
+              in zip(named, tokenizers, runs, strict=True)]
+    return DataPlane(models, budget, offload, metrics, serving)

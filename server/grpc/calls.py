@@ -1,0 +1,312 @@
+"""What every gRPC call shares: its record and status (server/call.py), the API
+key, its request decoded off the event loop with its memory held until the answer is
+sent, and its request id, timings and trace (server/call.py): the id and
+TEI's timings go back in the trailing metadata (`x-request-id`, `x-total-time`, ...)."""
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError, Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from attnserve.server.call import (
+    CANCELLED,
+    REQUEST_ID,
+    TRACEPARENT,
+    ApiKeys,
+    Call,
+    CallRecord,
+    begin_call,
+    current_call,
+    finish_call,
+)
+from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.queue import DEADLINE_SLACK_S
+from attnserve.server.errors import (
+    InvalidArgument,
+    RequestError,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from attnserve.server.grpc.wire import INLINE_BYTES, NestedTooLarge, TooManyEntries, decode_in_slices
+from attnserve.server.memory.ledger import Holds
+from attnserve.server.metrics import Metrics
+from attnserve.server.tracing import Tracing
+
+log = logging.getLogger("attnserve.calls")
+
+# Methods of probes and tools, never traced.
+UNTRACED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Methods answered without an API key: health and reflection, and the Open Inference
+# Protocol's own health calls.
+OPEN_METHODS = (*UNTRACED_METHODS,
+                "/inference.GRPCInferenceService/ServerLive",
+                "/inference.GRPCInferenceService/ServerReady",
+                "/inference.GRPCInferenceService/ModelReady")
+
+
+def status_of(err: RequestError) -> grpc.Status:
+    """The status to abort with: the code and message, and for a field at fault a
+    google.rpc.BadRequest, so a client can read the field without parsing the message
+    (grpc_status.rpc_status.from_call)."""
+    code = getattr(code_pb2, err.code.name)
+    details = []
+    if isinstance(err, InvalidArgument):
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.reason)]))
+        details.append(detail)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=err.message, details=details))
+
+
+def trailers(status: grpc.Status) -> tuple:
+    """A refusal's trailing metadata: its details, and the call's id and timings."""
+    call = current_call()
+    return tuple(status.trailing_metadata) + (() if call is None else tuple(call.metadata()))
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The caller's deadline on the monotonic clock, or None."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
+                 handler: Callable[[], Awaitable]):
+    """Run `handler`, record the call, and answer what it raised with its status."""
+    record = CallRecord(metrics, rpc)
+    try:
+        return await handler()
+    except asyncio.CancelledError:
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+        record.code = "DEADLINE_EXCEEDED" if expired else CANCELLED
+        raise
+    except grpc.aio.AbortError:
+        raise
+    except Exception as err:  # noqa: BLE001 - every failure is answered, never raised on
+        refusal = record.refusal(err)
+    finally:
+        record.end()
+    # Sent once counted, so a caller that sees the refusal finds it in /metrics.
+    status = status_of(refusal)
+    await context.abort(status.code, status.details, trailers(status))
+
+
+class Undecodable:
+    """What a request that does not parse is handed on as, so the method can refuse it."""
+
+    def __init__(self, error: Exception):
+        self.reason = f"{error.__class__.__name__}: {error}"
+
+
+@dataclass(frozen=True)
+class Received:
+    """A request as gRPC hands it to the method, with its size on the wire."""
+
+    message: object
+    """the parsed request, or Undecoded, or Undecodable"""
+    nbytes: int
+
+
+class Undecoded:
+    """A request too big to parse on the event loop, as it came: parsed on a thread, in
+    slices (server/grpc/wire.py), once its memory is held."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def decode(self, cls: type[Message], max_entries: int) -> Message | Undecodable:
+        try:
+            return decode_in_slices(cls, self.data, max_entries)
+        except (TooManyEntries, NestedTooLarge) as err:
+            raise ResourceExhausted(f"request: {err}; send fewer or smaller entries per "
+                                    "request") from err
+        except (DecodeError, ValueError) as err:
+            return Undecodable(err)
+
+
+_holds: ContextVar[Holds | None] = ContextVar("attnserve_call_holds", default=None)
+
+
+def call_holds() -> Holds:
+    """The memory the current gRPC call holds, released once its answer is sent."""
+    holds = _holds.get()
+    assert holds is not None, "a gRPC method called outside the DecodeRequests interceptor"
+    return holds
+
+
+class DecodeRequests(grpc.aio.ServerInterceptor):
+    """Every call's API key checked, its requests parsed without stalling the event
+    loop, and its memory held against the budget until its answer has been sent.
+
+    A call without a valid key (when keys are configured) gets UNAUTHENTICATED before its
+    request is read; health, reflection and the KServe health calls need none. A request
+    that does not parse (invalid UTF-8 in a string field, truncated or garbage bytes)
+    gets INVALID_ARGUMENT, instead of grpc's UNKNOWN and a traceback in the log. Each
+    request's bytes (but a small one's), as received, parsed and copied, are taken from
+    the ledger first (RESOURCE_EXHAUSTED at once when they do not fit, or when its
+    connection holds its share). A big one (over wire.INLINE_BYTES) is then parsed
+    on `pool` a slice at a time, refused by its entry counts before any of it is parsed.
+    The call's Holds (`call_holds()`) are released when gRPC reports the call over: for a
+    unary call, once the response has been written to the caller."""
+
+    def __init__(self, metrics: Metrics, plane: DataPlane, pool: Executor, max_entries: int,
+                 keys: ApiKeys, tracing: Tracing | None = None):
+        self.metrics = metrics
+        self.tracing = tracing
+        self.plane = plane
+        self.pool = pool
+        self.max_entries = max_entries
+        self.keys = keys
+
+    def _authenticate(self, details) -> Unauthenticated | None:
+        if not self.keys or details.method.startswith(OPEN_METHODS):
+            return None
+        given = next((value for key, value in details.invocation_metadata or ()
+                      if key == "authorization"), None)
+        try:
+            self.keys.check(given if isinstance(given, str) else None)
+        except Unauthenticated as err:
+            return err
+        return None
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        rpc = details.method.rsplit("/", 1)[-1]
+        refused = self._authenticate(details)
+        parse = handler.request_deserializer
+        message_class = getattr(parse, "__self__", None)
+        sliceable = isinstance(message_class, type) and issubclass(message_class, Message)
+
+        def deserialize(data: bytes) -> Received:
+            if sliceable and len(data) > INLINE_BYTES:
+                return Received(Undecoded(data), len(data))
+            try:
+                return Received(parse(data), len(data))
+            except (DecodeError, ValueError) as err:
+                return Received(Undecodable(err), len(data))
+
+        async def refuse(err: RequestError, context) -> None:
+            self.metrics.answered(rpc, err.code.name, 0.0)
+            call = current_call()
+            if call is not None:
+                call.code = err.code.name
+            status = status_of(err)
+            await context.abort(status.code, status.details, trailers(status))
+
+        async def decoded(received: Received, context, holds: Holds):
+            """The request parsed, or the call refused; returns (request, bytes held)."""
+            request, held = received.message, 0
+            try:
+                held = self.plane.hold_request(holds, received.nbytes)
+                if isinstance(request, Undecoded):
+                    request = await asyncio.get_running_loop().run_in_executor(
+                        self.pool, request.decode, message_class, self.max_entries)
+            except RequestError as err:
+                await refuse(err, context)
+            if isinstance(request, Undecodable):
+                await refuse(InvalidArgument("request", f"not a valid {rpc} message "
+                                             f"({request.reason})"), context)
+            return request, held
+
+        def start(context) -> Holds:
+            holds = self.plane.holds(context.peer())
+            _holds.set(holds)
+            loop = asyncio.get_running_loop()
+
+            def over(_) -> None:
+                self.plane.end_call(holds, loop)
+
+            context.add_done_callback(over)
+            return holds
+
+        async def checked(requests, context, holds: Holds):
+            async for request in requests:
+                request, held = await decoded(request, context, holds)
+                yield request
+                holds.give_back(held)  # the handler asked for the next: done with this one
+
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+            "stream" if handler.response_streaming else "unary")
+        inner = getattr(handler, kind)
+        method = details.method
+        tracing = None if method.startswith(UNTRACED_METHODS) else self.tracing
+
+        def begin(context) -> Call:
+            metadata = dict(pair for pair in context.invocation_metadata() or ()
+                            if isinstance(pair[1], str))
+            return begin_call(method.lstrip("/"), metadata.get(REQUEST_ID),
+                                      metadata.get(TRACEPARENT), tracing)
+
+        def end(call: Call, context, answered: bool) -> None:
+            """`answered`: the call returned (a refusal has sent its trailers already)."""
+            if answered:
+                context.set_trailing_metadata(tuple(call.metadata()))
+            service, _, name = method.lstrip("/").rpartition("/")
+            finish_call(call, tracing, {"rpc.system": "grpc", "rpc.service": service,
+                                             "rpc.method": name})
+
+        if refused is not None:
+            async def unauthenticated(request, context):
+                call = begin(context)
+                try:
+                    await refuse(refused, context)
+                finally:
+                    end(call, context, False)
+            return handler._replace(request_deserializer=lambda data: None,
+                                    **{kind: unauthenticated})
+        async def received(request, context):
+            holds = start(context)
+            if handler.request_streaming:
+                return checked(request, context, holds)
+            return (await decoded(request, context, holds))[0]
+
+        if inspect.isasyncgenfunction(inner):
+            async def behaviour(request, context):
+                call, answered = begin(context), False
+                try:
+                    async for response in inner(await received(request, context), context):
+                        yield response
+                    answered = True
+                finally:
+                    end(call, context, answered)
+        else:
+            async def behaviour(request, context):
+                call, answered = begin(context), False
+                try:
+                    response = await inner(await received(request, context), context)
+                    answered = True
+                    return response
+                finally:
+                    end(call, context, answered)
+        return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
+
+
+class QuietHungUpCalls(logging.Filter):
+    """gRPC logs an ERROR with a traceback each time a caller hangs up while its answer
+    is still being sent (ExecuteBatchError): the caller's doing, not a fault of the
+    server, and a flood of tracebacks any caller could cause at will. One key=value line
+    at INFO instead. Installed on gRPC's logger (`grpc._cython.cygrpc`)."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.PREFIX):
+            record.msg = "event=send_failed reason=caller_gone method=%s"
+            record.args = (message[len(self.PREFIX):].strip(" []"),)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info, record.exc_text = None, None
+        return True

@@ -1,0 +1,333 @@
+"""attnserve.v1.EncoderService, the gRPC door of our own API: texts or token ids in,
+embeddings and attention maps out (their responses packed by encoder_pack.py); texts
+ranked against a query (Rerank, Score), their requests and responses sized before any
+work is done for them; through the data plane."""
+
+import dataclasses
+
+import numpy as np
+
+from attnserve.artifact import EMBEDDER, RERANKER, Manifest, pooled_output
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server.engine import embed, pairs
+from attnserve.server.engine.model import ServedModel
+from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
+from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.quantize import EmbeddingType, ranges_of
+from attnserve.server.engine.requests import (
+    Chunking,
+    ChunkingMode,
+    EmbedRequest,
+    Fields,
+    Reranked,
+    RerankRequest,
+    ResponseSize,
+    Scored,
+    ScoreMode,
+    ScoreRequest,
+    TokenizeRequest,
+    TruncationDirection,
+)
+from attnserve.server.engine.tokenize import Encoded
+from attnserve.server.errors import InvalidArgument
+from attnserve.server.grpc.calls import answer, call_holds, deadline_of
+from attnserve.server.grpc.encoder_pack import (
+    CHUNKED_ADVICE,
+    DTYPES,
+    EMBED_ADVICE,
+    EMBEDDING_TYPES,
+    POOLING_NAMES,
+    AttentionPlan,
+    EmbedPlan,
+    chunked_response_bytes,
+    embed_response,
+    embed_response_bytes,
+    outputs_for,
+    pooled_name,
+)
+from attnserve.server.grpc.wire import field_bytes, varint_bytes
+from attnserve.server.memory.ledger import Holds
+from attnserve.server.metrics import Metrics
+
+TOKENIZE_ADVICE = "send fewer texts per request"
+CHUNKING_MODES = {pb.CHUNKING_MODE_UNSPECIFIED: ChunkingMode.LATE,
+                  pb.CHUNKING_MODE_LATE: ChunkingMode.LATE,
+                  pb.CHUNKING_MODE_ISOLATED: ChunkingMode.ISOLATED}
+DIRECTIONS = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: TruncationDirection.RIGHT,
+              pb.TRUNCATION_DIRECTION_RIGHT: TruncationDirection.RIGHT,
+              pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT}
+
+
+TEXTS = Fields("texts", token_at="{sequence}")
+IDS = Fields("token_ids", token_at="{sequence}.ids[{position}]")
+SCORE_MODES = {pb.SCORE_MODE_COSINE: ScoreMode.COSINE, pb.SCORE_MODE_MAXSIM: ScoreMode.MAXSIM}
+RERANK_ADVICE = "set top_n, leave return_texts unset, or send fewer texts"
+SCORE_ADVICE = "send fewer texts"
+# One result's index (a uint32) and score (a float), each with its one-byte tag, and the
+# text's tag and length prefix (at the largest, 5 bytes).
+RESULT_BYTES = (1 + 5) + (1 + 4) + (1 + 5)
+# A UTF-8 character takes at most this many bytes.
+UTF8_MAX = 4
+
+
+class IdLists:
+    """A request's TokenIds entries as lists of ids, each read when the data plane reads it
+    (off the event loop for a big request)."""
+
+    def __init__(self, entries):
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int):
+        return self.entries[index].ids
+
+    def __iter__(self):
+        return (entry.ids for entry in self.entries)
+
+
+def _indexes(values, count: int, field: str, what: str) -> tuple[int, ...]:
+    resolved = []
+    for i, value in enumerate(values):
+        if not -count <= value < count:
+            raise InvalidArgument(
+                f"{field}[{i}]", f"{what} {value} does not exist: the model has {count} {what}s "
+                f"(0..{count - 1}, or -1..-{count} from the end)")
+        index = value % count
+        if index in resolved:
+            raise InvalidArgument(f"{field}[{i}]", f"{what} {value} is listed twice")
+        resolved.append(index)
+    return tuple(resolved)
+
+
+def _tokenization(e: Encoded) -> pb.Tokenization:
+    return pb.Tokenization(ids=e.ids.tolist(), tokens=e.tokens,
+                           offsets=[x for pair in e.offsets for x in pair])
+
+
+def direction(value: int) -> TruncationDirection:
+    if value not in DIRECTIONS:
+        raise InvalidArgument("truncation_direction", f"unknown value {value}")
+    return DIRECTIONS[value]
+
+
+def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> EmbedPlan:
+    """Validate everything but the sequences themselves (the data plane reads those)."""
+    if bool(request.texts) == bool(request.token_ids):
+        which = "both are set" if request.texts else "both are empty"
+        raise InvalidArgument("texts/token_ids", f"{which}; set exactly one of them")
+    if request.pooling not in pb.Pooling.values():
+        raise InvalidArgument("pooling", f"unknown value {request.pooling}")
+    if request.dtype not in DTYPES:
+        raise InvalidArgument("dtype", f"{pb.DType.Name(request.dtype)} is what a pooled vector's "
+                              "embedding_type is sent as, not a dtype: set embedding_type"
+                              if request.dtype in pb.DType.values()
+                              else f"unknown value {request.dtype}")
+    if request.embedding_type not in EMBEDDING_TYPES:
+        raise InvalidArgument("embedding_type", f"unknown value {request.embedding_type}")
+    pooling = request.pooling or POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
+    attention = None
+    if request.HasField("attention"):
+        options = request.attention
+        layers = _indexes(options.layers, manifest.num_layers, "attention.layers", "layer")
+        heads = _indexes(options.heads, manifest.num_heads, "attention.heads", "head")
+        attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
+                                  options.average_heads)
+    plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
+                     DTYPES[request.dtype], attention, _chunking(request))
+    kind = EMBEDDING_TYPES[request.embedding_type]
+    if kind is EmbeddingType.FLOAT:
+        return plan
+    # A chunk's vector is mean-pooled whatever the model's default pooling.
+    source = pooled_output("mean", plan.normalize) if plan.chunking else pooled_name(plan)
+    if source is None:
+        raise InvalidArgument("embedding_type", "sets what the pooled vector is sent as, and "
+                              "pooling is POOLING_NONE: ask for a pooling")
+    return dataclasses.replace(plan, embedding_type=kind,
+                               ranges=ranges_of(manifest, model, source, kind, "embedding_type",
+                                                         request.dimensions))
+
+
+def _chunking(request: pb.EmbedRequest) -> Chunking | None:
+    """The request's chunking, its fields checked against the rest of the request (the
+    data plane checks their values against the model)."""
+    if not request.HasField("chunking"):
+        return None
+    options = request.chunking
+    if options.mode not in CHUNKING_MODES:
+        raise InvalidArgument("chunking.mode", f"unknown value {options.mode}")
+    if request.pooling not in (pb.POOLING_UNSPECIFIED, pb.POOLING_MEAN):
+        raise InvalidArgument("pooling", "chunk vectors are mean-pooled: leave pooling unset or "
+                              "POOLING_MEAN with chunking")
+    if request.return_token_embeddings:
+        raise InvalidArgument("return_token_embeddings", "not with chunking, which returns one "
+                              "vector per chunk; ask for token embeddings without it")
+    if request.HasField("attention"):
+        raise InvalidArgument("attention", "not with chunking, which returns one vector per "
+                              "chunk; ask for attention maps without it")
+    return Chunking(options.max_tokens, CHUNKING_MODES[options.mode], options.window_overlap)
+
+
+class EncoderService(pb_grpc.EncoderServiceServicer):
+    def __init__(self, plane: DataPlane, metrics: Metrics, max_message_bytes: int):
+        self.plane = plane
+        self.metrics = metrics
+        self.max_message_bytes = max_message_bytes
+        # Per model, the smallest Tokenization (an empty text's): a request's cheap size bound.
+        self.least_tokenization = {name: _tokenization(m.tokenizer.empty).ByteSize()
+                                   for name, m in plane.models.items()}
+
+    async def _embed(self, request: pb.EmbedRequest, holds: Holds,
+                    deadline: float | None) -> pb.EmbedResponse:
+        model = self.plane.model(request.model)
+        manifest = model.manifest
+        plan = plan_embed(request, manifest, model.name)
+        measure, advice = ((chunked_response_bytes, CHUNKED_ADVICE) if plan.chunking
+                           else (embed_response_bytes, EMBED_ADVICE))
+        size = ResponseSize(lambda counts: measure(plan, counts, manifest, model.name),
+                            self.max_message_bytes, advice)
+        embedded = await embed.embed(model, EmbedRequest(
+            names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
+            token_ids=IdLists(request.token_ids), truncate=request.truncate,
+            truncation_direction=direction(request.truncation_direction),
+            prompt_name=request.prompt_name, outputs=outputs_for(plan),
+            dimensions=request.dimensions,
+            layers=plan.attention.graph_layers if plan.attention else (),
+            chunking=plan.chunking, normalize=plan.normalize), holds, deadline)
+        results = int(embedded.chunk_counts.sum()) if plan.chunking else len(embedded.ids)
+        return await model.pack(
+            results * RESULT_S + embedded.response_bytes * COPY_BYTE_S,
+            embed_response, embedded, plan, model.name)
+
+    async def Embed(self, request, context):
+        return await answer(self.metrics, "Embed", context,
+                            lambda: self._embed(request, call_holds(), deadline_of(context)))
+
+    async def EmbedStream(self, request_iterator, context):
+        holds = call_holds()
+        async for request in request_iterator:
+            # Each answer's memory is held until it has been written: the stream takes
+            # the next request only then, so a caller that stops reading holds one.
+            before = holds.total
+            try:
+                yield await answer(self.metrics, "EmbedStream", context,
+                                   lambda request=request: self._embed(
+                                       request, holds, deadline_of(context)))
+            finally:
+                holds.give_back(holds.total - before)
+
+    async def Tokenize(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model)
+            count, least = len(request.texts), self.least_tokenization[model.name]
+            size = ResponseSize(lambda _: count * field_bytes(least), self.max_message_bytes,
+                                TOKENIZE_ADVICE)
+            size.check(None, at_least=True)
+            holds = call_holds()
+            encoded = await embed.tokenize(model,
+                TokenizeRequest(TEXTS, request.texts, request.truncate,
+                                direction(request.truncation_direction), request.prompt_name),
+                holds)
+            tokens = sum(len(e.ids) for e in encoded)
+            return await model.pack(count * RESULT_S + tokens * TOKEN_S,
+                                    self._tokenize_response, model, encoded, holds)
+        return await answer(self.metrics, "Tokenize", context, handle)
+
+    def _tokenize_response(self, model: ServedModel, encoded: list[Encoded],
+                           holds: Holds) -> pb.TokenizeResponse:
+        response = pb.TokenizeResponse(model=model.name)
+        for e in encoded:  # one at a time, as Embed's
+            response.tokenizations.append(_tokenization(e))
+        size = response.ByteSize()
+        ResponseSize(lambda _: size, self.max_message_bytes, TOKENIZE_ADVICE).check(None)
+        model.hold_response(holds, size)
+        return response
+
+    async def GetModelInfo(self, request, context):
+        return await answer(self.metrics, "GetModelInfo", context,
+                            lambda: self._info(self.plane.model(request.model)))
+
+    async def ListModels(self, request, context):
+        async def handle():
+            return pb.ListModelsResponse(
+                models=[await self._info(m) for m in self.plane.models.values()],
+                default_model=self.plane.default.name)
+        return await answer(self.metrics, "ListModels", context, handle)
+
+    async def Rerank(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model, kind=RERANKER)
+            reranked = await pairs.rerank(model, _rerank_request(request, model.name,
+                                                           self.max_message_bytes),
+                                    call_holds(), deadline_of(context))
+            return await model.pack(len(reranked.order) * RESULT_S
+                                    + reranked.response_bytes * COPY_BYTE_S,
+                                    _rerank_response, reranked, request, model.name)
+        return await answer(self.metrics, "Rerank", context, handle)
+
+    async def Score(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model, kind=EMBEDDER)
+            scored = await pairs.score(model, _score_request(request, model.name, self.max_message_bytes),
+                                 call_holds(), deadline_of(context))
+            return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored,
+                                    model.name)
+        return await answer(self.metrics, "Score", context, handle)
+
+    async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
+        info = model.model_info()
+        return pb.GetModelInfoResponse(
+            model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
+            num_heads=info.num_heads, max_positions=info.max_positions, vocab_size=info.vocab_size,
+            default_pooling=POOLING_NAMES.get(info.default_pooling, pb.POOLING_MEAN),
+            execution_provider=info.provider, precision=info.precision,
+            artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family,
+            kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
+            prompts=info.prompts, default_prompt_name=info.default_prompt_name or "",
+            matryoshka_dims=info.matryoshka_dims)
+
+
+def _head_bytes(model: str) -> int:
+    """model and total_tokens, at the largest"""
+    return field_bytes(len(model.encode())) + 1 + varint_bytes((1 << 63) - 1)
+
+
+def _rerank_request(request: pb.RerankRequest, model: str, limit: int) -> RerankRequest:
+    texts = request.texts
+
+    def measure(indexes: np.ndarray) -> int:
+        total = _head_bytes(model) + len(indexes) * field_bytes(RESULT_BYTES)
+        if request.return_texts:
+            total += UTF8_MAX * sum(len(texts[i]) for i in indexes.tolist())
+        return total
+
+    return RerankRequest(TEXTS, ResponseSize(measure, limit, RERANK_ADVICE), request.query, texts,
+                         request.top_n if request.HasField("top_n") else None,
+                         request.raw_scores, request.truncate)
+
+
+def _rerank_response(reranked: Reranked, request: pb.RerankRequest, model: str) -> pb.RerankResponse:
+    response = pb.RerankResponse(model=model, total_tokens=reranked.total_tokens)
+    texts = request.texts
+    for index, score in zip(reranked.order.tolist(), reranked.scores.tolist(), strict=True):
+        response.results.append(pb.RerankResult(
+            index=index, score=score, text=texts[index] if request.return_texts else ""))
+    return response
+
+
+def _score_request(request: pb.ScoreRequest, model: str, limit: int) -> ScoreRequest:
+    if request.mode not in SCORE_MODES:
+        what = (pb.ScoreMode.Name(request.mode) if request.mode in pb.ScoreMode.values()
+                else f"unknown value {request.mode}")
+        raise InvalidArgument("mode", f"{what}; name one: SCORE_MODE_COSINE or SCORE_MODE_MAXSIM")
+    size = ResponseSize(lambda lengths: _head_bytes(model) + field_bytes(4 * len(lengths)),
+                        limit, SCORE_ADVICE)
+    return ScoreRequest(TEXTS, size, request.query, request.texts, SCORE_MODES[request.mode],
+                        request.truncate)
+
+
+def _score_response(scored: Scored, model: str) -> pb.ScoreResponse:
+    return pb.ScoreResponse(scores=scored.scores.tolist(), model=model,
+                            total_tokens=scored.total_tokens)
