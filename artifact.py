@@ -525,12 +525,8 @@ def _read_manifest(manifest_path: Path) -> tuple[Manifest, bytes]:
 
 def unserved(manifest: Manifest) -> str | None:
     """What of an artifact this server cannot serve, in one phrase, or None: it serves
-    embedders' pooled vectors and rerankers' scores; the other heads and kinds export, and
-    are refused here rather than served as something they are not."""
-    if manifest.kind == CLASSIFIER:
-        return ("kind 'classifier' (a sequence classifier's scores for every label) is not "
-                "served by this server; it serves embedders and rerankers (`attnserve export "
-                "--kind reranker` serves its logits as a reranker's)")
+    embedders' pooled vectors, rerankers' and classifiers' scores; the other heads export,
+    and are refused here rather than served as something they are not."""
     others = [head for head in manifest.heads if head != "dense"]
     if others:
         return (f"heads {manifest.heads}: this server serves an embedder's dense vectors only, "

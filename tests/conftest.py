@@ -156,3 +156,13 @@ def classifier_artifact(tmp_path_factory):
         return made[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def multi_label_classifier(tmp_path_factory):
+    """A random DistilBertForSequenceClassification of three labels, multi-label (a sigmoid
+    each), and its artifact (kind classifier)."""
+    root = tmp_path_factory.mktemp("multi-label-classifier")
+    checkpoint = make_reranker("distilbert", root / "checkpoint", num_labels=3,
+                               problem_type="multi_label_classification")
+    return checkpoint, _export_in_process(root / "artifact", checkpoint, False)

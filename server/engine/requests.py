@@ -32,9 +32,16 @@ class Fields:
     """the field holding the query a request scores its texts against"""
     top_n: str = "top_n"
     chunking: str = "chunking"
+    pair_at: str = "{sequence}.text_pair"
+    """the field of an input's second text, from its sequence's (`{sequence}`) and index
+    (`{index}`)"""
+    top_k: str = "top_k"
 
     def sequence(self, index: int) -> str:
         return self.sequences if self.single else f"{self.sequences}[{index}]"
+
+    def pair(self, index: int) -> str:
+        return self.pair_at.format(sequence=self.sequence(index), index=index)
 
     def token(self, index: int, position: int) -> str:
         return self.token_at.format(sequence=self.sequence(index), index=index,
@@ -190,6 +197,42 @@ class Reranked:
     total_tokens: int
     """every pair's tokens, special tokens included"""
     response_bytes: int
+
+
+@dataclass(frozen=True)
+class ClassifyRequest:
+    """Texts, each alone or with a second text (a pair, laid out as the tokenizer's pair
+    template), every label of each scored by a classifier (or a reranker's one label)."""
+
+    names: Fields
+    size: ResponseSize
+    """measures the response for this many inputs (the array's length)"""
+    texts: Sequence[str]
+    text_pairs: Sequence[str | None] = ()
+    """each text's second text, or None; empty: every text alone"""
+    activation: str | None = None
+    """softmax, sigmoid or none (the logits: raw_scores); None: the model's"""
+    truncate: bool = False
+    """cut a text (a pair's second text) longer than the model's positions instead of
+    refusing it"""
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    top_k: int | None = None
+    """checked here (1 or more); the door cuts each input's labels, best first, to it"""
+
+
+@dataclass
+class Classified:
+    scores: np.ndarray
+    """float32 [inputs, labels]: each input's score of every label, in label-id order"""
+    total_tokens: int
+    response_bytes: int
+
+    def ranked(self, index: int, top_k: int | None = None) -> list[tuple[int, float]]:
+        """Input `index`'s (label id, score), highest first, equal scores by id, the first
+        `top_k` (None: every label)."""
+        row = self.scores[index]
+        order = np.argsort(-row, kind="stable")[:top_k]
+        return list(zip(order.tolist(), row[order].tolist(), strict=True))
 
 
 class ScoreMode(enum.Enum):

@@ -30,21 +30,27 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from attnserve.artifact import pooled_output
-from attnserve.server.engine import embed
+from attnserve.artifact import CLASSIFIER, pooled_output
+from attnserve.server.engine import classify, embed
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
+    ClassifyRequest,
     Embedded,
     EmbedRequest,
     ResponseSize,
     TruncationDirection,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
+from attnserve.server.http.calls import JSON_FLOAT_BYTES
 from attnserve.server.http.door import Door, encode, json_response
 from attnserve.server.http.schemas import (
+    Classification,
+    Classify,
+    ClassifyData,
+    ClassifyUsage,
     Embedding,
     EmbeddingList,
     Embeddings,
@@ -69,6 +75,8 @@ CHUNK_ITEM_BYTES = 128
 ""","input_index":N,"start":N,"end":N,"num_tokens":N in a chunk's item"""
 ADVICE = "send fewer inputs per request, or use encoding_format=base64"
 OWNED_BY = "attnserve"
+CLASS_BYTES = 160
+"""{"index":N,"label":"","probs":[],"num_classes":N} around an input's scores, and its label"""
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
 # HTTP status -> OpenAI's error `type` and `code`.
 ERROR_KINDS = {
@@ -102,6 +110,7 @@ class OpenAIDoor(Door):
                 self.route("GET", "/v1/models/{model:.+}", self.get_model,
                            "http:/v1/models/{model}"),
                 self.route("POST", "/embeddings", self.infinity_embeddings),
+                self.route("POST", "/classify", self.classify),
                 self.route("GET", "/models", self.infinity_models)]
 
     @staticmethod
@@ -167,6 +176,40 @@ class OpenAIDoor(Door):
         payload = await model.pack(count * (RESULT_S + hidden * FLOAT_TEXT_S), self._answer,
                                    model, embedded, vectors, ranges, infinity)
         return web.Response(body=payload, content_type="application/json")
+
+    async def classify(self, request: web.Request, holds: Holds) -> web.Response:
+        """vLLM's /classify: each text's score of every label, by label id, and its best
+        label."""
+        body = await self.calls.json_body(request, holds, Classify)
+        if body.messages is not None:
+            raise InvalidArgument("messages", "chat messages are not classified here; send the "
+                                  "texts in `input`")
+        if body.truncate_prompt_tokens not in (None, -1):
+            raise InvalidArgument("truncate_prompt_tokens", f"{body.truncate_prompt_tokens}; "
+                                  "expected -1 (cut at the model's positions) or none")
+        model = self.plane.model(body.model, kind=CLASSIFIER)
+        inputs, names = sequences(body.input, "input", ids=False)
+        labels = model.manifest.labels
+        item = CLASS_BYTES + max(map(len, labels), default=0) * 6 + len(labels) * JSON_FLOAT_BYTES
+        head = 256 + len(model.name.encode()) * 6
+        classified = await classify.classify(model, ClassifyRequest(
+            names, ResponseSize(
+                lambda counts: head + len(counts) * item, self.max_response_bytes,
+                "send fewer inputs per request"),
+            inputs["texts"], activation="none" if body.use_activation is False else None,
+            truncate=body.truncate_prompt_tokens == -1,
+            truncation_direction=TruncationDirection(body.truncation_side or "right")),
+            holds, None)
+
+        def answer() -> bytes:
+            tokens = classified.total_tokens
+            return encode(Classification(
+                f"classify-{uuid.uuid4().hex}", "list", int(time.time()), model.name,
+                [ClassifyData(i, labels[int(row.argmax())], row.tolist(), len(labels))
+                 for i, row in enumerate(classified.scores)], ClassifyUsage(tokens, tokens)))
+
+        return web.Response(body=await model.pack(classified.scores.size * RESULT_S, answer),
+                            content_type="application/json")
 
     async def infinity_embeddings(self, request: web.Request, holds: Holds) -> web.Response:
         return await self.embeddings(request, holds, InfinityEmbeddings)

@@ -133,6 +133,44 @@ class ModelList(Struct):
     data: list[Model]
 
 
+class Classify(Struct):
+    """vLLM's classification request (POST /classify), texts only; like vLLM's, it ignores
+    fields it does not know."""
+
+    input: Annotated[str | list[str], Meta(extra_json_schema={"example": ["I like you"]})]
+    model: Annotated[str | None, Meta(description="a classifier; omitted: the first")] = None
+    truncate_prompt_tokens: Annotated[int | None, Meta(description=(
+        "-1: cut texts longer than the model's positions instead of refusing them"))] = None
+    truncation_side: Literal["left", "right"] | None = None
+    use_activation: Annotated[bool | None, Meta(description=(
+        "false: the logits instead of the model's softmax or sigmoid"))] = None
+    user: str | None = None
+    messages: Annotated[list | None, Meta(description="refused: texts go in `input`")] = None
+
+
+class ClassifyData(Struct):
+    index: int
+    label: str
+    probs: Annotated[list[float], Meta(description="every label's score, by label id")]
+    num_classes: int
+
+
+class ClassifyUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class Classification(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[ClassifyData]
+    usage: ClassifyUsage
+
+
 class OpenAIErrorDetail(Struct):
     message: str
     type: str
@@ -187,6 +225,36 @@ class TeiRerank(Struct):
                                                   "first")] = None
 
 
+class ClassificationParameters(Struct):
+    """The Hugging Face Inference API's text-classification parameters (its clients send them
+    to a TEI's root): the answer is then nested as that API's, `[[{label, score}]]`."""
+
+    top_k: Annotated[Positive | None, Meta(description="the best top_k labels only")] = None
+    function_to_apply: Annotated[Literal["sigmoid", "softmax", "none"] | None, Meta(
+        description="what turns the logits into scores; omitted: the model's")] = None
+
+
+class TeiPredict(Struct):
+    inputs: Annotated[str | list[str | list[str]], Meta(description=(
+        "a text; a list of one text or of two (one pair); or a list of those, a batch"),
+        extra_json_schema={"example": "I like you. I love you"})]
+    truncate: bool | None = None
+    truncation_direction: Side = "Right"
+    raw_scores: Annotated[bool, Meta(description="the logits instead of the model's softmax "
+                                                 "or sigmoid")] = False
+    model: Annotated[str | None, Meta(description="an extension: a classifier; omitted: the "
+                                                  "first")] = None
+    parameters: ClassificationParameters | None = None
+
+
+class TeiPrediction(Struct):
+    score: float
+    label: str
+
+
+TeiPredictions = list[TeiPrediction | list[TeiPrediction]]
+
+
 class SimilarityInputs(Struct):
     source_sentence: str
     sentences: list[str]
@@ -238,6 +306,7 @@ class TeiReranker(Struct):
 class TeiModelType(Struct):
     embedding: TeiEmbedding | UnsetType = UNSET
     reranker: TeiReranker | UnsetType = UNSET
+    classifier: TeiReranker | UnsetType = UNSET
 
 
 class TeiInfo(Struct):

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from attnserve.artifact import MEMORY_MODEL, RERANKER, Manifest
+from attnserve.artifact import MEMORY_MODEL, SCORERS, Manifest
 
 EMBEDDINGS, ATTENTION, SCORES = "embeddings", "attention", "scores"
 GRAPH_KINDS = (EMBEDDINGS, ATTENTION)
@@ -46,7 +46,7 @@ GRAPH_KINDS = (EMBEDDINGS, ATTENTION)
 
 def graph_kinds(manifest: Manifest) -> tuple[str, ...]:
     """The graphs an artifact's batches run through: an embedder's two, a reranker's one."""
-    return (SCORES,) if manifest.kind == RERANKER else GRAPH_KINDS
+    return (SCORES,) if manifest.kind in SCORERS else GRAPH_KINDS
 FORMAT_VERSION = 2
 """memory_model.json: 1 (no "format_version"): one set of coefficients, a b c d source,
 for every graph; 2: {"format_version": 2, "models": {"<provider>/<precision>/<graph>":
@@ -205,6 +205,6 @@ def load_memory_model(directory: Path, manifest: Manifest, provider: str = "CPUE
     missing = f"analytic bound (memory_model.json has no {provider}/{precision} fit)"
     models = {kind: _model(entry) if entry else replace(bound, source=missing)
               for kind, entry in fitted.items()}
-    if manifest.kind == RERANKER:
+    if manifest.kind in SCORERS:
         return MemoryModels(models[SCORES], models[SCORES])
     return MemoryModels(models[EMBEDDINGS], models[ATTENTION])

@@ -26,9 +26,11 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from attnserve.artifact import (
+    CLASSIFIER,
     HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
     RERANKER,
+    SCORERS,
     TOKEN_TYPES,
     Artifact,
     ArtifactError,
@@ -66,7 +68,8 @@ GRAPH_ERRORS = (ort_errors.InvalidProtobuf, ort_errors.InvalidGraph, ort_errors.
                 ort_errors.NoModel, ort_errors.NotImplemented, ort_errors.Fail)
 # The output fetched when a batch's requests need none at all (only token ids back, or a
 # warm-up): the smallest there is.
-CHEAPEST_OUTPUT = {"embedder": pooled_output("cls", False), RERANKER: LOGITS_OUTPUT}
+CHEAPEST_OUTPUT = {"embedder": pooled_output("cls", False), RERANKER: LOGITS_OUTPUT,
+                   CLASSIFIER: LOGITS_OUTPUT}
 # Progress lines while warming up: about this many per lane.
 WARM_UP_LOG_LINES = 10
 
@@ -109,7 +112,7 @@ def place(manifest: Manifest, device: str, precision: str) -> Placement:
     if precision == "auto":
         has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
         precision = "fp16" if provider == CUDA and has_fp16 else "fp32"
-    needed = (False,) if manifest.kind == RERANKER else (False, True)
+    needed = (False,) if manifest.kind in SCORERS else (False, True)
     if any(manifest.graph(attention=a, precision=precision) is None for a in needed):
         raise ArtifactError(f"{manifest.model_name}: no {precision} graphs (export with --{precision})")
     if precision == "int8" and provider == CUDA:
@@ -219,7 +222,7 @@ class BoundRunner:
 
     def _output_shapes(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
         m = self.manifest
-        if m.kind == RERANKER:
+        if m.kind in SCORERS:
             return {LOGITS_OUTPUT: (batch, len(m.labels))}
         return {HIDDEN_OUTPUT: (batch, seq, m.hidden_size)} | {
             name: (batch, m.embedding_size) for name in m.pooled_outputs}
@@ -293,7 +296,7 @@ class OrtBackend:
         provider, why, self.precision = placement.provider, placement.why, placement.precision
         manifest = artifact.manifest
         self.embed_graph = manifest.graph(attention=False, precision=self.precision)
-        self.attn_graph = (None if manifest.kind == RERANKER
+        self.attn_graph = (None if manifest.kind in SCORERS
                            else manifest.graph(attention=True, precision=self.precision))
         self.sequence_outputs = sequence_outputs(manifest)
         self.cheapest = CHEAPEST_OUTPUT[manifest.kind]

@@ -14,10 +14,10 @@ checkpoints made here, against each model's own library:
   within 1e-4, and their MaxSim `similarity`;
 - a sequence classifier of several labels, multi-label: kind classifier, its problem type,
   and scores (sigmoid of the graph's logits) equal to transformers' text-classification
-  pipeline.
+  pipeline (served: tests/server/test_classify.py).
 
-Every such artifact is refused by the server's loader in one line naming what it cannot
-serve, and checkpoints that are half one thing are refused by export naming the file."""
+Every artifact of the other heads is refused by the server's loader in one line naming what
+it cannot serve, and checkpoints that are half one thing are refused by export naming the file."""
 
 from dataclasses import replace
 
@@ -44,7 +44,6 @@ from attnserve.model import CheckpointError
 from tests.families import (
     make_checkpoint,
     make_multi_vector,
-    make_reranker,
     make_sparse_encoder,
 )
 
@@ -221,11 +220,9 @@ def test_half_a_bge_m3_checkpoint_is_refused_naming_the_missing_file(bge_m3, tmp
 
 
 @pytest.fixture(scope="module")
-def classifier(tmp_path_factory):
-    root = tmp_path_factory.mktemp("classifier")
-    checkpoint = make_reranker("distilbert", root / "checkpoint", num_labels=3,
-                               problem_type="multi_label_classification")
-    return checkpoint, root / "artifact", _export(root / "artifact", checkpoint)
+def classifier(multi_label_classifier):
+    checkpoint, artifact = multi_label_classifier
+    return checkpoint, artifact.directory, artifact.manifest
 
 
 def test_a_multi_label_classifier_matches_the_text_classification_pipeline(classifier):
@@ -248,11 +245,6 @@ def test_a_multi_label_classifier_matches_the_text_classification_pipeline(class
     assert replace(manifest, problem_type=None).activation == "softmax"
     assert replace(manifest, problem_type="regression").activation == "none"
     assert replace(manifest, problem_type=None, labels=["yes"]).activation == "sigmoid"
-
-
-def test_the_server_refuses_a_classifier_in_one_line(classifier):
-    with pytest.raises(ArtifactError, match="kind 'classifier' .* is not served by this server"):
-        load_artifact(classifier[1])
 
 
 QUERIES = ["where does the fox sleep?", "What does self-attention let every single token in a "
