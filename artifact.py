@@ -525,12 +525,13 @@ def _read_manifest(manifest_path: Path) -> tuple[Manifest, bytes]:
 
 def unserved(manifest: Manifest) -> str | None:
     """What of an artifact this server cannot serve, in one phrase, or None: it serves
-    embedders' pooled vectors, rerankers' and classifiers' scores; the other heads export,
-    and are refused here rather than served as something they are not."""
-    others = [head for head in manifest.heads if head != "dense"]
+    embedders' pooled vectors and SPLADE's sparse vectors, rerankers' and classifiers'
+    scores; the other heads export, and are refused here rather than served as something
+    they are not."""
+    others = [head for head in manifest.heads if head not in ("dense", "sparse")]
     if others:
-        return (f"heads {manifest.heads}: this server serves an embedder's dense vectors only, "
-                f"not its {', '.join(others)} output")
+        return (f"heads {manifest.heads}: this server serves an embedder's dense and sparse "
+                f"vectors only, not its {', '.join(others)} output")
     return None
 
 

@@ -226,4 +226,4 @@ class ServedModel:
             artifact_sha256=self.artifact.manifest_sha256,
             inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in m.inputs],
             outputs=outputs, prompts=dict(m.prompts), default_prompt_name=self.default_prompt,
-            matryoshka_dims=list(m.matryoshka_dims))
+            matryoshka_dims=list(m.matryoshka_dims), heads=m.heads)

@@ -66,10 +66,14 @@ class ResponseSize:
         size = self.measure(lengths)
         if size > self.limit:
             raise ResourceExhausted(
-                f"response would be {'at least' if at_least else 'about'} "
-                f"{size / (1 << 20):.1f} MiB, over the {self.limit / (1 << 20):.1f} MiB message "
-                f"limit: {self.advice}")
+                f"response would be {'at least' if at_least else 'about'} {size_text(size)}, "
+                f"over the {size_text(self.limit)} message limit: {self.advice}")
         return size
+
+
+def size_text(size: int) -> str:
+    """A size as a refusal says it: in MiB, or KiB under one MiB."""
+    return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size / 1024:.1f} KiB"
 
 
 class ChunkingMode(enum.Enum):
@@ -196,6 +200,32 @@ class Reranked:
     """float32, in `order`'s order"""
     total_tokens: int
     """every pair's tokens, special tokens included"""
+    response_bytes: int
+
+
+@dataclass(frozen=True)
+class SparseRequest:
+    """Texts, each one sparse vector: its non-zero weights by token id."""
+
+    names: Fields
+    size: ResponseSize
+    """measures the response for texts of these counts of entries"""
+    texts: Sequence[str]
+    truncate: bool = False
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    prompt_name: str | None = None
+    top_k: int | None = None
+    """the top_k largest weights of each text only (1 or more); None: the model's default
+    (its checkpoint's max_active_dims), or every non-zero weight"""
+
+
+@dataclass
+class SparseEmbedded:
+    indices: list[np.ndarray]
+    """int64: each text's token ids of non-zero weight, ascending"""
+    values: list[np.ndarray]
+    """float32: their weights, in the same order"""
+    total_tokens: int
     response_bytes: int
 
 
@@ -383,3 +413,5 @@ class ModelInfo:
     """the prompt a request that names none gets"""
     matryoshka_dims: list[int] = field(default_factory=list)
     """the sizes a pooled vector may be cut to besides the hidden size, largest first"""
+    heads: list[str] = field(default_factory=list)
+    """an embedder's outputs: dense (pooled vectors), sparse"""

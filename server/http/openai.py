@@ -27,13 +27,15 @@ counts the tokens run through the model, every window's or chunk's. `embedding_t
 import time
 import uuid
 
+import msgspec
 import numpy as np
+import orjson
 from aiohttp import web
 
 from attnserve.artifact import CLASSIFIER, pooled_output
-from attnserve.server.engine import classify, embed
+from attnserve.server.engine import classify, embed, sparse
 from attnserve.server.engine.model import ServedModel
-from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
+from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
@@ -41,11 +43,13 @@ from attnserve.server.engine.requests import (
     Embedded,
     EmbedRequest,
     ResponseSize,
+    SparseEmbedded,
+    SparseRequest,
     TruncationDirection,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.http.calls import JSON_FLOAT_BYTES
-from attnserve.server.http.door import Door, encode, json_response
+from attnserve.server.http.door import Door, encode, json_response, numbers
 from attnserve.server.http.schemas import (
     Classification,
     Classify,
@@ -75,6 +79,8 @@ CHUNK_ITEM_BYTES = 128
 ""","input_index":N,"start":N,"end":N,"num_tokens":N in a chunk's item"""
 ADVICE = "send fewer inputs per request, or use encoding_format=base64"
 OWNED_BY = "attnserve"
+SPARSE_ENTRY_BYTES = 23
+"""a sparse entry's id and weight as numbers, with their commas, at the longest"""
 CLASS_BYTES = 160
 """{"index":N,"label":"","probs":[],"num_classes":N} around an input's scores, and its label"""
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
@@ -168,6 +174,11 @@ class OpenAIDoor(Door):
                                       "text only")
             body.model = None if body.model == INFINITY_DEFAULT_MODEL else body.model
         model = self.plane.model(body.model)
+        if "sparse" in (body.embedding_types or ()):
+            return await self._sparse(body, model, holds, infinity)
+        if body.sparse_top_k is not None:
+            raise InvalidArgument("sparse_top_k", "cuts sparse vectors: ask for embedding_types "
+                                  '["sparse"]')
         vectors = VectorFormat.of(body)
         embedded = await embed.embed(model, self._request(body, model, vectors), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
@@ -210,6 +221,41 @@ class OpenAIDoor(Door):
 
         return web.Response(body=await model.pack(classified.scores.size * RESULT_S, answer),
                             content_type="application/json")
+
+    async def _sparse(self, body: Embeddings, model: ServedModel, holds: Holds,
+                      infinity: bool) -> web.Response:
+        """embedding_types ["sparse"]: each text's sparse vector as `embeddings.sparse`,
+        {"indices", "values"} (the field names of Qdrant's, Pinecone's and fastembed's)."""
+        if body.embedding_types != ["sparse"]:
+            raise InvalidArgument("embedding_types", f"{body.embedding_types}: a sparse vector "
+                                  "comes alone (the served SPLADE models have no dense vectors)")
+        for name in ("chunking", "dimensions"):
+            if getattr(body, name) is not None:
+                raise InvalidArgument(name, "applies to dense vectors, not sparse ones")
+        inputs, names = sequences(body.input, "input", ids=False)
+        head = 256 + len(model.name.encode()) * 6
+        embedded = await sparse.embed_sparse(model, SparseRequest(
+            names, ResponseSize(lambda counts: head + len(counts) * ITEM_BYTES
+                                + int(counts.sum()) * SPARSE_ENTRY_BYTES,
+                                self.max_response_bytes, "set sparse_top_k, or send fewer inputs"),
+            inputs["texts"], body.truncate, TruncationDirection(
+                (body.truncation_direction or "right").lower()), body.prompt_name,
+            body.sparse_top_k), holds, None)
+        payload = await model.pack(embedded.response_bytes * COPY_BYTE_S, self._sparse_answer,
+                                   model, embedded, infinity)
+        return web.Response(body=payload, content_type="application/json")
+
+    @staticmethod
+    def _sparse_answer(model: ServedModel, embedded: SparseEmbedded, infinity: bool) -> bytes:
+        empty = numbers(np.zeros(0, np.float32))
+        data = [Embedding("embedding", i, empty, {"sparse": msgspec.Raw(orjson.dumps(
+            {"indices": indices, "values": values}, option=orjson.OPT_SERIALIZE_NUMPY))})
+            for i, (indices, values) in enumerate(zip(embedded.indices, embedded.values,
+                                                      strict=True))]
+        tokens = embedded.total_tokens
+        return encode(EmbeddingList(
+            "list", data, model.name, Usage(tokens, tokens),
+            *((f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
 
     async def infinity_embeddings(self, request: web.Request, holds: Holds) -> web.Response:
         return await self.embeddings(request, holds, InfinityEmbeddings)

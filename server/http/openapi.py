@@ -112,6 +112,8 @@ ROUTES = [
           statuses=(401,)),
     Route("POST", "/rerank", TEI, "A reranker's score of each (query, text) pair, highest first",
           list[s.TeiRank], s.TeiRerank, (*TEI_RUNS, 404)),
+    Route("POST", "/embed_sparse", TEI, "A SPLADE model's sparse vector of each input: its "
+          "non-zero weights by token id, ascending", s.TeiSparseVectors, s.TeiEmbedSparse),
     Route("POST", "/predict", TEI, "A classifier's score of every label of each text or pair, "
           "highest first", s.TeiPredictions, s.TeiPredict, (*TEI_RUNS, 404)),
     Route("POST", "/similarity", TEI, "The cosine of the source sentence's pooled vector and "
@@ -132,8 +134,9 @@ ROUTES = [
               "attention_mask, INT64 [batch, seq]", s.Inferred, s.Infer,
               content=("application/json", "application/octet-stream")))),
 ]
-ROOTS = {RERANKER: "/rerank", CLASSIFIER: "/predict"}
-"""a default model's kind -> the route TEI's root is (an embedder's: /embed)"""
+ROOTS = {RERANKER: "/rerank", CLASSIFIER: "/predict", "sparse": "/embed_sparse"}
+"""a default model's kind (sparse: a SPLADE model's) -> the route TEI's root is (a dense
+embedder's: /embed)"""
 EXAMPLES = {"/v1/embeddings", "/embeddings"}
 """routes whose body example names the default model, so that "Try it out" answers"""
 BINARY = {"type": "string", "format": "binary"}
@@ -193,11 +196,12 @@ def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
 def openapi_document(infos: list[ModelInfo]) -> bytes:
     """The HTTP API of a server of these models (the first the default)."""
     routes = ROUTES
-    if infos[0].kind in ROOTS:  # TEI routes its root by the model's kind
-        path = ROOTS[infos[0].kind]
+    kind = "sparse" if infos[0].heads == ["sparse"] else infos[0].kind
+    if kind in ROOTS:  # TEI routes its root by the model's kind
+        path = ROOTS[kind]
         served = next(r for r in ROUTES if r.path == path)
-        routes = [dataclasses.replace(served, path="/", summary=f"TEI's root: a {infos[0].kind}'s "
-                                      f"is {path}") if (r.method, r.path) == ("POST", "/") else r
+        routes = [dataclasses.replace(served, path="/", summary=f"TEI's root: a {kind} model's is "
+                                      f"{path}") if (r.method, r.path) == ("POST", "/") else r
                   for r in ROUTES]
     types = list(dict.fromkeys(t for route in routes for t in (
         route.answer, route.body, route.error or route.protocol.error) if t not in (None, dict)))

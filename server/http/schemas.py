@@ -26,8 +26,12 @@ Positive = Annotated[int, Meta(ge=1)]
 Count = Annotated[int, Meta(ge=0)]
 Vector = Annotated[Raw, Meta(extra_json_schema={"oneOf": [
     {"type": "array", "items": {"type": "number"}},
-    {"type": "string", "description": "base64 of the vector's little-endian bytes"}]})]
-"""a vector, written by the door itself (as numbers, or as base64)"""
+    {"type": "string", "description": "base64 of the vector's little-endian bytes"},
+    {"type": "object", "description": "a sparse vector: token ids ascending, their weights",
+     "properties": {"indices": {"type": "array", "items": {"type": "integer"}},
+                    "values": {"type": "array", "items": {"type": "number"}}}}]})]
+"""a vector, written by the door itself (as numbers, or as base64; a sparse one as
+{"indices", "values"})"""
 Sequences = str | list[str | int | list[int]]
 """a text, a list of texts, a list of token ids or a list of lists of them"""
 Side = Literal["right", "left", "Right", "Left"]
@@ -69,10 +73,12 @@ class Embeddings(Struct, forbid_unknown_fields=True):
         "one of the model's prompts, put before every text; omitted: its default prompt"))] = None
     chunking: Chunking | None = None
     embedding_types: Annotated[
-        list[Literal["float", "int8", "uint8", "binary", "ubinary"]],
+        list[Literal["float", "int8", "uint8", "binary", "ubinary", "sparse"]],
         Meta(min_length=1, description=(
             "Cohere's: each item carries `embeddings`, one vector per type asked for, and an "
-            "empty `embedding`"))] | None = None
+            "empty `embedding`; `sparse` (alone, of a SPLADE model): {indices, values}"))] | None = None
+    sparse_top_k: Annotated[Positive | None, Meta(description=(
+        "with embedding_types [\"sparse\"]: each text's top_k largest weights only"))] = None
     embedding_dtype: Annotated[Literal["float32", "float16"] | None, Meta(description=(
         "float16 halves a base64 float vector (with encoding_format base64 only)"))] = None
 
@@ -197,6 +203,20 @@ class TeiEmbedAll(Struct):
 class TeiEmbed(TeiEmbedAll):
     normalize: bool = True
     dimensions: Positive | None = None
+
+
+class TeiEmbedSparse(TeiEmbedAll):
+    top_k: Annotated[Positive | None, Meta(description=(
+        "an extension: each text's top_k largest weights only; null: the model's default, or "
+        "every non-zero weight"))] = None
+
+
+class TeiSparseValue(Struct):
+    index: int
+    value: float
+
+
+TeiSparseVectors = list[list[TeiSparseValue]]
 
 
 class TeiTokenize(Struct):

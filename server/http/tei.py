@@ -35,7 +35,7 @@ from aiohttp import web
 
 from attnserve.artifact import CLASSIFIER, EMBEDDER, HIDDEN_OUTPUT, RERANKER, pooled_output
 from attnserve.server.call import SERVER_VERSION
-from attnserve.server.engine import classify, embed, pairs
+from attnserve.server.engine import classify, embed, pairs, sparse
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.requests import (
@@ -47,6 +47,7 @@ from attnserve.server.engine.requests import (
     ResponseSize,
     ScoreMode,
     ScoreRequest,
+    SparseRequest,
     TokenizeRequest,
     TruncationDirection,
 )
@@ -60,6 +61,7 @@ from attnserve.server.http.schemas import (
     TeiEmbed,
     TeiEmbedAll,
     TeiEmbedding,
+    TeiEmbedSparse,
     TeiError,
     TeiInfo,
     TeiModelType,
@@ -68,6 +70,7 @@ from attnserve.server.http.schemas import (
     TeiRank,
     TeiReranker,
     TeiSimilarity,
+    TeiSparseValue,
     TeiToken,
     TeiTokenize,
     sequences,
@@ -91,6 +94,8 @@ RERANK = Fields("texts")
 SIMILARITY = Fields("inputs.sentences", query="inputs.source_sentence")
 # A prediction's braces, score and label but the label's text ({"score":F,"label":""},).
 PREDICTION_BYTES = 40
+# A sparse entry at its longest ({"index":250001,"value":-1.1754944e-38},).
+SPARSE_VALUE_BYTES = 42
 
 
 class Empty(InvalidArgument):
@@ -153,10 +158,13 @@ class TeiDoor(Door):
         self.limits = limits
 
     def routes(self) -> list[web.RouteDef]:
-        root = {RERANKER: self.rerank, CLASSIFIER: self.predict}.get(self.plane.default.kind,
-                                                                     self.embed)
+        default = self.plane.default
+        root = {RERANKER: self.rerank, CLASSIFIER: self.predict}.get(default.kind, self.embed)
+        if default.manifest.heads == ["sparse"]:
+            root = self.embed_sparse
         return [self.route("POST", "/", root), self.route("POST", "/embed", self.embed),
                 self.route("POST", "/embed_all", self.embed_all),
+                self.route("POST", "/embed_sparse", self.embed_sparse),
                 self.route("POST", "/tokenize", self.tokenize),
                 self.route("POST", "/decode", self.decode), self.route("GET", "/info", self.info),
                 self.route("POST", "/rerank", self.rerank),
@@ -206,6 +214,25 @@ class TeiDoor(Door):
         seconds = len(embedded.results) * RESULT_S + embedded.total_tokens * hidden * FLOAT_TEXT_S
         return await self._arrays(model, seconds,
                                   [np.ascontiguousarray(r.hidden) for r in embedded.results])
+
+    async def embed_sparse(self, request: web.Request, holds: Holds) -> web.Response:
+        body = await self.calls.json_body(request, holds, TeiEmbedSparse)
+        model = self.plane.model(None)
+        inputs, names = sequences(body.inputs, "inputs", Empty, ids=False)
+        embedded = await sparse.embed_sparse(model, SparseRequest(
+            names, ResponseSize(lambda counts: 2 + len(counts) * LIST_BYTES + int(counts.sum())
+                                * SPARSE_VALUE_BYTES, self.max_response_bytes,
+                                "set top_k, or send fewer inputs"),
+            inputs["texts"], bool(body.truncate), side(body.truncation_direction),
+            body.prompt_name, body.top_k), holds, None)
+
+        def answer() -> bytes:
+            return encode([[TeiSparseValue(i, v) for i, v in zip(
+                indices.tolist(), values.tolist(), strict=True)]
+                for indices, values in zip(embedded.indices, embedded.values, strict=True)])
+
+        return web.Response(body=await model.pack(embedded.response_bytes * COPY_BYTE_S, answer),
+                            content_type="application/json")
 
     # --- /tokenize and /decode ----------------------------------------------------------
 
@@ -324,7 +351,9 @@ class TeiDoor(Door):
                                  {label: i for i, label in enumerate(info.labels)})
             kind = TeiModelType(**{info.kind: labels})
         else:
-            kind = TeiModelType(embedding=TeiEmbedding(info.default_pooling))
+            splade = self.plane.default.manifest.sparse is not None
+            kind = TeiModelType(embedding=TeiEmbedding("splade" if splade else
+                                                       info.default_pooling))
         return json_response(TeiInfo(
             model_id=info.model, model_sha=info.artifact_sha256,
             model_dtype=DTYPES.get(info.precision, info.precision), served_model_name=info.model,

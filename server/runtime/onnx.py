@@ -31,6 +31,7 @@ from attnserve.artifact import (
     LOGITS_OUTPUT,
     RERANKER,
     SCORERS,
+    SPARSE_OUTPUT,
     TOKEN_TYPES,
     Artifact,
     ArtifactError,
@@ -225,7 +226,8 @@ class BoundRunner:
         if m.kind in SCORERS:
             return {LOGITS_OUTPUT: (batch, len(m.labels))}
         return {HIDDEN_OUTPUT: (batch, seq, m.hidden_size)} | {
-            name: (batch, m.embedding_size) for name in m.pooled_outputs}
+            name: (batch, m.embedding_size) for name in m.pooled_outputs} | (
+            {SPARSE_OUTPUT: (batch, m.vocab_size)} if m.sparse else {})
 
     def _new_slot(self, shape: Shape) -> _Slot:
         def buffer(dims: tuple[int, ...], dtype: type) -> ort.OrtValue:
@@ -299,7 +301,8 @@ class OrtBackend:
         self.attn_graph = (None if manifest.kind in SCORERS
                            else manifest.graph(attention=True, precision=self.precision))
         self.sequence_outputs = sequence_outputs(manifest)
-        self.cheapest = CHEAPEST_OUTPUT[manifest.kind]
+        self.cheapest = (CHEAPEST_OUTPUT[manifest.kind] if manifest.kind in SCORERS
+                         or manifest.dense else HIDDEN_OUTPUT)  # SPLADE: no pooled vector
         try:
             self._build(provider, intra_op_threads)
         except (DeviceError, ConfigError):

@@ -14,10 +14,11 @@ checkpoints made here, against each model's own library:
   within 1e-4, and their MaxSim `similarity`;
 - a sequence classifier of several labels, multi-label: kind classifier, its problem type,
   and scores (sigmoid of the graph's logits) equal to transformers' text-classification
-  pipeline (served: tests/server/test_classify.py).
+  pipeline (served: tests/server/test_classify.py; SPLADE: tests/server/test_sparse.py).
 
-Every artifact of the other heads is refused by the server's loader in one line naming what
-it cannot serve, and checkpoints that are half one thing are refused by export naming the file."""
+Every artifact of the other heads (bge-m3's, ColBERT's) is refused by the server's loader in
+one line naming what it cannot serve, and checkpoints that are half one thing are refused by
+export naming the file."""
 
 from dataclasses import replace
 
@@ -41,10 +42,10 @@ from attnserve.artifact import (
     read_manifest,
 )
 from attnserve.model import CheckpointError
+from tests.conftest import SPLADES
 from tests.families import (
     make_checkpoint,
     make_multi_vector,
-    make_sparse_encoder,
 )
 
 ATOL = 1e-4
@@ -79,18 +80,9 @@ def _top_k(row: np.ndarray, k: int) -> np.ndarray:
     return kept
 
 
-SPLADES = {  # name -> make_sparse_encoder's arguments
-    "distilbert-legacy": dict(family="distilbert"),
-    "roberta-sum-log1p": dict(family="roberta", pooling="sum", activation="log1p_relu",
-                              legacy=False, max_active_dims=5),
-}
-
-
 @pytest.fixture(scope="module", params=list(SPLADES))
-def splade(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    checkpoint = make_sparse_encoder(root / "st", **SPLADES[request.param])
-    return checkpoint, root / "artifact", _export(root / "artifact", checkpoint)
+def splade(request, splade_artifact):
+    return splade_artifact(request.param)
 
 
 def test_splade_matches_sparse_encoder(splade):
@@ -114,13 +106,6 @@ def test_splade_matches_sparse_encoder(splade):
         served = np.stack([_top_k(row, manifest.sparse.top_k) for row in sparse])
         np.testing.assert_allclose(served, kept, atol=ATOL)
         assert [np.count_nonzero(row) for row in kept] == [manifest.sparse.top_k] * len(TEXTS)
-
-
-def test_the_server_refuses_a_sparse_artifact_in_one_line(splade):
-    with pytest.raises(ArtifactError) as err:
-        load_artifact(splade[1])
-    assert str(err.value) == (f"{splade[1] / 'manifest.json'}: heads ['sparse']: this server "
-                              "serves an embedder's dense vectors only, not its sparse output")
 
 
 def test_export_refuses_a_splade_model_with_other_modules(tmp_path):
@@ -200,8 +185,9 @@ def test_bge_m3_heads_come_from_one_graph_as_flagembedding_computes_them(bge_m3)
 
 def test_the_server_refuses_a_bge_m3_artifact_in_one_line(bge_m3):
     with pytest.raises(ArtifactError, match=r"heads \['dense', 'lexical', 'multi_vector'\]: "
-                                            "this server serves an embedder's dense vectors "
-                                            "only, not its lexical, multi_vector output"):
+                                            "this server serves an embedder's dense and "
+                                            "sparse vectors only, not its lexical, "
+                                            "multi_vector output"):
         load_artifact(bge_m3[1])
 
 
@@ -311,7 +297,7 @@ def test_multi_vector_matches_the_multi_vector_encoder(multi_vector):
 
 def test_the_server_refuses_a_multi_vector_artifact_in_one_line(multi_vector):
     with pytest.raises(ArtifactError, match=r"heads \['multi_vector'\]: this server serves an "
-                                            "embedder's dense vectors only"):
+                                            "embedder's dense and sparse vectors only"):
         load_artifact(multi_vector[1])
 
 
