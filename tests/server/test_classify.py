@@ -12,14 +12,13 @@ import json
 import urllib.request
 from pathlib import Path
 
-import grpc
 import huggingface_hub
 import numpy as np
 import pytest
 from huggingface_hub import InferenceClient
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from tests.server.reliability import serve, stub
+from tests.server.reliability import serve
 from tests.server.test_http import post_json
 from tests.server.test_rerank import invalid
 
@@ -38,12 +37,6 @@ def server(multi_label_classifier, minilm_artifact):
     named = Path(f"{CLASSIFIER}={multi_label_classifier[1].directory}")  # --artifact NAME=DIR
     with serve(named, "--artifact", f"{MINILM}={minilm_artifact}") as process:
         yield process
-
-
-@pytest.fixture(scope="module")
-def encoder(server):
-    with grpc.insecure_channel(server.address) as channel:
-        yield stub(channel)
 
 
 @pytest.fixture(scope="module")

@@ -47,12 +47,6 @@ def server(minilm_artifact, bert_reranker_artifact, xlmr_reranker_artifact):
 
 
 @pytest.fixture(scope="module")
-def encoder(server):
-    with grpc.insecure_channel(server.address) as channel:
-        yield stub(channel)
-
-
-@pytest.fixture(scope="module")
 def references(bert_reranker_checkpoint, xlmr_reranker_checkpoint):
     """sentence-transformers' CrossEncoder on each checkpoint, at its own defaults but for
     its length, set to the model's positions."""

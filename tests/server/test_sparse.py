@@ -12,12 +12,11 @@ max_active_dims 5) and MiniLM."""
 
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
-from tests.server.reliability import serve, stub
+from tests.server.reliability import serve
 from tests.server.test_http import post_json
 from tests.server.test_rerank import invalid
 
@@ -39,12 +38,6 @@ def server(splade_artifact, minilm_artifact):
                "--artifact", f"{MINILM}={minilm_artifact}",
                "--max-message-bytes", str(LIMIT)) as process:
         yield process
-
-
-@pytest.fixture(scope="module")
-def encoder(server):
-    with grpc.insecure_channel(server.address) as channel:
-        yield stub(channel)
 
 
 @pytest.fixture(scope="module")
