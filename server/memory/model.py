@@ -132,11 +132,14 @@ def analytic_bound(manifest: Manifest) -> MemoryModel:
     """float32 activations, counted generously: per token the hidden state a few times
     over and the feed-forward's 4× widening; per score the scores, the probabilities
     and the mask; returned maps in the graph's output, the slices taken from it and the
-    unfused attention graph's own temporaries (a two-copy count measured ~10 % short)."""
+    unfused attention graph's own temporaries (a two-copy count measured ~10 % short); a
+    SPLADE head's vocabulary scores per token, and their masked copy, which outgrow the
+    rest (30,522 entries against a few thousand)."""
     hidden = manifest.hidden_size
+    vocabulary = 2 * manifest.vocab_size if manifest.sparse else 0
     return MemoryModel(
         a=64 * 1024 * 1024,
-        b=4.0 * (8 * hidden + 2 * 4 * hidden),
+        b=4.0 * (8 * hidden + 2 * 4 * hidden + vocabulary),
         c=4.0 * 4,
         d=4.0 * 4,
         source="analytic bound",

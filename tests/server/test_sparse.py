@@ -10,6 +10,7 @@ model without a sparse head, dense vectors asked of a SPLADE model. One server h
 SPLADE models (a DistilBERT max/relu one, the default, and a RoBERTa sum/log1p one with
 max_active_dims 5) and MiniLM."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,18 @@ def test_a_response_over_the_limit_is_refused_naming_a_top_k_that_fits(server, e
     assert fits >= 1
     status, found = post_json(server, "/embed_sparse", {"inputs": texts, "top_k": fits})
     assert status == 200 and max(map(len, found)) == fits
+
+
+def test_the_memory_bound_counts_the_vocabulary_scores(splade_artifact, minilm_artifact):
+    """Without a fitted memory model a SPLADE batch is admitted by the analytic bound: per
+    token its [vocab] scores and their masked copy, beside what a dense model's counts."""
+    from attnserve.artifact import read_manifest
+    from attnserve.server.memory.model import analytic_bound
+
+    manifest = splade_artifact(SPLADE)[2]
+    dense = replace(manifest, sparse=None)
+    assert analytic_bound(manifest).b - analytic_bound(dense).b == 8 * manifest.vocab_size
+    assert analytic_bound(read_manifest(minilm_artifact)).b == 4.0 * 16 * 384
 
 
 @pytest.mark.parametrize("request_, field", [
