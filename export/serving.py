@@ -120,3 +120,11 @@ def read_serving(checkpoint: Path, hidden: int, dims: list[int] | None = None) -
         declared = _json(checkpoint / "config.json").get(MATRYOSHKA_KEY) or []
         sizes = matryoshka_dims(declared, hidden, f"{checkpoint / 'config.json'}: {MATRYOSHKA_KEY}")
     return Serving(pooling, include, prompts, default, sizes)
+
+
+def read_prompts(checkpoint: Path, pooling: str) -> Serving:
+    """The serving configuration of a model whose vectors no Pooling module makes (SPLADE's,
+    bge-m3's [CLS]): `pooling`, the checkpoint's prompts, no Matryoshka sizes."""
+    _check_lower_case(checkpoint)
+    prompts, default = _prompts(checkpoint)
+    return Serving(pooling, True, prompts, default, [])

@@ -15,13 +15,13 @@ from torch import nn
 from attnserve.artifact import (
     DENSE_INPUT,
     DENSE_OUTPUT,
-    HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
+    TOKEN_OUTPUTS,
     TOKEN_TYPES,
     cpu_session_config,
 )
 from attnserve.export.graph_files import large, save, scratch
-from attnserve.export.onnx_graphs import GraphOutputs, ScoreOutputs, output_names
+from attnserve.export.onnx_graphs import GraphOutputs, Heads, ScoreOutputs, output_names
 from attnserve.model import AnyEncoder, CrossEncoder
 
 # Lengths other than the tracing length (7), including 1 and the model's maximum, so a
@@ -121,12 +121,13 @@ def session(model: onnx.ModelProto | Path, precision: str = "fp32",
 
 
 def served(name: str, value: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """What a caller can get of an output: the pooled vectors whole, the hidden state and
-    the attention rows of real tokens only (the server trims the padding away). A padded
+    """What a caller can get of an output: the pooled vectors whole, the outputs of one row
+    a token (the hidden state, token weights and vectors) and the attention rows of real
+    tokens only (the server trims the padding away). A padded
     query of a local ModernBERT layer sees no key at all: its row is whatever the softmax
     makes of blocked scores, which differs between precisions and serves nobody."""
     real = mask.astype(bool)
-    if name == HIDDEN_OUTPUT:
+    if name in TOKEN_OUTPUTS:
         return value[real]
     if name.startswith("attentions."):
         return np.moveaxis(value, 2, 1)[real]  # (batch, heads, q, k) -> (real q, heads, k)
@@ -134,9 +135,11 @@ def served(name: str, value: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def max_abs_error(path: Path, model: AnyEncoder | CrossEncoder, outputs: list[str],
-                  precision: str = "fp32", dense: nn.Module | None = None) -> float:
+                  precision: str = "fp32", dense: nn.Module | None = None,
+                  heads: Heads | None = None) -> float:
     """Worst absolute difference between onnxruntime and PyTorch over the parity shapes,
-    in what is served (`served`); `dense`: the Dense layers the pooled outputs go through."""
+    in what is served (`served`); `dense`: the Dense layers the pooled outputs go through;
+    `heads`: the embedder's heads."""
     sess = session(path, precision)
     inputs = [i.name for i in sess.get_inputs()]
     # The module that was traced: every output, pooled vectors included, in its place.
@@ -144,8 +147,8 @@ def max_abs_error(path: Path, model: AnyEncoder | CrossEncoder, outputs: list[st
         reference, names = ScoreOutputs(model).eval(), [LOGITS_OUTPUT]
     else:
         attention = any(name.startswith("attentions.") for name in outputs)
-        reference = GraphOutputs(model, attention, dense).eval()
-        names = output_names(model, attention)
+        reference = GraphOutputs(model, attention, dense, heads).eval()
+        names = output_names(model, attention, heads)
     worst = 0.0
     for feed in parity_inputs(model.config.vocab_size, model.config.max_positions,
                               token_types=TOKEN_TYPES in inputs):

@@ -1,14 +1,17 @@
-"""Load a Hugging Face checkpoint directory onto the encoder of its family, or onto a
-cross-encoder (model/classifier.py) for a sequence classifier.
+"""Load a Hugging Face checkpoint directory onto the encoder of its family, onto a
+cross-encoder (model/classifier.py) for a sequence classifier, or, when asked, onto a
+masked language model (model/masked_lm.py) for an encoder saved under its masked-LM head.
 
 config.json says which family it is (model/families.py); one this package does not
 implement is refused before any weight is read. Every tensor in the file must land
 somewhere (the language-model head of a checkpoint saved with one is left out knowingly,
-tied to the token embeddings or not) and every parameter of the model must be filled,
-with the same shape: a checkpoint that does not fit is refused with an error that names
-the tensor, instead of serving half-initialised weights. Buffers some checkpoints carry
-(position ids, RoPE's inverse frequencies) hold no weights: each must be what the model
-computes itself, and is then skipped.
+tied to the token embeddings or not, unless it is kept) and every parameter of the model
+must be filled, with the same shape: a checkpoint that does not fit is refused with an
+error that names the tensor, instead of serving half-initialised weights. A masked-LM
+head's decoder tied to the word embeddings is filled from them when the checkpoint saves
+it only once; a tensor saved twice (a decoder's bias, in two places) must agree. Buffers
+some checkpoints carry (position ids, RoPE's inverse frequencies) hold no weights: each
+must be what the model computes itself, and is then skipped.
 """
 
 import json
@@ -19,7 +22,15 @@ import torch
 from safetensors import safe_open
 
 from attnserve.model.classifier import CrossEncoder
-from attnserve.model.families import AnyEncoder, Architecture, Family, architecture_of, family_of
+from attnserve.model.families import (
+    AnyEncoder,
+    Architecture,
+    Family,
+    architecture_of,
+    family_of,
+    head_names,
+)
+from attnserve.model.masked_lm import MaskedLanguageModel
 from attnserve.model.positions import RotaryEmbedding
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -27,6 +38,10 @@ REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # layer or once) RoPE's inverse frequencies.
 _POSITION_IDS = "embeddings.position_ids"
 _INV_FREQ = "rotary_emb.inv_freq"
+# A tied masked-LM decoder's weight, and the word embeddings it is tied to.
+_DECODER, _WORD_EMBEDDINGS = "head.decoder.weight", "encoder.embeddings.word.weight"
+
+Model = AnyEncoder | CrossEncoder | MaskedLanguageModel
 
 log = logging.getLogger("attnserve.model")
 
@@ -52,32 +67,52 @@ def read_family(directory: Path) -> tuple[dict, Family]:
         raise CheckpointError(f"{path}: {err}") from err
 
 
-def our_names(hf_name: str, family: Family, classifier: bool = False) -> tuple[str, ...] | None:
-    """A checkpoint tensor's name -> ours: the encoder's, or in a classifier the head's
-    (head.…) and the encoder's under it (encoder.…)."""
-    if not classifier:
+def our_names(hf_name: str, family: Family,
+              head: dict[str, str] | None = None) -> tuple[str, ...] | None:
+    """A checkpoint tensor's name -> ours: the encoder's, or in a model with a head (`head`:
+    its modules, the family's head_modules or vocabulary_modules) the head's (head.…) and
+    the encoder's under it (encoder.…)."""
+    if head is None:
         return family.tensor_names(hf_name.removeprefix(family.prefix))
-    head = family.head_names(hf_name)
-    if head is not None:
-        return tuple(f"head.{name}" for name in head)
+    found = head_names(hf_name, head)
+    if found is not None:
+        return tuple(f"head.{name}" for name in found)
     names = family.tensor_names(hf_name.removeprefix(family.prefix))
     return None if names is None else tuple(f"encoder.{name}" for name in names)
 
 
 def build(directory: Path, hf: dict, family: Family, names: list[str],
-          classifier: bool) -> AnyEncoder | CrossEncoder:
-    """The family's encoder (under its classification head, for a classifier) as
-    config.json describes it, its parameters unfilled."""
+          architecture: Architecture, keep_language_model_head: bool) -> Model:
+    """The family's encoder (under its classification head, for a classifier; under its
+    masked-LM head, when kept) as config.json describes it, its parameters unfilled."""
     try:
-        if classifier:  # BERT's pooler is the head's dense layer
+        if architecture == "classifier":  # BERT's pooler is the head's dense layer
             return CrossEncoder(family.encoder(family.config(hf, False)), family.head_config(hf))
         has_pooler = any(our_names(name, family) == ("pooler.dense.weight",) for name in names)
-        return family.encoder(family.config(hf, has_pooler))
+        encoder = family.encoder(family.config(hf, has_pooler))
+        if keep_language_model_head:
+            return MaskedLanguageModel(encoder, family.vocabulary_config(hf))
+        return encoder
     except (KeyError, ValueError, TypeError) as err:
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
 
 
-def buffer_error(name: str, tensor: torch.Tensor, model: AnyEncoder | CrossEncoder) -> str | None:
+def _head_modules(directory: Path, family: Family, architecture: Architecture,
+                  keep_language_model_head: bool) -> dict[str, str] | None:
+    """The modules of the head the model keeps (None: it keeps none)."""
+    if architecture == "classifier":
+        return family.head_modules
+    if not keep_language_model_head:
+        return None
+    if architecture != "language_model" or family.vocabulary_modules is None:
+        found = ("its masked-LM head is not implemented here" if architecture == "language_model"
+                 else f"its architectures hold no {family.language_model}")
+        raise CheckpointError(f"{directory / 'config.json'}: the masked-LM head's scores are "
+                              f"asked for, but {found}")
+    return family.vocabulary_modules
+
+
+def buffer_error(name: str, tensor: torch.Tensor, model: Model) -> str | None:
     """Why a saved buffer is not what `model` computes itself; None when it is."""
     if name == _POSITION_IDS:
         if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
@@ -103,21 +138,25 @@ def read_architecture(directory: Path) -> tuple[dict, Family, Architecture]:
     return hf, family, architecture_of(hf, family)
 
 
-def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEncoder:
-    """Build the model that `directory` describes, an encoder or a cross-encoder, and fill
-    it with its weights."""
+def load_checkpoint(directory: Path | str | None = None,
+                    keep_language_model_head: bool = False) -> Model:
+    """Build the model that `directory` describes, an encoder or a cross-encoder (with
+    `keep_language_model_head`, a masked language model, which its architectures must
+    hold), and fill it with its weights."""
     directory = Path(directory) if directory is not None else default_checkpoint_dir()
     hf, family, architecture = read_architecture(directory)
-    classifier = architecture == "classifier"
-    head = family.language_model_head if architecture == "language_model" else ()
+    head = _head_modules(directory, family, architecture, keep_language_model_head)
+    dropped_heads = (family.language_model_head
+                     if architecture == "language_model" and head is None else ())
     weights = directory / "model.safetensors"
     filled: dict[str, torch.Tensor] = {}
     dropped = 0
     with safe_open(str(weights), framework="pt") as tensors:
-        model = build(directory, hf, family, list(tensors.keys()), classifier)
+        model = build(directory, hf, family, list(tensors.keys()), architecture,
+                      keep_language_model_head)
         expected = model.state_dict()
         for hf_name in tensors.keys():
-            if hf_name.startswith(head):
+            if hf_name.startswith(dropped_heads):
                 dropped += 1
                 continue
             tensor = tensors.get_tensor(hf_name)
@@ -127,7 +166,7 @@ def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEn
                 if error:
                     raise CheckpointError(f"{weights}: tensor {hf_name} {error}")
                 continue
-            names = our_names(hf_name, family, classifier)
+            names = our_names(hf_name, family, head)
             if names is None or any(name not in expected for name in names):
                 raise CheckpointError(f"{weights}: tensor {hf_name} does not belong to this model")
             parts = [expected[name] for name in names]
@@ -138,7 +177,14 @@ def load_checkpoint(directory: Path | str | None = None) -> AnyEncoder | CrossEn
                     f"the model expects {shape}"
                 )
             for name, part in zip(names, tensor.split([p.shape[0] for p in parts]), strict=True):
-                filled[name] = part.to(expected[name].dtype).clone()
+                part = part.to(expected[name].dtype)
+                if name in filled and not torch.equal(filled[name], part):
+                    raise CheckpointError(f"{weights}: tensor {hf_name} differs from the other "
+                                          f"tensor saved for the same weight ({name})")
+                filled[name] = part.clone()
+    if (isinstance(model, MaskedLanguageModel) and model.head.config.tied
+            and _DECODER not in filled and _WORD_EMBEDDINGS in filled):
+        filled[_DECODER] = filled[_WORD_EMBEDDINGS]
     missing = [name for name in expected if name not in filled]
     if missing:
         raise CheckpointError(f"{weights}: missing tensor for {missing[0]}" + (

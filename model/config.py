@@ -420,3 +420,39 @@ class HeadConfig:
                    activation=hf.get("classifier_activation", "gelu"),
                    dense_bias=hf.get("classifier_bias", False), norm=True,
                    norm_bias=hf.get("norm_bias", False), norm_eps=hf.get("norm_eps", 1e-5))
+
+
+@dataclass(frozen=True)
+class VocabularyHeadConfig:
+    """A masked language model's head over each token: a dense layer, its activation and a
+    LayerNorm, then one score per vocabulary entry (the decoder)."""
+
+    activation: str = "gelu"
+    norm_eps: float = 1e-12
+    dense_bias: bool = True
+    norm_bias: bool = True
+    decoder_bias: bool = True
+    tied: bool = True
+    """the decoder's weight is the word embeddings' (tie_word_embeddings): a checkpoint that
+    ties them may save it once, as the embeddings"""
+
+    @classmethod
+    def bert_from_hf(cls, hf: dict) -> "VocabularyHeadConfig":
+        """BERT's (its hidden_act), RoBERTa's, XLM-RoBERTa's and MPNet's (GELU)."""
+        activation = hf.get("hidden_act", "gelu") if hf["model_type"] == "bert" else "gelu"
+        return cls(activation=activation, norm_eps=hf.get("layer_norm_eps", 1e-12),
+                   tied=hf.get("tie_word_embeddings", True))
+
+    @classmethod
+    def distilbert_from_hf(cls, hf: dict) -> "VocabularyHeadConfig":
+        """DistilBERT's: its feed-forward's activation, a LayerNorm of epsilon 1e-12 whatever
+        config.json says."""
+        return cls(activation=hf.get("activation", "gelu"), norm_eps=1e-12,
+                   tied=hf.get("tie_word_embeddings", True))
+
+    @classmethod
+    def modernbert_from_hf(cls, hf: dict) -> "VocabularyHeadConfig":
+        return cls(activation=hf.get("classifier_activation", "gelu"),
+                   norm_eps=hf.get("norm_eps", 1e-5), dense_bias=hf.get("classifier_bias", False),
+                   norm_bias=hf.get("norm_bias", False), decoder_bias=hf.get("decoder_bias", True),
+                   tied=hf.get("tie_word_embeddings", True))

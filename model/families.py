@@ -6,9 +6,9 @@ without a word (its positions start after the padding id). So a checkpoint is re
 unless its `model_type` is a family written here and every one of its `architectures`
 holds that family's encoder as it is: the base model, the base model under its language
 model head (masked-LM for the encoders, causal-LM for the decoders), which is dropped at
-load (it predicts tokens, and nothing served reads it), or the base model under its
-sequence-classification head, which is kept: a cross-encoder (model/classifier.py),
-served as a reranker.
+load unless the export asks for it (a SPLADE model's scores are its masked-LM head's:
+model/masked_lm.py), or the base model under its sequence-classification head, which is
+kept: a cross-encoder (model/classifier.py), served as a reranker or a classifier.
 """
 
 from collections.abc import Callable
@@ -21,6 +21,7 @@ from attnserve.model.config import (
     EncoderShape,
     HeadConfig,
     ModernBertConfig,
+    VocabularyHeadConfig,
 )
 from attnserve.model.decoder import Decoder
 from attnserve.model.encoder import Encoder
@@ -49,7 +50,8 @@ class Family:
     language_model: str
     """the architecture of the encoder under its language-model head (BertForMaskedLM)"""
     language_model_head: tuple[str, ...]
-    """the name prefixes of the language-model head's tensors, dropped at load"""
+    """the name prefixes of the language-model head's tensors, dropped at load unless it is
+    kept"""
     config: Callable[[dict, bool], EncoderShape]
     """config.json, and whether the weights carry BERT's pooler -> the encoder's config"""
     encoder: Callable[..., AnyEncoder]
@@ -61,6 +63,12 @@ class Family:
     head_modules: dict[str, str] | None = None
     """the sequence-classification head's modules, by their full names in the checkpoint
     -> ours in model/classifier.py's ClassificationHead (BERT's dense layer is its pooler)"""
+    vocabulary_config: Callable[[dict], VocabularyHeadConfig] | None = None
+    """config.json -> its masked-LM head's config (None: the family's is not implemented)"""
+    vocabulary_modules: dict[str, str] | None = None
+    """the masked-LM head's modules by their full names in the checkpoint -> ours in
+    model/masked_lm.py's VocabularyHead (the module holding the decoder's bias, where a
+    family keeps it apart from the decoder, is the decoder too)"""
 
     @property
     def classifier(self) -> str | None:
@@ -68,41 +76,60 @@ class Family:
             return None
         return self.base.removesuffix("Model") + "ForSequenceClassification"
 
-    def head_names(self, hf_name: str) -> tuple[str, ...] | None:
-        """A classifier head tensor's name in the checkpoint -> ours, None for any other."""
-        module, _, kind = hf_name.rpartition(".")
-        ours = (self.head_modules or {}).get(module)
-        return None if ours is None else (f"{ours}.{kind}",)
+
+
+def head_names(hf_name: str, modules: dict[str, str]) -> tuple[str, ...] | None:
+    """A head tensor's name in the checkpoint -> ours, by `modules` (a Family's head_modules
+    or vocabulary_modules); None for a tensor of no module there."""
+    module, _, kind = hf_name.rpartition(".")
+    ours = modules.get(module)
+    return None if ours is None else (f"{ours}.{kind}",)
 
 
 def _encoder_family(model_type: str, base: str, prefix: str, lm_head: tuple[str, ...],
                     config: Callable, names: Callable, head_config: Callable,
-                    head_modules: dict[str, str], encoder: Callable = Encoder) -> Family:
+                    head_modules: dict[str, str], vocabulary_config: Callable,
+                    vocabulary_modules: dict[str, str], encoder: Callable = Encoder) -> Family:
     return Family(model_type, base, prefix, base.removesuffix("Model") + "ForMaskedLM", lm_head,
-                  config, encoder, names, head_config, head_modules)
+                  config, encoder, names, head_config, head_modules, vocabulary_config,
+                  vocabulary_modules)
 
 
 _ROBERTA_HEAD = {"classifier.dense": "dense", "classifier.out_proj": "out"}
+_ROBERTA_LM_HEAD = {"lm_head.dense": "dense", "lm_head.layer_norm": "norm",
+                    "lm_head.decoder": "decoder", "lm_head": "decoder"}
 
 FAMILIES = {family.model_type: family for family in (
     _encoder_family("bert", "BertModel", "bert.", ("cls.predictions.",), EncoderConfig.from_hf,
                     bert_names, HeadConfig.bert_from_hf,
-                    {"bert.pooler.dense": "dense", "classifier": "out"}),
+                    {"bert.pooler.dense": "dense", "classifier": "out"},
+                    VocabularyHeadConfig.bert_from_hf,
+                    {"cls.predictions.transform.dense": "dense",
+                     "cls.predictions.transform.LayerNorm": "norm",
+                     "cls.predictions.decoder": "decoder", "cls.predictions": "decoder"}),
     _encoder_family("roberta", "RobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf,
-                    bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
+                    bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD,
+                    VocabularyHeadConfig.bert_from_hf, _ROBERTA_LM_HEAD),
     _encoder_family("xlm-roberta", "XLMRobertaModel", "roberta.", ("lm_head.",),
-                    EncoderConfig.from_hf, bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
+                    EncoderConfig.from_hf, bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD,
+                    VocabularyHeadConfig.bert_from_hf, _ROBERTA_LM_HEAD),
     _encoder_family("modernbert", "ModernBertModel", "model.", ("head.", "decoder."),
                     ModernBertConfig.from_hf, modernbert_names, HeadConfig.modernbert_from_hf,
                     {"head.dense": "dense", "head.norm": "norm", "classifier": "out"},
+                    VocabularyHeadConfig.modernbert_from_hf,
+                    {"head.dense": "dense", "head.norm": "norm", "decoder": "decoder"},
                     ModernBertEncoder),
     _encoder_family("mpnet", "MPNetModel", "mpnet.", ("lm_head.",), EncoderConfig.mpnet_from_hf,
-                    mpnet_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD),
+                    mpnet_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD,
+                    VocabularyHeadConfig.bert_from_hf, _ROBERTA_LM_HEAD),
     _encoder_family("distilbert", "DistilBertModel", "distilbert.",
                     ("vocab_transform.", "vocab_layer_norm.", "vocab_projector."),
                     EncoderConfig.distilbert_from_hf, distilbert_names,
                     HeadConfig.distilbert_from_hf,
-                    {"pre_classifier": "dense", "classifier": "out"}),
+                    {"pre_classifier": "dense", "classifier": "out"},
+                    VocabularyHeadConfig.distilbert_from_hf,
+                    {"vocab_transform": "dense", "vocab_layer_norm": "norm",
+                     "vocab_projector": "decoder"}),
     Family("qwen3", "Qwen3Model", "model.", "Qwen3ForCausalLM", ("lm_head.",),
            DecoderConfig.qwen3_from_hf, Decoder, qwen3_names, HeadConfig.qwen3_from_hf,
            {"score": "out"}),

@@ -39,3 +39,9 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, how: str) -> torch.
     if how == "lasttoken":
         return last(hidden, attention_mask)
     raise ValueError(f"unknown pooling {how!r} (mean, cls, lasttoken)")
+
+
+def normalize(vectors: torch.Tensor) -> torch.Tensor:
+    """Each vector (the last axis) at unit L2 length, as torch.nn.functional.normalize makes
+    it (the norm clamped at 1e-12), written out so the graph has no Expand node."""
+    return vectors / vectors.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-12)

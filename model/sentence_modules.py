@@ -32,6 +32,8 @@ DEFAULT_POOLING = "1_Pooling"
 # Dense and Normalize act on the pooled vector under this name; on another (the token
 # states, as multi-vector models use them) they would change something else.
 SENTENCE_EMBEDDING = "sentence_embedding"
+TOKEN_EMBEDDINGS = "token_embeddings"
+"""the token states, what a multi-vector model's Dense and Normalize act on"""
 _KNOWN = ("Transformer", "Pooling", "Dense", "Dropout", "Normalize")
 
 
@@ -103,15 +105,16 @@ def _weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     raise CheckpointError(f"{folder}: a Dense module needs model.safetensors or pytorch_model.bin")
 
 
-def _dense(folder: Path, in_features: int) -> Dense:
+def _dense(folder: Path, in_features: int, on: str) -> Dense:
     path = folder / DENSE_CONFIG
     config = _json(path, "a Dense module's config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
+    states = "the pooled vector" if on == SENTENCE_EMBEDDING else "the token states"
     for key in ("module_input_name", "module_output_name"):
-        if config.get(key) not in (None, SENTENCE_EMBEDDING):
+        if config.get(key) not in (None, on):
             raise CheckpointError(f"{path}: {key} {config[key]!r}; attnserve exports Dense layers "
-                               f"on the pooled vector ({SENTENCE_EMBEDDING!r})")
+                                  f"on {states} ({on!r})")
     if config.get("in_features") != in_features or not isinstance(config.get("out_features"), int):
         raise CheckpointError(f"{path}: in_features {config.get('in_features')!r} and out_features "
                            f"{config.get('out_features')!r}; the vector coming in has {in_features}")
@@ -134,21 +137,26 @@ def _dense(folder: Path, in_features: int) -> Dense:
     return dense
 
 
-def _entries(path: Path) -> list[tuple[str, str, str]]:
-    """modules.json -> (name, class name, path) of each module, in order."""
+def module_types(path: Path) -> list[tuple[str, str, str]]:
+    """modules.json -> (name, type, path) of each module, in order, whatever its type."""
     entries = _json(path, "sentence-transformers' module list")
     if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("type"), str)
                                                 for e in entries):
         raise CheckpointError(f"{path}: expected a list of modules, each with its type")
+    return [(str(entry.get("name", "?")), entry["type"], str(entry.get("path", "")))
+            for entry in sorted(entries, key=lambda e: e.get("idx", 0))]
+
+
+def _entries(path: Path) -> list[tuple[str, str, str]]:
+    """modules.json -> (name, class name, path) of each module, in order."""
     found = []
-    for entry in sorted(entries, key=lambda e: e.get("idx", 0)):
-        kind = entry["type"]
+    for module, kind, folder in module_types(path):
         name = kind.rpartition(".")[2]
         if not kind.startswith("sentence_transformers.") or name not in _KNOWN:
-            raise CheckpointError(f"{path}: module {entry.get('name', '?')} {kind!r} is not one "
+            raise CheckpointError(f"{path}: module {module} {kind!r} is not one "
                                f"attnserve exports ({', '.join(_KNOWN)}): it would serve "
                                "something else than the model returns")
-        found.append((str(entry.get("name", "?")), name, str(entry.get("path", ""))))
+        found.append((module, name, folder))
     return found
 
 
@@ -191,9 +199,15 @@ def read_module_list(checkpoint: Path) -> ModuleList:
 def dense_layers(modules: ModuleList, in_features: int) -> nn.Sequential:
     """The Dense layers with their weights, each taking the previous one's vectors (the
     first, the pooled vector of `in_features`); none: the pooled vector passes unchanged."""
+    return dense_stack(modules.dense, in_features, SENTENCE_EMBEDDING)
+
+
+def dense_stack(folders: tuple[Path, ...], in_features: int, on: str) -> nn.Sequential:
+    """The Dense layers in `folders`, in order, each taking the previous one's vectors (the
+    first, vectors of `in_features`), on the pooled vector or the token states (`on`)."""
     layers = []
-    for folder in modules.dense:
-        layers.append(_dense(folder, in_features))
+    for folder in folders:
+        layers.append(_dense(folder, in_features, on))
         in_features = layers[-1].linear.out_features
     return nn.Sequential(*layers).eval()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests import harness
-from tests.families import make_reranker, make_sentence_transformer
+from tests.families import make_reranker, make_sentence_transformer, make_sparse_encoder
 from tests.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
 
 # Its artifact's graphs are each written with their weights in an external data file (the
@@ -154,5 +154,42 @@ def classifier_artifact(tmp_path_factory):
             made[family] = checkpoint, _export_in_process(
                 tmp_path_factory.mktemp(f"{family}-reranker"), checkpoint, False, int8=int8)
         return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def multi_label_classifier(tmp_path_factory):
+    """A random DistilBertForSequenceClassification of three labels, multi-label (a sigmoid
+    each), and its artifact (kind classifier)."""
+    root = tmp_path_factory.mktemp("multi-label-classifier")
+    checkpoint = make_reranker("distilbert", root / "checkpoint", num_labels=3,
+                               problem_type="multi_label_classification")
+    return checkpoint, _export_in_process(root / "artifact", checkpoint, False)
+
+
+SPLADES = {  # name -> make_sparse_encoder's arguments
+    "distilbert-legacy": dict(family="distilbert"),
+    "roberta-sum-log1p": dict(family="roberta", pooling="sum", activation="log1p_relu",
+                              legacy=False, max_active_dims=5),
+}
+
+
+@pytest.fixture(scope="session")
+def splade_artifact(tmp_path_factory):
+    """name (SPLADES) -> (its random SPLADE checkpoint, its exported directory, its
+    manifest), each exported once, when first asked for."""
+    from attnserve.artifact import read_manifest
+    from attnserve.export.pipeline import run_export
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            checkpoint = make_sparse_encoder(root / "st", **SPLADES[name])
+            run_export(root / "artifact", checkpoint)
+            made[name] = checkpoint, root / "artifact", read_manifest(root / "artifact")
+        return made[name]
 
     return get

@@ -420,17 +420,84 @@ def make_sentence_transformer(family: str, directory: Path, **overrides) -> Path
     return directory
 
 
-def make_sparse_encoder(directory: Path) -> Path:
-    """A SPLADE model as sentence-transformers' SparseEncoder saves one: DistilBERT's
-    masked-LM (MLMTransformer), then SpladePooling."""
+def make_sparse_encoder(directory: Path, family: str = "distilbert", pooling: str = "max",
+                        activation: str = "relu", legacy: bool = True,
+                        max_active_dims: int | None = None) -> Path:
+    """A SPLADE model as sentence-transformers' SparseEncoder saves one: `family`'s
+    masked-LM (random, seeded), then SpladePooling of `pooling` and `activation`; `legacy`:
+    the masked-LM as the deprecated MLMTransformer module, else as a Transformer of task
+    fill-mask; `max_active_dims`: the weights each text keeps."""
     import torch
     import transformers
     from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
 
-    base = make_checkpoint("distilbert", directory.with_name(directory.name + "-mlm"))
+    base = make_checkpoint(family, directory.with_name(directory.name + "-mlm"))
     torch.manual_seed(0)
-    transformers.DistilBertForMaskedLM(transformers.AutoConfig.from_pretrained(base)).save_pretrained(base)
-    SparseEncoder(modules=[MLMTransformer(str(base)), SpladePooling("max")],
-                  device="cpu").save(str(directory))
+    transformers.AutoModelForMaskedLM.from_config(
+        transformers.AutoConfig.from_pretrained(base)).save_pretrained(base)
+    transformer = (MLMTransformer(str(base)) if legacy
+                   else Transformer(str(base), transformer_task="fill-mask"))
+    SparseEncoder(modules=[transformer, SpladePooling(pooling, activation)], device="cpu",
+                  max_active_dims=max_active_dims).save(str(directory))
+    return directory
+
+
+def make_multi_vector(directory: Path, layout: str, dim: int = 16, query_length: int = 12,
+                      document_length: int = 40) -> Path:
+    """A random multi-vector (ColBERT) BERT checkpoint with MiniLM's tokenizer, saved as
+    `layout` saves one: "pylate" (PyLate's files, written here as it writes them: its
+    Dense module, its keys in config_sentence_transformers.json, "[Q] " and "[D] " added to
+    the vocabulary) or "native" (sentence-transformers' MultiVectorEncoder, its markers as
+    text prompts, query expansion to `query_length`, punctuation skipped in documents)."""
+    import json
+    import string
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    pylate = layout == "pylate"
+    base = directory if pylate else directory.with_name(directory.name + "-base")
+    _bert(base, {})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    if pylate:
+        tokenizer.add_tokens(["[Q] ", "[D] "])
+        model = transformers.BertModel.from_pretrained(base)
+        model.resize_token_embeddings(len(tokenizer))
+        model.eval().save_pretrained(base)
+        tokenizer.save_pretrained(base)
+    torch.manual_seed(1)
+    hidden = SHAPE["hidden_size"]
+    if not pylate:
+        from sentence_transformers import MultiVectorEncoder
+        from sentence_transformers.base.modules import Dense, Normalize, Transformer
+        from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+        transformer = Transformer(str(base), document_length=document_length, query_expansion={
+            "strategy": "fixed", "attend": False, "length": query_length})
+        dense = Dense(hidden, dim, bias=False, activation_function=torch.nn.Identity(),
+                      module_input_name="token_embeddings")
+        MultiVectorEncoder(modules=[transformer, dense,
+                                    MultiVectorMask(skiplist_words=list(string.punctuation)),
+                                    Normalize(module_input_name="token_embeddings")],
+                           prompts={"query": "[unused0] ", "document": "[unused1] "},
+                           device="cpu").save(str(directory))
+        return directory
+    (directory / "1_Dense").mkdir()
+    save_file({"linear.weight": torch.randn(dim, hidden) * 0.2}, directory / "1_Dense/model.safetensors")
+    (directory / "1_Dense/config.json").write_text(json.dumps({
+        "in_features": hidden, "out_features": dim, "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity"}))
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128,
+                                                                     "do_lower_case": False}))
+    (directory / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "MaxSim",
+        "query_prefix": "[Q] ", "document_prefix": "[D] ", "query_length": query_length,
+        "document_length": document_length, "attend_to_expansion_tokens": False,
+        "skiplist_words": list(string.punctuation), "do_query_expansion": True}))
     return directory

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attnserve.artifact import EMBEDDER
+from attnserve.artifact import EMBEDDER, HIDDEN_OUTPUT
 from attnserve.server.engine import timings
 from attnserve.server.engine.chunked import embed_chunked
 from attnserve.server.engine.model import ServedModel
@@ -34,6 +34,9 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
     count = len(request.texts) or len(request.token_ids)
     if not count:
         raise InvalidArgument(names.sequences, "empty: send at least one sequence")
+    if not model.manifest.dense and (request.chunking or request.outputs - {HIDDEN_OUTPUT}):
+        raise InvalidArgument("model", f"{model.name!r} has no dense vectors (its heads: "
+                              f"{', '.join(model.manifest.heads)}): ask for its sparse vectors")
     texts = bool(request.texts)
     prompt = model.prompt(request.prompt_name, texts)
     left = model.left(request.truncation_direction, texts)

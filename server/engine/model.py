@@ -19,10 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from attnserve.artifact import (
+    CLASSIFIER,
     EMBEDDER,
     HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
     RERANKER,
+    SCORERS,
     Artifact,
     attention_output,
 )
@@ -49,7 +51,8 @@ NOT_SERVING = ("server is not serving (starting, or draining): send the request 
                "replica")
 KINDS_SAID = {EMBEDDER: ("an embedding model", "it embeds texts and scores texts against a "
                                                "query from their vectors"),
-              RERANKER: ("a reranker (a cross-encoder)", "it scores (query, text) pairs")}
+              RERANKER: ("a reranker (a cross-encoder)", "it scores (query, text) pairs"),
+              CLASSIFIER: ("a classifier", "it scores every label of a text or a pair of texts")}
 """kind -> (what it is, what it does), as a refusal says them"""
 # A refusal names at most this many of a model's prompts.
 PROMPTS_LISTED = 16
@@ -91,7 +94,7 @@ class ServedModel:
         self.kind = m.kind
         self.dimensions = sorted({m.embedding_size, *m.matryoshka_dims}, reverse=True)
         """the sizes a pooled vector may be cut to"""
-        if m.kind == RERANKER:
+        if m.kind in SCORERS:
             self.output_layers = {LOGITS_OUTPUT: ()}
         else:
             self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
@@ -104,13 +107,15 @@ class ServedModel:
         if not self.serving():
             raise Unavailable(NOT_SERVING)
 
-    def require(self, kind: str, operation: str) -> None:
+    def require(self, kinds: str | tuple[str, ...], operation: str) -> None:
         """Refuse an operation that a model of another kind does not serve, naming the
         model's kind."""
-        if self.kind != kind:
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        if self.kind not in kinds:
             what, does = KINDS_SAID[self.kind]
+            takes = " or ".join(KINDS_SAID[kind][0] for kind in kinds)
             raise InvalidArgument("model", f"{self.name!r} is {what}: {does}; {operation} takes "
-                                  f"{KINDS_SAID[kind][0]}")
+                                  f"{takes}")
 
     def hold_response(self, holds: Holds, size: int, on_top: float = 0.0) -> None:
         """Hold a response of `size` bytes (several times over: see RESPONSE_COPIES) until
@@ -207,7 +212,7 @@ class ServedModel:
 
     def model_info(self) -> ModelInfo:
         m = self.manifest
-        if self.kind == RERANKER:
+        if self.kind in SCORERS:
             outputs = [TensorInfo(LOGITS_OUTPUT, "FP32", (-1, len(m.labels)))]
         else:
             outputs = [TensorInfo(HIDDEN_OUTPUT, "FP32", (-1, -1, m.hidden_size)),
@@ -223,4 +228,5 @@ class ServedModel:
             artifact_sha256=self.artifact.manifest_sha256,
             inputs=[TensorInfo(name, "INT64", (-1, -1)) for name in m.inputs],
             outputs=outputs, prompts=dict(m.prompts), default_prompt_name=self.default_prompt,
-            matryoshka_dims=list(m.matryoshka_dims), embedding_size=m.embedding_size)
+            matryoshka_dims=list(m.matryoshka_dims), embedding_size=m.embedding_size,
+            heads=m.heads)

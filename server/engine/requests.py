@@ -33,9 +33,16 @@ class Fields:
     """the field holding the query a request scores its texts against"""
     top_n: str = "top_n"
     chunking: str = "chunking"
+    pair_at: str = "{sequence}.text_pair"
+    """the field of an input's second text, from its sequence's (`{sequence}`) and index
+    (`{index}`)"""
+    top_k: str = "top_k"
 
     def sequence(self, index: int) -> str:
         return self.sequences if self.single else f"{self.sequences}[{index}]"
+
+    def pair(self, index: int) -> str:
+        return self.pair_at.format(sequence=self.sequence(index), index=index)
 
     def token(self, index: int, position: int) -> str:
         return self.token_at.format(sequence=self.sequence(index), index=index,
@@ -60,10 +67,14 @@ class ResponseSize:
         size = self.measure(lengths)
         if size > self.limit:
             raise ResourceExhausted(
-                f"response would be {'at least' if at_least else 'about'} "
-                f"{size / (1 << 20):.1f} MiB, over the {self.limit / (1 << 20):.1f} MiB message "
-                f"limit: {self.advice}")
+                f"response would be {'at least' if at_least else 'about'} {size_text(size)}, "
+                f"over the {size_text(self.limit)} message limit: {self.advice}")
         return size
+
+
+def size_text(size: int) -> str:
+    """A size as a refusal says it: in MiB, or KiB under one MiB."""
+    return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size / 1024:.1f} KiB"
 
 
 class ChunkingMode(enum.Enum):
@@ -196,6 +207,68 @@ class Reranked:
     total_tokens: int
     """every pair's tokens, special tokens included"""
     response_bytes: int
+
+
+@dataclass(frozen=True)
+class SparseRequest:
+    """Texts, each one sparse vector: its non-zero weights by token id."""
+
+    names: Fields
+    size: ResponseSize
+    """measures the response for texts of these counts of entries"""
+    texts: Sequence[str]
+    truncate: bool = False
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    prompt_name: str | None = None
+    top_k: int | None = None
+    """the top_k largest weights of each text only (1 or more); None: the model's default
+    (its checkpoint's max_active_dims), or every non-zero weight"""
+
+
+@dataclass
+class SparseEmbedded:
+    indices: list[np.ndarray]
+    """int64: each text's token ids of non-zero weight, ascending"""
+    values: list[np.ndarray]
+    """float32: their weights, in the same order"""
+    total_tokens: int
+    response_bytes: int
+
+
+@dataclass(frozen=True)
+class ClassifyRequest:
+    """Texts, each alone or with a second text (a pair, laid out as the tokenizer's pair
+    template), every label of each scored by a classifier (or a reranker's one label)."""
+
+    names: Fields
+    size: ResponseSize
+    """measures the response for this many inputs (the array's length)"""
+    texts: Sequence[str]
+    text_pairs: Sequence[str | None] = ()
+    """each text's second text, or None; empty: every text alone"""
+    activation: str | None = None
+    """softmax, sigmoid or none (the logits: raw_scores); None: the model's"""
+    truncate: bool = False
+    """cut a text (a pair's second text) longer than the model's positions instead of
+    refusing it"""
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
+    top_k: int | None = None
+    """checked here (1 or more); the door cuts each input's labels, best first, to it"""
+
+
+@dataclass
+class Classified:
+    scores: np.ndarray
+    """float32 [inputs, labels]: each input's score of every label, in label-id order"""
+    total_tokens: int
+    response_bytes: int
+
+    def ranked(self, index: int, top_k: int | None = None) -> list[tuple[int, float]]:
+        """Input `index`'s (label id, score), highest first, equal scores by id, the first
+        `top_k` (None: every label)."""
+        row = self.scores[index]
+        order = np.argsort(-row, kind="stable")[:top_k]
+        return list(zip(order.tolist(), row[order].tolist(), strict=True))
 
 
 class ScoreMode(enum.Enum):
@@ -350,3 +423,5 @@ class ModelInfo:
     """the sizes a pooled vector may be cut to besides embedding_size, largest first"""
     embedding_size: int = 0
     """the pooled vectors' size (past any Dense layers)"""
+    heads: list[str] = field(default_factory=list)
+    """an embedder's outputs: dense (pooled vectors), sparse"""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attnserve.artifact import HIDDEN_OUTPUT, LOGITS_OUTPUT, RERANKER, TOKEN_TYPES
+from attnserve.artifact import HIDDEN_OUTPUT, LOGITS_OUTPUT, SCORERS, TOKEN_TYPES
 from attnserve.server.engine import timings
 from attnserve.server.engine.model import ALL_ATTENTIONS, ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, ID_SEQUENCE_S, TOKEN_ID_S
@@ -38,7 +38,7 @@ async def run(model: ServedModel, request: TensorRequest, holds: Holds,
         sequences, lengths, segments = await model.offload.request(
             batch * (ID_SEQUENCE_S + seq * len(model.manifest.inputs) * TOKEN_ID_S), _rows,
             model, request.inputs, batch, seq)
-    outputs = frozenset({LOGITS_OUTPUT if model.kind == RERANKER else HIDDEN_OUTPUT})
+    outputs = frozenset({LOGITS_OUTPUT if model.kind in SCORERS else HIDDEN_OUTPUT})
     results = await model.run(Submission(sequences, lengths, layers, deadline, outputs,
                                          segments=segments),
                               request.names.sequence, response_bytes, holds)
@@ -75,7 +75,7 @@ def _output_names(model: ServedModel, outputs: Sequence[str]) -> tuple[list[str]
     layers: set[int] = set()
     for i, name in enumerate(names):
         if name not in known:
-            listed = (LOGITS_OUTPUT if model.kind == RERANKER else
+            listed = (LOGITS_OUTPUT if model.kind in SCORERS else
                       f"{HIDDEN_OUTPUT}, {ALL_ATTENTIONS}, attentions.0 … "
                       f"attentions.{model.manifest.num_layers - 1}")
             raise InvalidArgument(f"outputs[{i}]", f"unknown output {quote(name)}; known: {listed}")

@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from attnserve.artifact import MANIFEST, RERANKER, TOKENIZER, Artifact, ArtifactError
+from attnserve.artifact import MANIFEST, SCORERS, TOKENIZER, Artifact, ArtifactError
 from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
 from attnserve.server.memory.ledger import Holds
 
@@ -521,7 +521,7 @@ def load_tokenizer(artifact: Artifact) -> TextTokenizer:
         raise ArtifactError(f"{artifact.path(MANIFEST)}: {err}") from err
     except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception
         raise ArtifactError(f"{artifact.path(TOKENIZER)}: not a valid tokenizer ({err})") from err
-    if artifact.manifest.kind == RERANKER and tokenizer.pair is None:
+    if artifact.manifest.kind in SCORERS and tokenizer.pair is None:
         raise ArtifactError(f"{artifact.path(TOKENIZER)}: no template for pairs, which a "
-                            "reranker's (query, text) pairs need")
+                            "reranker's or classifier's pairs need")
     return tokenizer

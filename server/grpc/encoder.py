@@ -7,10 +7,10 @@ import dataclasses
 
 import numpy as np
 
-from attnserve.artifact import EMBEDDER, RERANKER, Manifest, pooled_output
+from attnserve.artifact import CLASSIFIER, EMBEDDER, RERANKER, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
-from attnserve.server.engine import embed, pairs
+from attnserve.server.engine import classify, embed, pairs, sparse
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.plane import DataPlane
@@ -18,6 +18,8 @@ from attnserve.server.engine.quantize import EmbeddingType, ranges_of
 from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
+    Classified,
+    ClassifyRequest,
     EmbedRequest,
     Fields,
     Reranked,
@@ -26,6 +28,8 @@ from attnserve.server.engine.requests import (
     Scored,
     ScoreMode,
     ScoreRequest,
+    SparseEmbedded,
+    SparseRequest,
     TokenizeRequest,
     TruncationDirection,
 )
@@ -64,6 +68,16 @@ IDS = Fields("token_ids", token_at="{sequence}.ids[{position}]")
 SCORE_MODES = {pb.SCORE_MODE_COSINE: ScoreMode.COSINE, pb.SCORE_MODE_MAXSIM: ScoreMode.MAXSIM}
 RERANK_ADVICE = "set top_n, leave return_texts unset, or send fewer texts"
 SCORE_ADVICE = "send fewer texts"
+CLASSIFY = Fields("inputs", token_at="{sequence}.text", pair_at="{sequence}.text_pair")
+CLASSIFY_ADVICE = "set top_k, or send fewer inputs"
+SPARSE_ADVICE = "set top_k, or send fewer texts"
+# A SparseVector's entry (its length prefix) and its two packed fields' tags and lengths,
+# at the largest; each of its entries: an id (a uint32 varint) and a float.
+SPARSE_VECTOR_BYTES = (1 + 5) + 2 * (1 + 5)
+SPARSE_ENTRY_BYTES = 5 + 4
+# One label's score: its id (a uint32), its score (a float) and its label's length prefix,
+# each with its tag, in a Classification's length-prefixed entry.
+LABEL_BYTES = field_bytes((1 + 5) + (1 + 4) + (1 + 5))
 # One result's index (a uint32) and score (a float), each with its one-byte tag, and the
 # text's tag and length prefix (at the largest, 5 bytes).
 RESULT_BYTES = (1 + 5) + (1 + 4) + (1 + 5)
@@ -284,6 +298,32 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                                     model.name)
         return await answer(self.metrics, "Score", context, handle, request.priority)
 
+    async def Classify(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model, kind=CLASSIFIER)
+            classified = await classify.classify(
+                model, _classify_request(request, model, self.max_message_bytes),
+                call_holds(), deadline_of(context))
+            top_k = request.top_k if request.HasField("top_k") else None
+            return await model.pack(classified.scores.size * RESULT_S, _classify_response,
+                                    classified, top_k, model)
+        return await answer(self.metrics, "Classify", context, handle)
+
+    async def EmbedSparse(self, request, context):
+        async def handle():
+            model = self.plane.model(request.model)
+            head = _head_bytes(model.name)
+            embedded = await sparse.embed_sparse(model, SparseRequest(
+                TEXTS, ResponseSize(lambda counts: head + len(counts) * SPARSE_VECTOR_BYTES
+                                    + SPARSE_ENTRY_BYTES * int(counts.sum()),
+                                    self.max_message_bytes, SPARSE_ADVICE),
+                request.texts, request.truncate, direction(request.truncation_direction),
+                request.prompt_name, request.top_k if request.HasField("top_k") else None),
+                call_holds(), deadline_of(context))
+            return await model.pack(embedded.response_bytes * COPY_BYTE_S, _sparse_response,
+                                    embedded, model.name)
+        return await answer(self.metrics, "EmbedSparse", context, handle)
+
     async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
         info = model.model_info()
         return pb.GetModelInfoResponse(
@@ -300,6 +340,42 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
 def _head_bytes(model: str) -> int:
     """model and total_tokens, at the largest"""
     return field_bytes(len(model.encode())) + 1 + varint_bytes((1 << 63) - 1)
+
+
+def _classify_request(request: pb.ClassifyRequest, model: ServedModel,
+                      limit: int) -> ClassifyRequest:
+    inputs = request.inputs
+    top_k = request.top_k if request.HasField("top_k") else None
+    labels = model.manifest.labels
+    # Every label's name at its longest, as each input's answer may carry them all.
+    per_input = field_bytes(sum(LABEL_BYTES + UTF8_MAX * len(label) for label in labels))
+
+    def measure(counts: np.ndarray) -> int:
+        return _head_bytes(model.name) + len(counts) * per_input
+
+    return ClassifyRequest(CLASSIFY, ResponseSize(measure, limit, CLASSIFY_ADVICE),
+                           [i.text for i in inputs],
+                           [i.text_pair if i.HasField("text_pair") else None for i in inputs],
+                           "none" if request.raw_scores else None, request.truncate,
+                           direction(request.truncation_direction), top_k)
+
+
+def _classify_response(classified: Classified, top_k: int | None,
+                       model: ServedModel) -> pb.ClassifyResponse:
+    labels = model.manifest.labels
+    response = pb.ClassifyResponse(model=model.name, total_tokens=classified.total_tokens)
+    for index in range(len(classified.scores)):
+        response.classifications.add(scores=[
+            pb.LabelScore(id=label, label=labels[label], score=score)
+            for label, score in classified.ranked(index, top_k)])
+    return response
+
+
+def _sparse_response(embedded: SparseEmbedded, model: str) -> pb.EmbedSparseResponse:
+    return pb.EmbedSparseResponse(
+        vectors=[pb.SparseVector(indices=i.tolist(), values=v.tolist())
+                 for i, v in zip(embedded.indices, embedded.values, strict=True)],
+        model=model, total_tokens=embedded.total_tokens)
 
 
 def _rerank_request(request: pb.RerankRequest, model: str, limit: int) -> RerankRequest:

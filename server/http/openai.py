@@ -27,24 +27,34 @@ counts the tokens run through the model, every window's or chunk's. `embedding_t
 import time
 import uuid
 
+import msgspec
 import numpy as np
+import orjson
 from aiohttp import web
 
-from attnserve.artifact import pooled_output
-from attnserve.server.engine import embed
+from attnserve.artifact import CLASSIFIER, pooled_output
+from attnserve.server.engine import classify, embed, sparse
 from attnserve.server.engine.model import ServedModel
-from attnserve.server.engine.offload import FLOAT_TEXT_S, RESULT_S
+from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S
 from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
+    ClassifyRequest,
     Embedded,
     EmbedRequest,
     ResponseSize,
+    SparseEmbedded,
+    SparseRequest,
     TruncationDirection,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
-from attnserve.server.http.door import Door, encode, json_response
+from attnserve.server.http.calls import JSON_FLOAT_BYTES
+from attnserve.server.http.door import Door, encode, json_response, numbers
 from attnserve.server.http.schemas import (
+    Classification,
+    Classify,
+    ClassifyData,
+    ClassifyUsage,
     Embedding,
     EmbeddingList,
     Embeddings,
@@ -69,6 +79,10 @@ CHUNK_ITEM_BYTES = 128
 ""","input_index":N,"start":N,"end":N,"num_tokens":N in a chunk's item"""
 ADVICE = "send fewer inputs per request, or use encoding_format=base64"
 OWNED_BY = "attnserve"
+SPARSE_ENTRY_BYTES = 23
+"""a sparse entry's id and weight as numbers, with their commas, at the longest"""
+CLASS_BYTES = 160
+"""{"index":N,"label":"","probs":[],"num_classes":N} around an input's scores, and its label"""
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
 # HTTP status -> OpenAI's error `type` and `code`.
 ERROR_KINDS = {
@@ -102,6 +116,7 @@ class OpenAIDoor(Door):
                 self.route("GET", "/v1/models/{model:.+}", self.get_model,
                            "http:/v1/models/{model}"),
                 self.route("POST", "/embeddings", self.infinity_embeddings),
+                self.route("POST", "/classify", self.classify),
                 self.route("GET", "/models", self.infinity_models)]
 
     @staticmethod
@@ -159,6 +174,11 @@ class OpenAIDoor(Door):
                                       "text only")
             body.model = None if body.model == INFINITY_DEFAULT_MODEL else body.model
         model = self.plane.model(body.model)
+        if "sparse" in (body.embedding_types or ()):
+            return await self._sparse(body, model, holds, infinity)
+        if body.sparse_top_k is not None:
+            raise InvalidArgument("sparse_top_k", "cuts sparse vectors: ask for embedding_types "
+                                  '["sparse"]')
         vectors = VectorFormat.of(body)
         embedded = await embed.embed(model, self._request(body, model, vectors), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
@@ -167,6 +187,75 @@ class OpenAIDoor(Door):
         payload = await model.pack(count * (RESULT_S + size * FLOAT_TEXT_S), self._answer,
                                    model, embedded, vectors, ranges, infinity)
         return web.Response(body=payload, content_type="application/json")
+
+    async def classify(self, request: web.Request, holds: Holds) -> web.Response:
+        """vLLM's /classify: each text's score of every label, by label id, and its best
+        label."""
+        body = await self.calls.json_body(request, holds, Classify)
+        if body.messages is not None:
+            raise InvalidArgument("messages", "chat messages are not classified here; send the "
+                                  "texts in `input`")
+        if body.truncate_prompt_tokens not in (None, -1):
+            raise InvalidArgument("truncate_prompt_tokens", f"{body.truncate_prompt_tokens}; "
+                                  "expected -1 (cut at the model's positions) or none")
+        model = self.plane.model(body.model, kind=CLASSIFIER)
+        inputs, names = sequences(body.input, "input", ids=False)
+        labels = model.manifest.labels
+        item = CLASS_BYTES + max(map(len, labels), default=0) * 6 + len(labels) * JSON_FLOAT_BYTES
+        head = 256 + len(model.name.encode()) * 6
+        classified = await classify.classify(model, ClassifyRequest(
+            names, ResponseSize(
+                lambda counts: head + len(counts) * item, self.max_response_bytes,
+                "send fewer inputs per request"),
+            inputs["texts"], activation="none" if body.use_activation is False else None,
+            truncate=body.truncate_prompt_tokens == -1,
+            truncation_direction=TruncationDirection(body.truncation_side or "right")),
+            holds, None)
+
+        def answer() -> bytes:
+            tokens = classified.total_tokens
+            return encode(Classification(
+                f"classify-{uuid.uuid4().hex}", "list", int(time.time()), model.name,
+                [ClassifyData(i, labels[int(row.argmax())], row.tolist(), len(labels))
+                 for i, row in enumerate(classified.scores)], ClassifyUsage(tokens, tokens)))
+
+        return web.Response(body=await model.pack(classified.scores.size * RESULT_S, answer),
+                            content_type="application/json")
+
+    async def _sparse(self, body: Embeddings, model: ServedModel, holds: Holds,
+                      infinity: bool) -> web.Response:
+        """embedding_types ["sparse"]: each text's sparse vector as `embeddings.sparse`,
+        {"indices", "values"} (the field names of Qdrant's, Pinecone's and fastembed's)."""
+        if body.embedding_types != ["sparse"]:
+            raise InvalidArgument("embedding_types", f"{body.embedding_types}: a sparse vector "
+                                  "comes alone (the served SPLADE models have no dense vectors)")
+        for name in ("chunking", "dimensions"):
+            if getattr(body, name) is not None:
+                raise InvalidArgument(name, "applies to dense vectors, not sparse ones")
+        inputs, names = sequences(body.input, "input", ids=False)
+        head = 256 + len(model.name.encode()) * 6
+        embedded = await sparse.embed_sparse(model, SparseRequest(
+            names, ResponseSize(lambda counts: head + len(counts) * ITEM_BYTES
+                                + int(counts.sum()) * SPARSE_ENTRY_BYTES,
+                                self.max_response_bytes, "set sparse_top_k, or send fewer inputs"),
+            inputs["texts"], body.truncate, TruncationDirection(
+                (body.truncation_direction or "right").lower()), body.prompt_name,
+            body.sparse_top_k), holds, None)
+        payload = await model.pack(embedded.response_bytes * COPY_BYTE_S, self._sparse_answer,
+                                   model, embedded, infinity)
+        return web.Response(body=payload, content_type="application/json")
+
+    @staticmethod
+    def _sparse_answer(model: ServedModel, embedded: SparseEmbedded, infinity: bool) -> bytes:
+        empty = numbers(np.zeros(0, np.float32))
+        data = [Embedding("embedding", i, empty, {"sparse": msgspec.Raw(orjson.dumps(
+            {"indices": indices, "values": values}, option=orjson.OPT_SERIALIZE_NUMPY))})
+            for i, (indices, values) in enumerate(zip(embedded.indices, embedded.values,
+                                                      strict=True))]
+        tokens = embedded.total_tokens
+        return encode(EmbeddingList(
+            "list", data, model.name, Usage(tokens, tokens),
+            *((f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
 
     async def infinity_embeddings(self, request: web.Request, holds: Holds) -> web.Response:
         return await self.embeddings(request, holds, InfinityEmbeddings)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import msgspec
 import orjson
 
-from attnserve.artifact import RERANKER
+from attnserve.artifact import CLASSIFIER, RERANKER
 from attnserve.server.call import SERVER_VERSION
 from attnserve.server.engine.requests import ModelInfo
 from attnserve.server.http import schemas as s
@@ -48,6 +48,7 @@ class Protocol:
 OPENAI = Protocol("OpenAI", s.OpenAIError, RUNS)
 INFINITY = Protocol("Infinity", s.OpenAIError, RUNS)
 TEI = Protocol("Text Embeddings Inference", s.TeiError, TEI_RUNS)
+VLLM = Protocol("vLLM", s.OpenAIError, RUNS)
 COHERE = Protocol("Cohere and Jina", s.CohereError, (400, 401, 404, 408, 413, 415, 429, 503))
 KSERVE = Protocol("KServe v2 (Open Inference Protocol)", s.KServeError, RUNS)
 ATTNSERVE = Protocol("attnserve", s.KServeError, ())
@@ -95,6 +96,8 @@ ROUTES = [
           statuses=(401, 404)),
     Route("POST", "/embeddings", INFINITY, "Infinity's embeddings: OpenAI's, with Infinity's "
           "fields", s.EmbeddingList, s.InfinityEmbeddings),
+    Route("POST", "/classify", VLLM, "A classifier's score of every label of each text, by "
+          "label id", s.Classification, s.Classify),
     Route("GET", "/models", INFINITY, "The models served, as Infinity lists them", s.ModelList,
           statuses=(401,)),
     Route("POST", "/", TEI, "TEI's root: an embedder's is /embed", s.TeiVectors, s.TeiEmbed),
@@ -110,6 +113,10 @@ ROUTES = [
           statuses=(401,)),
     Route("POST", "/rerank", TEI, "A reranker's score of each (query, text) pair, highest first",
           list[s.TeiRank], s.TeiRerank, (*TEI_RUNS, 404)),
+    Route("POST", "/embed_sparse", TEI, "A SPLADE model's sparse vector of each input: its "
+          "non-zero weights by token id, ascending", s.TeiSparseVectors, s.TeiEmbedSparse),
+    Route("POST", "/predict", TEI, "A classifier's score of every label of each text or pair, "
+          "highest first", s.TeiPredictions, s.TeiPredict, (*TEI_RUNS, 404)),
     Route("POST", "/similarity", TEI, "The cosine of the source sentence's pooled vector and "
           "each sentence's, in order", s.TeiScores, s.TeiSimilarity, (*TEI_RUNS, 404)),
     *(Route("POST", path, COHERE, "A reranker's relevance_score (sigmoid) of each (query, "
@@ -128,6 +135,9 @@ ROUTES = [
               "attention_mask, INT64 [batch, seq]", s.Inferred, s.Infer,
               content=("application/json", "application/octet-stream")))),
 ]
+ROOTS = {RERANKER: "/rerank", CLASSIFIER: "/predict", "sparse": "/embed_sparse"}
+"""a default model's kind (sparse: a SPLADE model's) -> the route TEI's root is (a dense
+embedder's: /embed)"""
 EXAMPLES = {"/v1/embeddings", "/embeddings"}
 """routes whose body example names the default model, so that "Try it out" answers"""
 BINARY = {"type": "string", "format": "binary"}
@@ -195,10 +205,12 @@ def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
 def openapi_document(infos: list[ModelInfo]) -> bytes:
     """The HTTP API of a server of these models (the first the default)."""
     routes = ROUTES
-    if infos[0].kind == RERANKER:  # TEI routes its root by the model's kind
-        rerank = next(r for r in ROUTES if r.path == "/rerank")
-        routes = [dataclasses.replace(rerank, path="/", summary="TEI's root: a reranker's is "
-                                      "/rerank") if (r.method, r.path) == ("POST", "/") else r
+    kind = "sparse" if infos[0].heads == ["sparse"] else infos[0].kind
+    if kind in ROOTS:  # TEI routes its root by the model's kind
+        path = ROOTS[kind]
+        served = next(r for r in ROUTES if r.path == path)
+        routes = [dataclasses.replace(served, path="/", summary=f"TEI's root: a {kind} model's is "
+                                      f"{path}") if (r.method, r.path) == ("POST", "/") else r
                   for r in ROUTES]
     types = list(dict.fromkeys(t for route in routes for t in (
         route.answer, route.body, route.error or route.protocol.error) if t not in (None, dict)))

@@ -26,8 +26,12 @@ Positive = Annotated[int, Meta(ge=1)]
 Count = Annotated[int, Meta(ge=0)]
 Vector = Annotated[Raw, Meta(extra_json_schema={"oneOf": [
     {"type": "array", "items": {"type": "number"}},
-    {"type": "string", "description": "base64 of the vector's little-endian bytes"}]})]
-"""a vector, written by the door itself (as numbers, or as base64)"""
+    {"type": "string", "description": "base64 of the vector's little-endian bytes"},
+    {"type": "object", "description": "a sparse vector: token ids ascending, their weights",
+     "properties": {"indices": {"type": "array", "items": {"type": "integer"}},
+                    "values": {"type": "array", "items": {"type": "number"}}}}]})]
+"""a vector, written by the door itself (as numbers, or as base64; a sparse one as
+{"indices", "values"})"""
 Sequences = str | list[str | int | list[int]]
 """a text, a list of texts, a list of token ids or a list of lists of them"""
 Side = Literal["right", "left", "Right", "Left"]
@@ -69,10 +73,12 @@ class Embeddings(Struct, forbid_unknown_fields=True):
         "one of the model's prompts, put before every text; omitted: its default prompt"))] = None
     chunking: Chunking | None = None
     embedding_types: Annotated[
-        list[Literal["float", "int8", "uint8", "binary", "ubinary"]],
+        list[Literal["float", "int8", "uint8", "binary", "ubinary", "sparse"]],
         Meta(min_length=1, description=(
             "Cohere's: each item carries `embeddings`, one vector per type asked for, and an "
-            "empty `embedding`"))] | None = None
+            "empty `embedding`; `sparse` (alone, of a SPLADE model): {indices, values}"))] | None = None
+    sparse_top_k: Annotated[Positive | None, Meta(description=(
+        "with embedding_types [\"sparse\"]: each text's top_k largest weights only"))] = None
     embedding_dtype: Annotated[Literal["float32", "float16"] | None, Meta(description=(
         "float16 halves a base64 float vector (with encoding_format base64 only)"))] = None
 
@@ -133,6 +139,44 @@ class ModelList(Struct):
     data: list[Model]
 
 
+class Classify(Struct):
+    """vLLM's classification request (POST /classify), texts only; like vLLM's, it ignores
+    fields it does not know."""
+
+    input: Annotated[str | list[str], Meta(extra_json_schema={"example": ["I like you"]})]
+    model: Annotated[str | None, Meta(description="a classifier; omitted: the first")] = None
+    truncate_prompt_tokens: Annotated[int | None, Meta(description=(
+        "-1: cut texts longer than the model's positions instead of refusing them"))] = None
+    truncation_side: Literal["left", "right"] | None = None
+    use_activation: Annotated[bool | None, Meta(description=(
+        "false: the logits instead of the model's softmax or sigmoid"))] = None
+    user: str | None = None
+    messages: Annotated[list | None, Meta(description="refused: texts go in `input`")] = None
+
+
+class ClassifyData(Struct):
+    index: int
+    label: str
+    probs: Annotated[list[float], Meta(description="every label's score, by label id")]
+    num_classes: int
+
+
+class ClassifyUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class Classification(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[ClassifyData]
+    usage: ClassifyUsage
+
+
 class OpenAIErrorDetail(Struct):
     message: str
     type: str
@@ -161,6 +205,20 @@ class TeiEmbed(TeiEmbedAll):
     dimensions: Positive | None = None
 
 
+class TeiEmbedSparse(TeiEmbedAll):
+    top_k: Annotated[Positive | None, Meta(description=(
+        "an extension: each text's top_k largest weights only; null: the model's default, or "
+        "every non-zero weight"))] = None
+
+
+class TeiSparseValue(Struct):
+    index: int
+    value: float
+
+
+TeiSparseVectors = list[list[TeiSparseValue]]
+
+
 class TeiTokenize(Struct):
     inputs: Annotated[str | list[str], Meta(extra_json_schema={
         "example": "attention is all you need"})]
@@ -185,6 +243,36 @@ class TeiRerank(Struct):
     return_text: bool = False
     model: Annotated[str | None, Meta(description="an extension: a reranker; omitted: the "
                                                   "first")] = None
+
+
+class ClassificationParameters(Struct):
+    """The Hugging Face Inference API's text-classification parameters (its clients send them
+    to a TEI's root): the answer is then nested as that API's, `[[{label, score}]]`."""
+
+    top_k: Annotated[Positive | None, Meta(description="the best top_k labels only")] = None
+    function_to_apply: Annotated[Literal["sigmoid", "softmax", "none"] | None, Meta(
+        description="what turns the logits into scores; omitted: the model's")] = None
+
+
+class TeiPredict(Struct):
+    inputs: Annotated[str | list[str | list[str]], Meta(description=(
+        "a text; a list of one text or of two (one pair); or a list of those, a batch"),
+        extra_json_schema={"example": "I like you. I love you"})]
+    truncate: bool | None = None
+    truncation_direction: Side = "Right"
+    raw_scores: Annotated[bool, Meta(description="the logits instead of the model's softmax "
+                                                 "or sigmoid")] = False
+    model: Annotated[str | None, Meta(description="an extension: a classifier; omitted: the "
+                                                  "first")] = None
+    parameters: ClassificationParameters | None = None
+
+
+class TeiPrediction(Struct):
+    score: float
+    label: str
+
+
+TeiPredictions = list[TeiPrediction | list[TeiPrediction]]
 
 
 class SimilarityInputs(Struct):
@@ -238,6 +326,7 @@ class TeiReranker(Struct):
 class TeiModelType(Struct):
     embedding: TeiEmbedding | UnsetType = UNSET
     reranker: TeiReranker | UnsetType = UNSET
+    classifier: TeiReranker | UnsetType = UNSET
 
 
 class TeiInfo(Struct):

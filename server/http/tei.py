@@ -33,12 +33,13 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from attnserve.artifact import EMBEDDER, HIDDEN_OUTPUT, RERANKER, pooled_output
+from attnserve.artifact import CLASSIFIER, EMBEDDER, HIDDEN_OUTPUT, RERANKER, pooled_output
 from attnserve.server.call import SERVER_VERSION
-from attnserve.server.engine import embed, pairs
+from attnserve.server.engine import classify, embed, pairs, sparse
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S, RESULT_S, TOKEN_S
 from attnserve.server.engine.requests import (
+    ClassifyRequest,
     DecodeRequest,
     EmbedRequest,
     Fields,
@@ -46,6 +47,7 @@ from attnserve.server.engine.requests import (
     ResponseSize,
     ScoreMode,
     ScoreRequest,
+    SparseRequest,
     TokenizeRequest,
     TruncationDirection,
 )
@@ -59,12 +61,16 @@ from attnserve.server.http.schemas import (
     TeiEmbed,
     TeiEmbedAll,
     TeiEmbedding,
+    TeiEmbedSparse,
     TeiError,
     TeiInfo,
     TeiModelType,
+    TeiPredict,
+    TeiPrediction,
     TeiRank,
     TeiReranker,
     TeiSimilarity,
+    TeiSparseValue,
     TeiToken,
     TeiTokenize,
     sequences,
@@ -86,6 +92,10 @@ STATUSES = {400: (422, "Validation"), 429: (429, "Overloaded"), 500: (424, "Back
             503: (503, "Unhealthy"), 504: (429, "Overloaded")}
 RERANK = Fields("texts")
 SIMILARITY = Fields("inputs.sentences", query="inputs.source_sentence")
+# A prediction's braces, score and label but the label's text ({"score":F,"label":""},).
+PREDICTION_BYTES = 40
+# A sparse entry at its longest ({"index":250001,"value":-1.1754944e-38},).
+SPARSE_VALUE_BYTES = 42
 
 # TEI's name of a pooling where it differs from ours (its /info).
 TEI_POOLINGS = {"lasttoken": "last_token"}
@@ -118,6 +128,31 @@ def tei_tokens(text: str, encoded: Encoded) -> list[TeiToken]:
                 encoded.ids.tolist(), encoded.tokens, encoded.offsets, encoded.special, strict=True)]
 
 
+def predict_inputs(inputs: str | list) -> tuple[bool, list[str], list[str | None], Fields]:
+    """TEI's /predict inputs: a text; a list of one or two texts (one input: a text, or a
+    pair); a list of such lists (a batch). Whether it is a batch, each input's text and
+    second text (or None), and the inputs' field names."""
+    if isinstance(inputs, str) or (inputs and isinstance(inputs[0], str)):
+        batch, entries, names = False, [inputs], Fields("inputs", single=True, pair_at="inputs[1]")
+    else:
+        batch, entries, names = True, inputs, Fields("inputs", pair_at="{sequence}[1]")
+    if not entries:
+        raise Empty("inputs", "an empty list; expected one that is not empty")
+    texts, text_pairs = [], []
+    for i, entry in enumerate(entries):
+        parts = [entry] if isinstance(entry, str) else entry
+        if not 1 <= len(parts) <= 2:
+            raise InvalidArgument(names.sequence(i), f"a list of {len(parts)} texts; expected "
+                                  "one text, or two (a pair)")
+        for j, part in enumerate(parts):
+            if not part:
+                raise Empty(names.sequence(i) if isinstance(entry, str) else
+                            f"{names.sequence(i)}[{j}]", "an empty string; send text")
+        texts.append(parts[0])
+        text_pairs.append(parts[1] if len(parts) == 2 else None)
+    return batch, texts, text_pairs, names
+
+
 class TeiDoor(Door):
     def __init__(self, *args, limits: dict[str, int]):
         """`limits`: /info's max_concurrent_requests, max_batch_tokens, max_batch_requests
@@ -126,12 +161,17 @@ class TeiDoor(Door):
         self.limits = limits
 
     def routes(self) -> list[web.RouteDef]:
-        root = self.rerank if self.plane.default.kind == RERANKER else self.embed
+        default = self.plane.default
+        root = {RERANKER: self.rerank, CLASSIFIER: self.predict}.get(default.kind, self.embed)
+        if default.manifest.heads == ["sparse"]:
+            root = self.embed_sparse
         return [self.route("POST", "/", root), self.route("POST", "/embed", self.embed),
                 self.route("POST", "/embed_all", self.embed_all),
+                self.route("POST", "/embed_sparse", self.embed_sparse),
                 self.route("POST", "/tokenize", self.tokenize),
                 self.route("POST", "/decode", self.decode), self.route("GET", "/info", self.info),
                 self.route("POST", "/rerank", self.rerank),
+                self.route("POST", "/predict", self.predict),
                 self.route("POST", "/similarity", self.similarity)]
 
     @staticmethod
@@ -177,6 +217,25 @@ class TeiDoor(Door):
         seconds = len(embedded.results) * RESULT_S + embedded.total_tokens * hidden * FLOAT_TEXT_S
         return await self._arrays(model, seconds,
                                   [np.ascontiguousarray(r.hidden) for r in embedded.results])
+
+    async def embed_sparse(self, request: web.Request, holds: Holds) -> web.Response:
+        body = await self.calls.json_body(request, holds, TeiEmbedSparse)
+        model = self.plane.model(None)
+        inputs, names = sequences(body.inputs, "inputs", Empty, ids=False)
+        embedded = await sparse.embed_sparse(model, SparseRequest(
+            names, ResponseSize(lambda counts: 2 + len(counts) * LIST_BYTES + int(counts.sum())
+                                * SPARSE_VALUE_BYTES, self.max_response_bytes,
+                                "set top_k, or send fewer inputs"),
+            inputs["texts"], bool(body.truncate), side(body.truncation_direction),
+            body.prompt_name, body.top_k), holds, None)
+
+        def answer() -> bytes:
+            return encode([[TeiSparseValue(i, v) for i, v in zip(
+                indices.tolist(), values.tolist(), strict=True)]
+                for indices, values in zip(embedded.indices, embedded.values, strict=True)])
+
+        return web.Response(body=await model.pack(embedded.response_bytes * COPY_BYTE_S, answer),
+                            content_type="application/json")
 
     # --- /tokenize and /decode ----------------------------------------------------------
 
@@ -246,6 +305,33 @@ class TeiDoor(Door):
         return web.Response(body=await model.pack(len(texts) * RESULT_S, answer),
                             content_type="application/json")
 
+    async def predict(self, request: web.Request, holds: Holds) -> web.Response:
+        """Every label's score of each input, highest first: a list for one input, a list of
+        them for a batch (and always, nested as the Inference API's, with `parameters`)."""
+        body = await self.calls.json_body(request, holds, TeiPredict)
+        model = self.plane.model(body.model, kind=CLASSIFIER)
+        batch, texts, text_pairs, names = predict_inputs(body.inputs)
+        parameters = body.parameters
+        activation = "none" if body.raw_scores else parameters and parameters.function_to_apply
+        top_k = parameters and parameters.top_k
+        label_bytes = sum(PREDICTION_BYTES + JSON_CHAR_BYTES * len(label)
+                          for label in model.manifest.labels)
+        classified = await classify.classify(model, ClassifyRequest(
+            names, ResponseSize(lambda counts: 2 + len(counts) * (LIST_BYTES + label_bytes),
+                                self.max_response_bytes, ADVICE),
+            texts, text_pairs, activation, bool(body.truncate), side(body.truncation_direction),
+            top_k), holds, None)
+        labels = model.manifest.labels
+
+        def answer() -> bytes:
+            predictions = [[TeiPrediction(score, labels[label])
+                            for label, score in classified.ranked(i, top_k)]
+                           for i in range(len(texts))]
+            return encode(predictions if batch or parameters is not None else predictions[0])
+
+        return web.Response(body=await model.pack(classified.scores.size * RESULT_S, answer),
+                            content_type="application/json")
+
     async def similarity(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiSimilarity)
         model = self.plane.model(body.model, kind=EMBEDDER)
@@ -263,13 +349,14 @@ class TeiDoor(Door):
 
     async def info(self, request: web.Request, holds: Holds) -> web.Response:
         info = self.plane.model(None).model_info()
-        if info.kind == RERANKER:
-            kind = TeiModelType(reranker=TeiReranker(
-                {str(i): label for i, label in enumerate(info.labels)},
-                {label: i for i, label in enumerate(info.labels)}))
+        if info.kind in (RERANKER, CLASSIFIER):
+            labels = TeiReranker({str(i): label for i, label in enumerate(info.labels)},
+                                 {label: i for i, label in enumerate(info.labels)})
+            kind = TeiModelType(**{info.kind: labels})
         else:
-            kind = TeiModelType(embedding=TeiEmbedding(
-                TEI_POOLINGS.get(info.default_pooling, info.default_pooling)))
+            splade = self.plane.default.manifest.sparse is not None
+            kind = TeiModelType(embedding=TeiEmbedding("splade" if splade else TEI_POOLINGS.get(
+                info.default_pooling, info.default_pooling)))
         return json_response(TeiInfo(
             model_id=info.model, model_sha=info.artifact_sha256,
             model_dtype=DTYPES.get(info.precision, info.precision), served_model_name=info.model,

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from attnserve.artifact import MEMORY_MODEL, RERANKER, Manifest
+from attnserve.artifact import MEMORY_MODEL, SCORERS, Manifest
 
 EMBEDDINGS, ATTENTION, SCORES = "embeddings", "attention", "scores"
 GRAPH_KINDS = (EMBEDDINGS, ATTENTION)
@@ -46,7 +46,7 @@ GRAPH_KINDS = (EMBEDDINGS, ATTENTION)
 
 def graph_kinds(manifest: Manifest) -> tuple[str, ...]:
     """The graphs an artifact's batches run through: an embedder's two, a reranker's one."""
-    return (SCORES,) if manifest.kind == RERANKER else GRAPH_KINDS
+    return (SCORES,) if manifest.kind in SCORERS else GRAPH_KINDS
 FORMAT_VERSION = 2
 """memory_model.json: 1 (no "format_version"): one set of coefficients, a b c d source,
 for every graph; 2: {"format_version": 2, "models": {"<provider>/<precision>/<graph>":
@@ -161,12 +161,15 @@ def analytic_bound(manifest: Manifest) -> MemoryModel:
     a gated one holds two); per score the scores, the probabilities and the mask (a
     sliding window's masked scores are computed too); returned maps in the graph's
     output, the slices taken from it and the unfused attention graph's own temporaries
-    (a two-copy count measured ~10 % short)."""
+    (a two-copy count measured ~10 % short); a SPLADE head's vocabulary scores per
+    token, and their masked copy, which outgrow the rest (30,522 entries against a few
+    thousand)."""
     hidden = manifest.hidden_size
     widening = max(4 * hidden, manifest.intermediate_size)
+    vocabulary = 2 * manifest.vocab_size if manifest.sparse else 0
     return MemoryModel(
         a=64 * 1024 * 1024,
-        b=4.0 * (8 * hidden + 2 * widening),
+        b=4.0 * (8 * hidden + 2 * widening + vocabulary),
         c=4.0 * 4,
         d=4.0 * 4,
         source="analytic bound",
@@ -222,6 +225,6 @@ def load_memory_model(directory: Path, manifest: Manifest, provider: str = "CPUE
     missing = f"analytic bound (memory_model.json has no {provider}/{precision} fit)"
     models = {kind: MemoryModel.from_entry(entry) if entry else replace(bound, source=missing)
               for kind, entry in fitted.items()}
-    if manifest.kind == RERANKER:
+    if manifest.kind in SCORERS:
         return MemoryModels(models[SCORES], models[SCORES])
     return MemoryModels(models[EMBEDDINGS], models[ATTENTION])

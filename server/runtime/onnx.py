@@ -26,11 +26,14 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from attnserve.artifact import (
+    CLASSIFIER,
     DENSE_INPUT,
     DENSE_OUTPUT,
     HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
     RERANKER,
+    SCORERS,
+    SPARSE_OUTPUT,
     TOKEN_TYPES,
     Artifact,
     ArtifactError,
@@ -68,7 +71,8 @@ GRAPH_ERRORS = (ort_errors.InvalidProtobuf, ort_errors.InvalidGraph, ort_errors.
                 ort_errors.NoModel, ort_errors.NotImplemented, ort_errors.Fail)
 # The output fetched when a batch's requests need none at all (only token ids back, or a
 # warm-up): the smallest there is.
-CHEAPEST_OUTPUT = {"embedder": pooled_output("cls", False), RERANKER: LOGITS_OUTPUT}
+CHEAPEST_OUTPUT = {"embedder": pooled_output("cls", False), RERANKER: LOGITS_OUTPUT,
+                   CLASSIFIER: LOGITS_OUTPUT}
 # Progress lines while warming up: about this many per lane.
 WARM_UP_LOG_LINES = 10
 
@@ -111,7 +115,7 @@ def place(manifest: Manifest, device: str, precision: str) -> Placement:
     if precision == "auto":
         has_fp16 = manifest.graph(attention=False, precision="fp16") is not None
         precision = "fp16" if provider == CUDA and has_fp16 else "fp32"
-    needed = (False,) if manifest.kind == RERANKER else (False, True)
+    needed = (False,) if manifest.kind in SCORERS else (False, True)
     if any(manifest.graph(attention=a, precision=precision) is None for a in needed):
         raise ArtifactError(f"{manifest.model_name}: no {precision} graphs (export with --{precision})")
     if precision == "int8" and provider == CUDA:
@@ -221,10 +225,11 @@ class BoundRunner:
 
     def _output_shapes(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
         m = self.manifest
-        if m.kind == RERANKER:
+        if m.kind in SCORERS:
             return {LOGITS_OUTPUT: (batch, len(m.labels))}
         return {HIDDEN_OUTPUT: (batch, seq, m.hidden_size)} | {
-            name: (batch, m.embedding_size) for name in m.pooled_outputs}
+            name: (batch, m.embedding_size) for name in m.pooled_outputs} | (
+            {SPARSE_OUTPUT: (batch, m.vocab_size)} if m.sparse else {})
 
     def _new_slot(self, shape: Shape) -> _Slot:
         def buffer(dims: tuple[int, ...], dtype: type) -> ort.OrtValue:
@@ -295,10 +300,11 @@ class OrtBackend:
         provider, why, self.precision = placement.provider, placement.why, placement.precision
         manifest = artifact.manifest
         self.embed_graph = manifest.graph(attention=False, precision=self.precision)
-        self.attn_graph = (None if manifest.kind == RERANKER
+        self.attn_graph = (None if manifest.kind in SCORERS
                            else manifest.graph(attention=True, precision=self.precision))
         self.sequence_outputs = sequence_outputs(manifest)
-        self.cheapest = CHEAPEST_OUTPUT[manifest.kind]
+        self.cheapest = (CHEAPEST_OUTPUT[manifest.kind] if manifest.kind in SCORERS
+                         or manifest.dense else HIDDEN_OUTPUT)  # SPLADE: no pooled vector
         try:
             self._build(provider, intra_op_threads)
         except (DeviceError, ConfigError):

@@ -12,7 +12,15 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from attnserve.artifact import LOGITS_OUTPUT, MANIFEST, RERANKER, TOKEN_TYPES, load_artifact
+from attnserve.artifact import (
+    CLASSIFIER,
+    LOGITS_OUTPUT,
+    MANIFEST,
+    RERANKER,
+    TOKEN_TYPES,
+    load_artifact,
+    read_manifest,
+)
 from attnserve.export.quantize import INT8_MAX_SCORE_ERROR
 from tests.conftest import ATTNSERVE, REPO, export
 from tests.export.test_export import dims
@@ -131,6 +139,11 @@ def test_the_int8_gate_refuses_above_its_score_error(tmp_path, checkpoint):
 
 
 def test_several_labels_export_with_their_names(tmp_path):
+    """A sequence classifier of several labels exports as a classifier, unless told it is a
+    reranker."""
     directory = make_reranker("xlm-roberta", tmp_path / "three", num_labels=3)
-    manifest = load_artifact(export(tmp_path / "three-artifact", directory)).manifest
-    assert manifest.labels == ["label_0", "label_1", "label_2"]
+    manifest = read_manifest(export(tmp_path / "three-artifact", directory))
+    assert (manifest.kind, manifest.labels) == (CLASSIFIER, ["label_0", "label_1", "label_2"])
+    manifest = load_artifact(export(tmp_path / "three-reranker", directory, "--kind",
+                                    "reranker")).manifest
+    assert (manifest.kind, manifest.labels) == (RERANKER, ["label_0", "label_1", "label_2"])

@@ -1,5 +1,6 @@
 """Fixtures the MiniLM API tests share: a client and a raw stub of attnserve.v1 on the
-module's MiniLM server, and Hugging Face's reference model to compare it with. A module
+module's MiniLM server, and Hugging Face's reference model to compare it with; `encoder`,
+a raw stub on the module's own `server`. A module
 with a `client` or `stub` of another API defines its own, which takes precedence."""
 
 import grpc
@@ -20,6 +21,13 @@ def client(minilm_server):
 @pytest.fixture(scope="module")
 def stub(minilm_server):
     with grpc.insecure_channel(minilm_server.address) as channel:
+        yield pb_grpc.EncoderServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def encoder(server):
+    """A raw stub of attnserve.v1 on the module's own `server`."""
+    with grpc.insecure_channel(server.address) as channel:
         yield pb_grpc.EncoderServiceStub(channel)
 
 

@@ -47,12 +47,6 @@ def server(minilm_artifact, bert_reranker_artifact, xlmr_reranker_artifact):
 
 
 @pytest.fixture(scope="module")
-def encoder(server):
-    with grpc.insecure_channel(server.address) as channel:
-        yield stub(channel)
-
-
-@pytest.fixture(scope="module")
 def references(bert_reranker_checkpoint, xlmr_reranker_checkpoint):
     """sentence-transformers' CrossEncoder on each checkpoint, at its own defaults but for
     its length, set to the model's positions."""
@@ -341,7 +335,8 @@ def reranker_first(bert_reranker_artifact, tmp_path_factory):
     from tests.families import make_reranker
 
     root = tmp_path_factory.mktemp("three")
-    three = export(root / "three", make_reranker("xlm-roberta", root / "ck", num_labels=3))
+    three = export(root / "three", make_reranker("xlm-roberta", root / "ck", num_labels=3),
+                   "--kind", "reranker")
     with serve(bert_reranker_artifact, "--max-queue-tokens", "64",
                "--artifact", f"three={three}") as capped:
         yield capped

@@ -1,0 +1,332 @@
+"""What a checkpoint returns beyond its encoder's hidden states, as its files say, read
+before its weights are:
+
+- SPLADE, saved by sentence-transformers' SparseEncoder: modules.json lists the masked-LM
+  Transformer (fill-mask), then SpladePooling, whose config.json gives the pooling and the
+  activation; `max_active_dims` in config_sentence_transformers.json the default top_k;
+- bge-m3, as FlagEmbedding saves it: `sparse_linear.pt` (the lexical weights' linear layer)
+  and `colbert_linear.pt` (the token vectors' projection) beside an XLM-RoBERTa checkpoint;
+  its dense vector is the normalised [CLS] state;
+- multi-vector (ColBERT), as PyLate saves it (a Transformer and its Dense projection;
+  `query_prefix`, `document_prefix`, `query_length`, `document_length`,
+  `attend_to_expansion_tokens`, `skiplist_words`, `do_query_expansion` in
+  config_sentence_transformers.json) or sentence-transformers' MultiVectorEncoder
+  (Transformer, Dense layers on the token states, MultiVectorMask, Normalize; the query
+  expansion and lengths in sentence_bert_config.json, the markers as prompts), read as
+  sentence-transformers reads either: a PyLate marker becomes one special token;
+- anything else is a dense embedder (model/sentence_modules.py).
+
+A module or file this package does not run is refused by name: a sparse or multi-vector
+model exported as a dense embedder would serve vectors that are not the model's.
+"""
+
+import json
+import string
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer
+
+from attnserve.artifact import (
+    TOKENIZER,
+    LexicalHead,
+    MultiVectorHead,
+    MultiVectorInput,
+    SparseHead,
+)
+from attnserve.model.checkpoint import CheckpointError
+from attnserve.model.masked_lm import MaskedLanguageModel
+from attnserve.model.multi_vector import TokenVectors
+from attnserve.model.sentence_modules import (
+    MODULES,
+    TOKEN_EMBEDDINGS,
+    dense_stack,
+    module_types,
+)
+from attnserve.model.sparse import SPLADE_ACTIVATIONS, SPLADE_POOLINGS, LexicalWeights, SpladeHead
+
+ST_CONFIG = "config_sentence_transformers.json"
+TRANSFORMER_CONFIG = "sentence_bert_config.json"
+M3_SPARSE, M3_COLBERT = "sparse_linear.pt", "colbert_linear.pt"
+# The special tokens whose lexical weights bge-m3 leaves out.
+M3_DROPPED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")
+# sentence-transformers' SPLADE modules, by class name (every version's module path).
+_SPLADE_TRANSFORMERS = ("Transformer", "MLMTransformer")
+_SPLADE_POOLING = "SpladePooling"
+
+
+@dataclass(frozen=True)
+class Splade:
+    pooling: str
+    activation: str
+    top_k: int | None
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot be read ({err})") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_splade(checkpoint: Path) -> Splade | None:
+    """The checkpoint's SPLADE pooling when its modules.json lists SpladePooling (None when
+    it does not); refused unless the list is the masked-LM Transformer, then SpladePooling."""
+    path = checkpoint / MODULES
+    if not path.is_file():
+        return None
+    modules = module_types(path)
+    classes = [kind.rpartition(".")[2] for _, kind, _ in modules]
+    if _SPLADE_POOLING not in classes and "MLMTransformer" not in classes:
+        return None
+    if len(modules) != 2 or classes[0] not in _SPLADE_TRANSFORMERS or classes[1] != _SPLADE_POOLING:
+        raise CheckpointError(f"{path}: modules {[kind for _, kind, _ in modules]}; attnserve "
+                              "exports a SPLADE model as a masked-LM Transformer, then "
+                              "SpladePooling")
+    if modules[0][2]:
+        raise CheckpointError(f"{path}: the Transformer lives in {modules[0][2]!r}; attnserve "
+                              "exports one whose config.json and weights are the checkpoint's own")
+    task_path = checkpoint / TRANSFORMER_CONFIG
+    task = _json(task_path).get("transformer_task") if task_path.is_file() else None
+    if classes[0] == "Transformer" and task != "fill-mask":
+        raise CheckpointError(f"{task_path}: transformer_task {task!r}; SpladePooling reads the "
+                              "masked-LM head's scores (\"fill-mask\")")
+    config_path = checkpoint / modules[1][2] / "config.json"
+    config = _json(config_path) if config_path.is_file() else {}
+    pooling = config.get("pooling_strategy", "max")
+    activation = config.get("activation_function", "relu")
+    if pooling not in SPLADE_POOLINGS or activation not in SPLADE_ACTIVATIONS:
+        raise CheckpointError(f"{config_path}: pooling_strategy {pooling!r} and "
+                              f"activation_function {activation!r}; attnserve exports "
+                              f"{' or '.join(SPLADE_POOLINGS)} and {' or '.join(SPLADE_ACTIVATIONS)}")
+    st_path = checkpoint / ST_CONFIG
+    top_k = _json(st_path).get("max_active_dims") if st_path.is_file() else None
+    if top_k is not None and not (type(top_k) is int and top_k > 0):
+        raise CheckpointError(f"{st_path}: max_active_dims {top_k!r}, expected a whole number "
+                              "from 1")
+    return Splade(pooling, activation, top_k)
+
+
+def splade_head(checkpoint: Path, splade: Splade,
+                model: MaskedLanguageModel) -> tuple[SparseHead, SpladeHead]:
+    """The manifest's sparse head and the module that computes it over `model`'s scores."""
+    config_path = checkpoint / MODULES
+    size = None
+    for _, _, folder in module_types(config_path)[1:]:
+        path = checkpoint / folder / "config.json"
+        if path.is_file():
+            config = _json(path)
+            size = config.get("embedding_dimension", config.get("word_embedding_dimension"))
+            config_path = path
+    if size is not None and size != model.config.vocab_size:
+        raise CheckpointError(f"{config_path}: embedding_dimension {size}, but the masked-LM "
+                              f"head scores {model.config.vocab_size} vocabulary entries")
+    return (SparseHead(splade.pooling, splade.activation, splade.top_k),
+            SpladeHead(model.head, splade.pooling, splade.activation))
+
+
+def is_bge_m3(checkpoint: Path) -> bool:
+    """Whether the checkpoint carries bge-m3's heads: both files, or it is refused naming
+    the missing one (FlagEmbedding would draw both at random then)."""
+    present = [(checkpoint / name).is_file() for name in (M3_SPARSE, M3_COLBERT)]
+    if any(present) and not all(present):
+        missing = M3_COLBERT if present[0] else M3_SPARSE
+        raise CheckpointError(f"{checkpoint / missing}: missing; bge-m3's heads are "
+                              f"{M3_SPARSE} and {M3_COLBERT}, both")
+    return all(present)
+
+
+def _linear(path: Path, in_features: int, out_features: int | None) -> torch.nn.Linear:
+    """A torch.nn.Linear saved as its state dict (weight [out, in], bias [out])."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a damaged file raises whatever its reader does
+        raise CheckpointError(f"{path}: cannot be read ({err})") from err
+    weight, bias = (state.get(name) if isinstance(state, dict) else None for name in ("weight", "bias"))
+    if (not isinstance(weight, torch.Tensor) or not isinstance(bias, torch.Tensor)
+            or set(state) != {"weight", "bias"} or weight.dim() != 2
+            or weight.shape[1] != in_features or tuple(bias.shape) != (weight.shape[0],)
+            or (out_features is not None and weight.shape[0] != out_features)):
+        shapes = ({k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+                  if isinstance(state, dict) else type(state).__name__)
+        want = f"[{out_features or 'dim'}, {in_features}]"
+        raise CheckpointError(f"{path}: {shapes}; expected a linear layer's weight {want} and "
+                              "its bias")
+    linear = torch.nn.Linear(in_features, weight.shape[0])
+    linear.load_state_dict({"weight": weight.float(), "bias": bias.float()})
+    return linear.eval()
+
+
+def _special_ids(checkpoint: Path, names: tuple[str, ...]) -> list[int]:
+    """The ids of the tokenizer's special tokens `names` (tokenizer_config.json, then
+    special_tokens_map.json: a token or {"content": token}), each found in tokenizer.json."""
+    tokenizer = Tokenizer.from_file(str(checkpoint / TOKENIZER))
+    settings: dict = {}
+    for file in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (checkpoint / file).is_file():
+            settings |= {k: v for k, v in _json(checkpoint / file).items() if v is not None}
+    ids = []
+    for name in names:
+        token = settings.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        found = tokenizer.token_to_id(token) if isinstance(token, str) else None
+        if found is None:
+            raise CheckpointError(f"{checkpoint / 'tokenizer_config.json'}: {name} {token!r} is "
+                                  f"not a token of {TOKENIZER}")
+        ids.append(found)
+    return sorted(set(ids))
+
+
+def bge_m3_heads(checkpoint: Path, hidden_size: int) -> tuple[
+        LexicalHead, LexicalWeights, MultiVectorHead, TokenVectors]:
+    """bge-m3's lexical and multi-vector heads, in the manifest and as modules."""
+    lexical = LexicalWeights(hidden_size)
+    lexical.linear = _linear(checkpoint / M3_SPARSE, hidden_size, 1)
+    projection = _linear(checkpoint / M3_COLBERT, hidden_size, None)
+    dim = projection.out_features
+    return (LexicalHead(_special_ids(checkpoint, M3_DROPPED_TOKENS)), lexical.eval(),
+            MultiVectorHead(dim=dim, skip_leading=1, similarity="meanmaxsim"),
+            TokenVectors(projection).eval())
+
+
+PYLATE_PREFIX = "pylate."
+# PyLate's defaults for what its config_sentence_transformers.json leaves out.
+PYLATE_QUERY_LENGTH = 32
+PYLATE_SKIPLIST = list(string.punctuation)
+_MULTI_VECTOR_SIMILARITIES = {None: "maxsim", "maxsim": "maxsim", "meanmaxsim": "meanmaxsim"}
+
+
+@dataclass(frozen=True)
+class MultiVector:
+    """A multi-vector (ColBERT) checkpoint's modules and settings, as PyLate or
+    sentence-transformers' MultiVectorEncoder saved them."""
+
+    dense: tuple[Path, ...]
+    """the token projection's Dense folders, in order"""
+    head: MultiVectorHead
+    """dim: 0 until the projection is read"""
+    prompts: dict[str, str]
+    tokenizer: Tokenizer | None
+    """the checkpoint's tokenizer with PyLate's markers made single special tokens, as
+    sentence-transformers registers them; None: the checkpoint's own, unchanged"""
+
+
+def _pylate_markers(checkpoint: Path, prefixes: list[str]) -> Tokenizer | None:
+    """The tokenizer with each marker a known token encodes to other pieces (an added "[Q] "
+    a lower-casing tokenizer normalises) made a special, unnormalised token."""
+    tokenizer = Tokenizer.from_file(str(checkpoint / TOKENIZER))
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    marks = []
+    for value in prefixes:
+        for prefix in (value, *value.split(None, 1)[:1]) if value.split() else ():
+            if prefix in vocab:
+                if tokenizer.encode(prefix, add_special_tokens=False).tokens != [prefix]:
+                    marks.append(AddedToken(prefix, normalized=False, special=True))
+                break
+    if not marks:
+        return None
+    tokenizer.add_special_tokens(marks)
+    return tokenizer
+
+
+def _token_ids(tokenizer: Tokenizer, words: list[str] | None) -> list[int]:
+    """The ids of the words that are tokens (others are left out, as sentence-transformers
+    leaves them)."""
+    return sorted({i for i in (tokenizer.token_to_id(w) for w in words or ()) if i is not None})
+
+
+def read_multi_vector(checkpoint: Path) -> MultiVector | None:
+    """The checkpoint's multi-vector settings when it is a PyLate or MultiVectorEncoder save
+    (None when it is neither); refused unless its modules are a Transformer, Dense layers on
+    the token states and, in a MultiVectorEncoder's, MultiVectorMask and Normalize."""
+    path = checkpoint / MODULES
+    if not path.is_file():
+        return None
+    modules = module_types(path)
+    types = [kind for _, kind, _ in modules]
+    classes = [kind.rpartition(".")[2] for kind in types]
+    st_path = checkpoint / ST_CONFIG
+    st = _json(st_path) if st_path.is_file() else {}
+    pylate = any(kind.startswith(PYLATE_PREFIX) for kind in types) or st.get("model_type") == "ColBERT"
+    if not pylate and "MultiVectorMask" not in classes and st.get("model_type") != "MultiVectorEncoder":
+        return None
+    layout = (["Transformer"] + ["Dense"] * (len(classes) - 1) if pylate else
+              ["Transformer"] + ["Dense"] * (len(classes) - 3) + ["MultiVectorMask", "Normalize"])
+    if classes != layout or len(classes) < 2 or modules[0][2]:
+        raise CheckpointError(f"{path}: modules {types}; attnserve exports a multi-vector model "
+                              "as its own Transformer, then Dense layers (PyLate's), or then "
+                              "Dense layers, MultiVectorMask and Normalize (sentence-transformers')")
+    dense = tuple(checkpoint / folder for (_, _, folder), kind in zip(modules, classes, strict=True)
+                  if kind == "Dense")
+    tokenizer = Tokenizer.from_file(str(checkpoint / TOKENIZER))
+    sbc_path = checkpoint / TRANSFORMER_CONFIG
+    sbc = _json(sbc_path) if sbc_path.is_file() else {}
+    if pylate:
+        prefixes = {side: st[key] or "" for side, key in (("query", "query_prefix"),
+                                                           ("document", "document_prefix"))
+                    if key in st}
+        saved = dict(st.get("prompts") or {})
+        prompts = saved | {side: prefix + (saved.get(side) or "").removeprefix(prefix)
+                           for side, prefix in prefixes.items()}
+        marked = _pylate_markers(checkpoint, list(prefixes.values()))
+        tokenizer = marked or tokenizer
+        length = st.get("query_length") or PYLATE_QUERY_LENGTH
+        expansion = ({"strategy": "fixed", "attend": bool(st.get("attend_to_expansion_tokens")),
+                      "length": length} if st.get("do_query_expansion", True) else None)
+        query_length, document_length = st.get("query_length"), st.get("document_length")
+        skiplist = st.get("skiplist_words")
+        mask = {"skiplist_words": PYLATE_SKIPLIST if skiplist is None else skiplist}
+        similarity = None
+    else:
+        marked, prompts = None, dict(st.get("prompts") or {})
+        expansion = sbc.get("query_expansion")
+        query_length, document_length = sbc.get("query_length"), sbc.get("document_length")
+        mask_path = checkpoint / modules[-2][2] / "config.json"
+        mask = _json(mask_path) if mask_path.is_file() else {}
+        if mask.get("keep_only_token_ids") is not None:
+            raise CheckpointError(f"{mask_path}: keep_only_token_ids is set (an image model's "
+                                  "allowlist); attnserve exports text models")
+        similarity = st.get("similarity_fn_name")
+        if similarity not in _MULTI_VECTOR_SIMILARITIES:
+            raise CheckpointError(f"{st_path}: similarity_fn_name {similarity!r}; a multi-vector "
+                                  "model scores by maxsim or meanmaxsim")
+    skip_ids = _token_ids(tokenizer, mask.get("skiplist_words"))
+    tasks = mask.get("skiplist_tasks") or ["document"]
+    tasks = [tasks] if isinstance(tasks, str) else tasks
+    expand_to, token_id, attended = None, None, False
+    if expansion is not None:
+        if expansion.get("strategy") not in ("fixed", "min") or not isinstance(
+                expansion.get("length"), int) or expansion["length"] < 1:
+            raise CheckpointError(f"{sbc_path}: query_expansion {expansion!r}; attnserve exports "
+                                  "strategy fixed or min with a length")
+        expand_to, attended = expansion["length"], bool(expansion.get("attend", False))
+        token = expansion.get("token")
+        token_id = (tokenizer.token_to_id(token) if token is not None
+                    else _special_ids(checkpoint, ("mask_token",))[0])
+        if token_id is None:
+            raise CheckpointError(f"{sbc_path}: query_expansion token {token!r} is not a token")
+        if expansion["strategy"] == "fixed":
+            query_length = expand_to
+    # sentence-transformers cuts a text at its side's length, else at max_seq_length.
+    longest = sbc.get("max_seq_length")
+    query_length, document_length = query_length or longest, document_length or longest
+    query = MultiVectorInput(prompts.get("query", ""), query_length,
+                             skip_ids if "query" in tasks else [], expand_to, token_id, attended)
+    document = MultiVectorInput(prompts.get("document", ""), document_length,
+                                skip_ids if "document" in tasks else [])
+    head = MultiVectorHead(dim=0, skip_leading=0, similarity=_MULTI_VECTOR_SIMILARITIES[similarity],
+                           query=query, document=document)
+    return MultiVector(dense, head, prompts, marked)
+
+
+def multi_vector_head(multi_vector: MultiVector, hidden_size: int) -> tuple[MultiVectorHead,
+                                                                           TokenVectors]:
+    """The manifest's multi-vector head and the module that computes it: the Dense layers
+    on every token's state, each vector normalised."""
+    projection = dense_stack(multi_vector.dense, hidden_size, TOKEN_EMBEDDINGS)
+    dim = projection[-1].linear.out_features
+    return replace(multi_vector.head, dim=dim), TokenVectors(projection).eval()
