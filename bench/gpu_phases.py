@@ -281,7 +281,7 @@ def memory_phase(artifact: Artifact, device: str, plan: Plan, budget: Budget) ->
         shapes = memory_profile.shapes_for(True, list(plan.memory_seqs), list(plan.memory_batches),
                                            manifest.num_layers)
         rows, left_out = memory_profile.measure_shapes(
-            artifact.directory, shapes, device, precision, threads=0, repeats=1,
+            artifact.directory, shapes, device, precision, threads=0, repeats=1, time_runs=1,
             timeout_s=max(30.0, budget.left() - 45), progress=lambda m: log.info("event=memory %s", m))
         if not rows:
             out[precision] = {"error": "every shape failed", "left_out": left_out}

@@ -141,7 +141,9 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
                               else f"unknown value {request.dtype}")
     if request.embedding_type not in EMBEDDING_TYPES:
         raise InvalidArgument("embedding_type", f"unknown value {request.embedding_type}")
-    pooling = request.pooling or POOLING_NAMES[manifest.default_pooling]
+    # A model without dense vectors (SPLADE) has no pooling of its own: the data plane
+    # refuses it naming the model.
+    pooling = request.pooling or POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
     if pooling == pb.POOLING_LAST_TOKEN and pooled_output("lasttoken", False) not in manifest.pooled_outputs:
         raise InvalidArgument("pooling", f"POOLING_LAST_TOKEN: model {model!r} was exported without "
                               f"last-token vectors (manifest format_version "

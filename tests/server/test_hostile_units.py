@@ -126,6 +126,7 @@ def test_prefix_tokenizing_matches_tokenizing_the_whole_text(positions):
 def test_response_sizes_are_never_under_protobufs_own():
     class Manifest:
         model_name, hidden_size, num_heads, vocab_size = "all-MiniLM-L6-v2", 384, 12, 30522
+        embedding_size = hidden_size
 
     rng = np.random.default_rng(0)
     worst = 0.0

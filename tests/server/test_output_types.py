@@ -168,7 +168,7 @@ def test_grpc_chunks_and_wire_dtypes(minilm_server):
 
 @pytest.mark.parametrize("body, param, needle", [
     ({"embedding_types": ["float", "int4"]}, "embedding_types[1]",
-     "'int4'; expected one of 'binary', 'float', 'int8', 'ubinary', 'uint8'"),
+     "'int4'; expected one of 'binary', 'float', 'int8', 'sparse', 'ubinary', 'uint8'"),
     ({"embedding_types": ["int8", "int8"]}, "embedding_types[1]", "listed twice"),
     ({"embedding_types": "int8"}, "embedding_types", "expected a list or null, got a string"),
     ({"embedding_types": []}, "embedding_types", "expected a list of length >= 1"),
