@@ -3,6 +3,8 @@ global layer attends over the whole sequence, a local one over a window around e
 token, applied as a mask before the softmax, like padding; each kind rotates queries and
 keys with a RoPE base of its own."""
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -20,7 +22,7 @@ def rotaries(config: ModernBertConfig | DecoderConfig) -> dict[str, RotaryEmbedd
                                   pairs="halves") for kind in sorted(set(config.layer_types))}
 
 
-class LayerKindStack(nn.Module):
+class LayerKindStack(nn.Module, ABC):
     """Token states from `embed`, then the layers (each one's `local` says its kind), each
     with its kind's mask (every real key, or the real keys at most the config's
     window_radius away), then `final_norm`. A family sets `config`, `layers` and
@@ -30,8 +32,9 @@ class LayerKindStack(nn.Module):
     layers: nn.ModuleList
     final_norm: nn.Module
 
+    @abstractmethod
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The family's token embeddings of `input_ids`, [batch, seq, hidden]."""
 
     def forward(
         self,

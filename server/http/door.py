@@ -2,6 +2,7 @@
 call (its record, its memory held until the answer is sent: HttpCalls.answer), its
 refusals in the protocol's error shape, its answers encoded from their schemas."""
 
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -29,7 +30,7 @@ def numbers(array: np.ndarray) -> msgspec.Raw:
     return msgspec.Raw(orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
-class Door:
+class Door(ABC):
     """A protocol's routes, from `routes()`; `refusal` its error shape ({"error": message}
     unless the protocol says otherwise)."""
 
@@ -38,8 +39,9 @@ class Door:
         self.plane = plane
         self.max_response_bytes = max_response_bytes
 
+    @abstractmethod
     def routes(self) -> list[web.RouteDef]:
-        raise NotImplementedError
+        """The protocol's routes, each through `calls`."""
 
     @staticmethod
     def refusal(err: RequestError, status: int) -> web.Response:
