@@ -1,4 +1,5 @@
-"""Shared fixtures: real artifacts exported once per session, and real servers started as
+"""Shared fixtures: real artifacts, each exported once for the same inputs
+(tests/artifact_cache.py keeps them between sessions), and real servers started as
 `attnserve serve` subprocesses on loopback ports (through tests/harness.py, the one
 harness the benchmarks use too)."""
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests import harness
+from tests.artifact_cache import exported
 from tests.families import make_reranker, make_sentence_transformer, make_sparse_encoder
 from tests.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
 
@@ -20,23 +22,28 @@ EXTERNAL_DATA_FAMILY = "qwen3"
 
 def pytest_addoption(parser):
     parser.addoption("--server-workers", default=None, metavar="N",
-                     help="start every test server with --workers N (the promises that hold "
-                          "with several front-end processes are marked `workers`)")
+                     help="start every test server with --workers N (the promises that cross from "
+                          "the engine to the front ends are marked `workers`)")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "workers: also run against servers with --workers 2")
+    config.addinivalue_line("markers", "workers: a promise that crosses from the engine to the front "
+                            "ends, also run against servers with --workers 2")
     workers = config.getoption("--server-workers")
     if workers:
         harness.SERVE_FLAGS[:] = ["--workers", workers]
 
 
 def export(out: Path, checkpoint: Path | None = None, *extra: str) -> Path:
-    args = [*ATTNSERVE, "export", "--out", str(out), *extra]
-    if checkpoint is not None:
-        args += ["--from", str(checkpoint)]
-    subprocess.run(args, check=True, cwd=REPO, capture_output=True, timeout=600)
-    return out
+    """`attnserve export` into `out`, or a copy of what it made before from the same inputs
+    (tests/artifact_cache.py)."""
+    def run(directory: Path) -> None:
+        args = [*ATTNSERVE, "export", "--out", str(directory), *extra]
+        if checkpoint is not None:
+            args += ["--from", str(checkpoint)]
+        subprocess.run(args, check=True, cwd=REPO, capture_output=True, timeout=600)
+
+    return exported(out, run, checkpoint, "cli", *extra)
 
 
 def without_module(directory: Path, name: str) -> dict[str, str]:
@@ -113,10 +120,14 @@ def _export_in_process(out: Path, checkpoint: Path, external_data: bool, **flags
     from attnserve.export import graph_files
     from attnserve.export.pipeline import run_export
 
-    with pytest.MonkeyPatch.context() as patch:
-        if external_data:
-            patch.setattr(graph_files, "EXTERNAL_DATA_BYTES", 0)
-        run_export(out, checkpoint, **flags)
+    def run(directory: Path) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            if external_data:
+                patch.setattr(graph_files, "EXTERNAL_DATA_BYTES", 0)
+            run_export(directory, checkpoint, **flags)
+
+    exported(out, run, checkpoint, f"external_data={external_data}",
+             *(f"{k}={v}" for k, v in sorted(flags.items())))
     return load_artifact(out)
 
 
@@ -188,7 +199,8 @@ def splade_artifact(tmp_path_factory):
         if name not in made:
             root = tmp_path_factory.mktemp(name)
             checkpoint = make_sparse_encoder(root / "st", **SPLADES[name])
-            run_export(root / "artifact", checkpoint)
+            exported(root / "artifact", lambda directory: run_export(directory, checkpoint),
+                     checkpoint)
             made[name] = checkpoint, root / "artifact", read_manifest(root / "artifact")
         return made[name]
 

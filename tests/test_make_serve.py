@@ -15,6 +15,9 @@ from attnserve.server.memory.model import ATTENTION, EMBEDDINGS
 from tests.conftest import REPO
 
 START_TIMEOUT_S = 600
+# The fit on a few short shapes: the fit itself is tested in tests/server/test_memory_profile.py,
+# here that `make serve` makes one.
+PROFILE_ARGS = "--seq-lens 8,16,32 --batch-sizes 1,2"
 
 
 def test_make_serve_exports_an_older_artifact_again_and_serves_it(minilm_artifact, tmp_path):
@@ -32,7 +35,7 @@ def test_make_serve_exports_an_older_artifact_again_and_serves_it(minilm_artifac
     log = tmp_path / "make.log"
     with log.open("w") as out:
         make = subprocess.Popen(["make", "--no-print-directory", "serve", f"ARTIFACT={artifact}",
-                                 f"SERVE_ARGS={serve_args}"],
+                                 f"SERVE_ARGS={serve_args}", f"PROFILE_ARGS={PROFILE_ARGS}"],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:

@@ -19,7 +19,9 @@ from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.harness import ServerProcess
 
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 TIMES = ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time")
 NEW_ID = re.compile(r"[0-9a-f]{32}")
@@ -56,6 +58,7 @@ def keyed_server(tiny_artifact):
         yield server
 
 
+@pytest.mark.workers
 def test_http_echoes_the_id_and_times_the_call(minilm_server):
     status, headers, body = request(minilm_server, "POST", "/v1/embeddings",
                                     {"input": LONG, "truncate": True},
@@ -100,6 +103,7 @@ def test_every_http_answer_carries_the_id_and_times(minilm_server, method, path,
     assert headers["x-compute-tokens"] == "0"
 
 
+@pytest.mark.workers
 def test_kserve_rest_times_its_inference(minilm_server):
     ids = [101, 7592, 2088, 102]
     status, headers, _ = request(minilm_server, "POST", "/v2/models/all-MiniLM-L6-v2/infer", {
@@ -114,6 +118,7 @@ def trailers(call) -> dict[str, str]:
     return {m.key: m.value for m in call.trailing_metadata() if not m.key.endswith("-bin")}
 
 
+@pytest.mark.workers
 def test_grpc_trailers_carry_the_id_and_times(minilm_server):
     with grpc.insecure_channel(minilm_server.address) as channel:
         stub = pb_grpc.EncoderServiceStub(channel)
@@ -159,6 +164,7 @@ def test_grpc_replaces_an_id_it_cannot_echo(minilm_server):
     assert NEW_ID.fullmatch(trailers(call)["x-request-id"])
 
 
+@pytest.mark.workers
 def test_refusals_carry_the_id_and_log_it(keyed_server):
     status, headers, _ = request(keyed_server, "POST", "/v1/embeddings", {"input": "hi"},
                                  {"X-Request-Id": "no-key-1"})
@@ -179,6 +185,7 @@ def test_refusals_carry_the_id_and_log_it(keyed_server):
     assert any(line.endswith("request_id=no-key-1") for line in lines), log[-3000:]
 
 
+@pytest.mark.workers
 def test_workers_hand_the_engines_timings_to_the_front_end(tiny_artifact):
     with ServerProcess(tiny_artifact, "--workers", "2") as server:
         status, headers, body = request(server, "POST", "/v1/embeddings",

@@ -21,8 +21,9 @@ from tests.harness import ATTNSERVE, REPO
 from tests.hugging_face import HuggingFace
 from tests.server.reliability import MIB, HealthProbe, serve
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 WIDTH = 510  # MiniLM's 512 positions less [CLS] and [SEP]
 ATOL = 1e-5
@@ -79,6 +80,7 @@ def late_reference(hf: HuggingFace, text: str, chunks, overlap: int) -> np.ndarr
     return np.stack(vectors)
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("max_tokens, overlap", [(40, 0), (40, 39)],
                          ids=["default overlap", "least overlap"])
 def test_late_chunks_equal_hugging_face_over_the_same_windows(client, hf, max_tokens, overlap):
@@ -96,6 +98,7 @@ def test_late_chunks_equal_hugging_face_over_the_same_windows(client, hf, max_to
     np.testing.assert_allclose(vectors, got / np.linalg.norm(got, axis=1, keepdims=True), atol=1e-6)
 
 
+@pytest.mark.workers
 def test_isolated_chunks_equal_hugging_face_on_each_chunk_alone(client, hf):
     text = english(30, seed=1)
     (result,) = client.embed([text], chunk_tokens=24, isolated=True)
@@ -162,6 +165,7 @@ def test_chunking_errors_name_the_field(stub, fields, field, reason):
     assert detail.Unpack(bad) and bad.field_violations[0].field == field
 
 
+@pytest.mark.workers
 def test_a_long_text_costs_its_windows_against_the_queue(client, hf):
     """The default queue (262,144 tokens) would take this text's tokens, but not those of
     the windows they run in (twice as many, with the default overlap)."""
@@ -176,6 +180,7 @@ def test_a_long_text_costs_its_windows_against_the_queue(client, hf):
     assert fits.chunks
 
 
+@pytest.mark.workers
 def test_openai_client_gets_chunk_vectors_with_their_spans(minilm_server, client):
     text = english(60, seed=3)
     api = openai.OpenAI(base_url=minilm_server.http_url + "/v1", api_key="x", max_retries=0)

@@ -22,7 +22,9 @@ from tests.server.reliability import serve
 from tests.server.test_http import post_json
 from tests.server.test_rerank import invalid
 
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 CLASSIFIER, MINILM = "classifier", "minilm"
 LABELS = ["label_0", "label_1", "label_2"]
@@ -75,6 +77,7 @@ def by_label(scores: list[dict]) -> np.ndarray:
     return np.array([{s["label"]: s["score"] for s in scores}[label] for label in LABELS])
 
 
+@pytest.mark.workers
 def test_grpc_classify_scores_every_label_of_texts_and_pairs(encoder, logits):
     inputs = [pb.ClassifyInput(text=t) for t in TEXTS] + [
         pb.ClassifyInput(text=PAIR[0], text_pair=PAIR[1])]
@@ -93,6 +96,7 @@ def test_grpc_classify_scores_every_label_of_texts_and_pairs(encoder, logits):
         assert best.score == pytest.approx(float(logits[key].max()), abs=ATOL)
 
 
+@pytest.mark.workers
 def test_tei_predict_answers_singles_pairs_and_batches(server, logits):
     status, single = post_json(server, "/predict", {"inputs": TEXTS[0]})
     assert status == 200
@@ -110,6 +114,7 @@ def test_tei_predict_answers_singles_pairs_and_batches(server, logits):
     assert info["model_type"]["classifier"]["id2label"] == dict(zip("012", LABELS, strict=True))
 
 
+@pytest.mark.workers
 def test_huggingface_hub_text_classification(server, logits, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     client = InferenceClient(base_url=server.http_url)
@@ -121,6 +126,7 @@ def test_huggingface_hub_text_classification(server, logits, monkeypatch):
     assert best.score == pytest.approx(float(logits[TEXTS[2]].max()), abs=ATOL)
 
 
+@pytest.mark.workers
 def test_vllm_classify_scores_by_label_id(server, logits):
     status, answer = post_json(server, "/classify", {"model": CLASSIFIER, "input": TEXTS})
     assert status == 200, answer

@@ -13,8 +13,9 @@ from attnserve.cli import main
 from tests.harness import ATTNSERVE, REPO, ServerProcess
 from tests.server.reliability import health
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 # (field, bad value, what the error says about it)
 BAD_VALUES = [
@@ -81,6 +82,7 @@ def test_a_flag_wins_over_its_twin_and_an_empty_twin_is_unset(tiny_artifact, no_
     assert code == 2 and "--artifact: required (or set ATTNSERVE_ARTIFACT)" in err, err
 
 
+@pytest.mark.workers
 def test_a_bad_twin_fails_cleanly_in_a_real_process(tiny_artifact):
     """The whole command, as a container runs it: exit 2, one line, no traceback."""
     out = subprocess.run([*ATTNSERVE, "serve", "--artifact", str(tiny_artifact)], cwd=REPO,
@@ -129,6 +131,7 @@ def test_check_config_refuses_what_start_up_refuses(tmp_path, tiny_artifact, cas
     assert checked == started
 
 
+@pytest.mark.workers
 def test_check_config_and_start_up_agree_on_cuda(tiny_artifact):
     """`--device cuda` never falls back to the CPU: where CUDA cannot run, both refuse it
     for that reason; where it can, both accept it."""
@@ -142,6 +145,7 @@ def test_check_config_and_start_up_agree_on_cuda(tiny_artifact):
                     "--http-port", "0"], clean_env()) == checked
 
 
+@pytest.mark.workers
 def test_the_ready_file_names_the_ports_that_serve(tiny_server):
     ready = json.loads(tiny_server.ready_path.read_text())
     # With --workers, also every process of the group (its engine and front ends).

@@ -12,9 +12,6 @@ import pytest
 
 from tests.server.reliability import serve
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
-
 PAGE = "http://page.example"
 OTHER = "https://other.example:8443"
 KEY = "cors-test-key"

@@ -20,8 +20,9 @@ from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.harness import ATTNSERVE, REPO, free_port
 from tests.server.reliability import serve, stub, wait_for
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 KEY = "s3cret-key"
 FILE_KEY = "second-key"
@@ -41,6 +42,7 @@ def http(url: str, body: dict | None = None, key: str | None = None) -> int:
         return err.code
 
 
+@pytest.mark.workers
 def test_work_before_serving_is_unavailable_on_every_door(minilm_artifact, tmp_path):
     """Shape buckets on the CPU make warm-up long (every bucket runs): the ports are open
     meanwhile, and every door refuses work the same way until health says SERVING."""
@@ -100,6 +102,7 @@ def keyed(tiny_artifact, tmp_path_factory):
         yield server
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("key,allowed", [(None, False), ("wrong", False), (KEY, True),
                                          (FILE_KEY, True), (KEY + "x", False)])
 def test_api_keys_are_checked_alike_on_grpc_and_http(keyed, key, allowed):
@@ -126,6 +129,7 @@ def test_api_keys_are_checked_alike_on_grpc_and_http(keyed, key, allowed):
     assert http(f"{keyed.http_url}/v2", None, key) == expected
 
 
+@pytest.mark.workers
 def test_health_reflection_and_metrics_need_no_key(keyed):
     with grpc.insecure_channel(keyed.address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
@@ -149,6 +153,7 @@ def test_the_openai_client_sends_its_key(keyed):
         bad.embeddings.create(model=keyed.model, input="hi")
 
 
+@pytest.mark.workers
 def test_a_key_file_without_keys_stops_the_start(tiny_artifact, tmp_path):
     empty = tmp_path / "keys"
     empty.write_text("\n\n")

@@ -25,8 +25,9 @@ from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.harness import delta, sample
 from tests.server.reliability import MIB, HealthProbe, serve, stub, wait_for
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 BUDGET = 256 * MIB
 HEADER_TIMEOUT_S = 1.0
@@ -119,6 +120,7 @@ def still_serving(server) -> None:
         stub(channel).Embed(pb.EmbedRequest(texts=["still serving"]), timeout=10)
 
 
+@pytest.mark.workers
 def test_sockets_that_send_no_body_hold_no_budget_and_are_timed_out(server):
     """Fifty connections each declare a 4 MiB body (3 × 4 MiB each in the ledger, were it
     reserved up front: more than the whole budget) and send none of it. Meanwhile every
@@ -445,6 +447,7 @@ def test_health_answers_have_the_protocols_bodies(server):
     assert status == 404 and "version" in json.loads(body)["error"]
 
 
+@pytest.mark.workers
 def test_base64_vectors_are_the_float_vectors(server):
     floats = post(server, "/v1/embeddings", embed_body(server, "same text"))[1]
     packed = post(server, "/v1/embeddings", json.dumps(

@@ -27,9 +27,6 @@ from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.harness import ServerProcess, delta, sample
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
-
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = ["The cat sat on the mat.", "attention is all you need", "a"]
 LONG_TEXT = "word " * 600
@@ -88,6 +85,7 @@ def tokenized(encoder) -> list[list[int]]:
     return [list(t.ids) for t in encoder.Tokenize(pb.TokenizeRequest(texts=TEXTS)).tokenizations]
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("encoding", ["float", "base64"])
 @pytest.mark.parametrize("form", ["string", "strings", "token_ids", "lists_of_token_ids"])
 def test_openai_client_gets_the_grpc_embed_vectors(minilm_server, encoder, tokenized, encoding, form):
@@ -135,6 +133,7 @@ def grpc_model_infer(server: ServerProcess, outputs: list[str]) -> dict[str, np.
             for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)}
 
 
+@pytest.mark.workers
 def test_tritonclient_http_matches_grpc_model_infer(minilm_server):
     http = triton_http.InferenceServerClient(url=f"127.0.0.1:{minilm_server.http_port}")
     assert http.is_server_live() and http.is_server_ready() and http.is_model_ready(MODEL)
@@ -185,6 +184,10 @@ KSERVE_CLIENT = """
 import asyncio, json, sys
 import numpy as np
 from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 base, model, ids = sys.argv[1], sys.argv[2], np.array(json.loads(sys.argv[3]), dtype=np.int64)
 async def calls():
@@ -295,6 +298,7 @@ def test_kserve_unknown_model_is_404(minilm_server):
     assert get(minilm_server.http_url + "/health") == 200
 
 
+@pytest.mark.workers
 def test_http_calls_are_counted_by_route_and_grpc_code(minilm_server):
     before = minilm_server.scrape()
     post(minilm_server.http_url + "/v1/embeddings", json.dumps(with_model(input="hi")).encode())
@@ -341,12 +345,14 @@ def test_body_over_the_limit_is_413(small_server, tiny_model):
     assert status == 413 and "4096-byte limit" in error["error"]
 
 
+@pytest.mark.workers
 def test_queue_full_is_429_in_openai_shape(small_server, tiny_model):
     with pytest.raises(openai.RateLimitError) as full:
         client(small_server).embeddings.create(model=tiny_model, input=[[101] + [2000] * 98 + [102]])
     assert full.value.code == "rate_limit_exceeded" and "queue full" in full.value.message
 
 
+@pytest.mark.workers
 def test_200_parallel_scrapes_are_all_answered(small_server):
     barrier = threading.Barrier(SCRAPERS)
 

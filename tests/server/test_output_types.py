@@ -27,7 +27,9 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from tests.harness import ServerProcess
 
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 # Varied texts the ranges were not fitted on: some of their values fall outside the
 # calibration ranges, so the clipping to levels 0 and 255 is exercised too.
@@ -66,6 +68,7 @@ def test_the_manifest_holds_the_ranges_of_the_calibration_embeddings(minilm_arti
         np.testing.assert_array_equal(ranges, np.vstack([rows.min(axis=0), rows.max(axis=0)]))
 
 
+@pytest.mark.workers
 def test_openai_door_types_equal_sentence_transformers(minilm_server, calibration):
     status, body = post(minilm_server, {"input": TEXTS, "embedding_types": TYPES,
                                         "encoding_format": "float"})
@@ -90,6 +93,7 @@ def test_openai_door_types_equal_sentence_transformers(minilm_server, calibratio
     assert clipped > 0, "no value fell outside the calibration ranges: clipping went untested"
 
 
+@pytest.mark.workers
 def test_base64_carries_the_same_bytes(minilm_server):
     texts = TEXTS[:6]
     _, listed = post(minilm_server, {"input": texts, "embedding_types": TYPES,
@@ -104,6 +108,7 @@ def test_base64_carries_the_same_bytes(minilm_server):
             np.testing.assert_array_equal(decoded, np.array(as_lists["embeddings"][kind], dtype=dtype))
 
 
+@pytest.mark.workers
 def test_float16_base64_through_the_openai_client(minilm_server):
     client = openai.OpenAI(base_url=minilm_server.http_url + "/v1", api_key="x", max_retries=0)
     texts = TEXTS[:4]
@@ -122,6 +127,7 @@ def test_float16_base64_through_the_openai_client(minilm_server):
     assert len(base64.b64decode(typed.data[0].model_extra["embeddings"]["ubinary"])) == 48
 
 
+@pytest.mark.workers
 def test_chunks_carry_their_types(minilm_server, calibration):
     text = " ".join(TEXTS[10:30])
     status, body = post(minilm_server, {"input": [text], "chunking": {"max_tokens": 48},
@@ -135,6 +141,7 @@ def test_chunks_carry_their_types(minilm_server, calibration):
                                 calibration_embeddings=calibration["pooled_mean_normalized"]))
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("pooling, normalize", [("mean", False), ("mean", True), ("cls", False)])
 def test_grpc_embedding_type_equals_sentence_transformers(minilm_server, calibration, pooling,
                                                           normalize):
@@ -152,6 +159,7 @@ def test_grpc_embedding_type_equals_sentence_transformers(minilm_server, calibra
             np.testing.assert_array_equal(got, want, err_msg=kind)
 
 
+@pytest.mark.workers
 def test_grpc_chunks_and_wire_dtypes(minilm_server):
     with grpc.insecure_channel(minilm_server.address) as channel:
         stub = pb_grpc.EncoderServiceStub(channel)

@@ -23,9 +23,6 @@ from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.harness import delta
 from tests.server.reliability import serve, stub
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
-
 PLAIN, BULK_KEY, CAPPED = "plain-key", "bulk-key", "capped-key"
 CLASSES_NAMED = "the classes are interactive, bulk"
 WAIT_S = 30  # bound on any wait: a broken promise fails the test instead of hanging it
@@ -100,6 +97,7 @@ def waited(server, before, priority: str) -> float:
                  model=server.model, priority=priority)
 
 
+@pytest.mark.workers
 def test_each_door_takes_the_class_and_a_keys_class_wins(server):
     before = server.scrape()
     for path, body in http_calls(server).values():
@@ -162,6 +160,7 @@ def started(lines: list[str], priority: str) -> list[int]:
             if "event=batch_started" in line and f"priority={priority}" in line]
 
 
+@pytest.mark.workers
 def test_an_interactive_call_runs_in_the_next_batch(server):
     """Behind a bulk request of many batches, an interactive call waits for the batch
     running when it arrives and no other bulk batch: one formed behind the running one
@@ -176,17 +175,34 @@ def test_an_interactive_call_runs_in_the_next_batch(server):
             stub(channel).Embed(pb.EmbedRequest(texts=["query"]), metadata=metadata(PLAIN),
                                 timeout=WAIT_S)
             assert not bulk.done()
+            # The bulk request goes on after the call; it is cancelled only once its log
+            # says so, or the cancel could come before its next batch starts.
+            until(lambda: resumed(log_since(server, start)),
+                  "a bulk batch started after the interactive one")
         finally:
             bulk.cancel()
     lines = log_since(server, start)
-    queued = next(i for i, line in enumerate(lines)
-                  if "event=queued" in line and "priority=interactive" in line)
-    runs = next(i for i in started(lines, "interactive") if i > queued)
+    queued, runs = interactive_run(lines)
     between = [i for i in started(lines, "bulk") if queued < i < runs]
     assert len(between) <= 1, lines[queued:runs + 1]
-    assert any(i > runs for i in started(lines, "bulk")), "the bulk work had all run"
 
 
+def interactive_run(lines: list[str]) -> tuple[int, int]:
+    """The log lines where the interactive call was queued and where its batch started."""
+    queued = next(i for i, line in enumerate(lines)
+                  if "event=queued" in line and "priority=interactive" in line)
+    return queued, next(i for i in started(lines, "interactive") if i > queued)
+
+
+def resumed(lines: list[str]) -> bool:
+    try:
+        _, runs = interactive_run(lines)
+    except StopIteration:  # the interactive batch's line is not in the log yet
+        return False
+    return any(i > runs for i in started(lines, "bulk"))
+
+
+@pytest.mark.workers
 def test_a_bulk_caller_finishes_under_a_steady_interactive_stream(server):
     """Interactive callers keep the interactive class waiting all along; the bulk
     request still finishes (its wait is bounded by --priority-aging-ms) while they go on."""
@@ -231,6 +247,7 @@ def held_call(server, key: str) -> socket.socket:
     return sock
 
 
+@pytest.mark.workers
 def test_a_keys_in_flight_cap_answers_429_and_resource_exhausted_with_retry_after(server):
     path, body = http_calls(server)["openai"]
     sock = held_call(server, CAPPED)

@@ -26,9 +26,6 @@ from tests.harness import ATTNSERVE, REPO, delta
 from tests.server.reliability import serve, stub
 from tests.server.test_http import post_json
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
-
 MINILM, BERT, XLMR = "all-MiniLM-L6-v2", "bert-reranker", "xlmr-reranker"
 QUERY = "where does the cat sleep?"
 TEXTS = ["Le chat dort sur le canapé pendant que la pluie tombe doucement.", "ok",
@@ -75,6 +72,7 @@ def ranked(scores: np.ndarray) -> list[int]:
     return np.argsort(-scores, kind="stable").tolist()
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("model", [BERT, XLMR])
 def test_grpc_rerank_scores_as_sentence_transformers_and_ranks_by_them(encoder, references, model):
     want = predicted(references, model, TEXTS)
@@ -96,6 +94,7 @@ def test_grpc_rerank_scores_as_sentence_transformers_and_ranks_by_them(encoder, 
                                atol=ATOL)
 
 
+@pytest.mark.workers
 def test_one_server_holds_the_embedder_and_the_rerankers(encoder, server):
     listed = encoder.ListModels(pb.ListModelsRequest(), timeout=60)
     assert [(m.model, m.kind) for m in listed.models] == [
@@ -114,6 +113,7 @@ def test_one_server_holds_the_embedder_and_the_rerankers(encoder, server):
         assert delta(before, after, "attnserve_batch_predicted_memory_bytes_count", model=model) >= 1
 
 
+@pytest.mark.workers
 def test_a_requests_pairs_run_batched(encoder, server):
     texts = [f"the cat number {i} sleeps on the sofa" for i in range(32)]
     before = server.scrape()
@@ -123,6 +123,7 @@ def test_a_requests_pairs_run_batched(encoder, server):
     assert delta(before, after, "attnserve_batch_size_count", model=BERT) <= 2
 
 
+@pytest.mark.workers
 def test_tei_rerank(server, references):
     status, body = post_json(server, "/rerank", {"query": QUERY, "texts": TEXTS, "return_text": True})
     assert status == 200
@@ -180,6 +181,10 @@ import numpy as np
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
+
 address, http_address, model, feed = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 found = {}
 for kind, module, client in (("grpc", tgrpc, tgrpc.InferenceServerClient(address)),
@@ -201,6 +206,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("model", [BERT, XLMR])
 def test_kserve_infer_on_the_rerankers_graph(server, references, model):
     tokenizer = references[model].tokenizer

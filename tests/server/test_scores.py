@@ -15,8 +15,9 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from tests.server.reliability import stub
 from tests.server.test_http import post_json
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 QUERY = "where does the cat sleep?"
 TEXTS = ["The cat sleeps on the sofa.", "Stock markets fell sharply on Monday.", "ok",
@@ -40,6 +41,7 @@ def embedded(client: EncoderClient, texts: list[str], truncate: bool = False):
     return client.embed(texts, pooling="mean", token_embeddings=True, truncate=truncate)
 
 
+@pytest.mark.workers
 def test_cosine_is_that_of_embeds_pooled_vectors(encoder, client):
     response = encoder.Score(pb.ScoreRequest(query=QUERY, texts=TEXTS, mode=pb.SCORE_MODE_COSINE),
                              timeout=60)
@@ -51,6 +53,7 @@ def test_cosine_is_that_of_embeds_pooled_vectors(encoder, client):
     assert response.model == "all-MiniLM-L6-v2"
 
 
+@pytest.mark.workers
 def test_maxsim_is_colberts_rule_over_embeds_token_embeddings(encoder, client):
     response = encoder.Score(pb.ScoreRequest(query=QUERY, texts=TEXTS, mode=pb.SCORE_MODE_MAXSIM),
                              timeout=60)
@@ -89,6 +92,7 @@ def test_bad_input_names_the_field(encoder, request_, field, reason):
     assert err.value.details().startswith(f"{field}: ") and reason in err.value.details()
 
 
+@pytest.mark.workers
 def test_tei_similarity(minilm_server, client):
     status, scores = post_json(minilm_server, "/similarity",
                                {"inputs": {"source_sentence": QUERY, "sentences": TEXTS}})

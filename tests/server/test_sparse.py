@@ -21,7 +21,9 @@ from tests.server.reliability import serve
 from tests.server.test_http import post_json
 from tests.server.test_rerank import invalid
 
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 SPLADE, SUMMED, MINILM = "distilbert-legacy", "roberta-sum-log1p", "minilm"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "ok",
@@ -70,6 +72,7 @@ def top_k(row: np.ndarray, k: int) -> np.ndarray:
     return kept
 
 
+@pytest.mark.workers
 def test_embed_sparse_matches_sparse_encoder(encoder, references):
     vocab = references[SPLADE].shape[1]
     response = encoder.EmbedSparse(pb.EmbedSparseRequest(texts=TEXTS), timeout=60)
@@ -91,6 +94,7 @@ def test_embed_sparse_matches_sparse_encoder(encoder, references):
                                        top_k(want, k), atol=ATOL)
 
 
+@pytest.mark.workers
 def test_tei_embed_sparse_and_its_root(server, references):
     vocab = references[SPLADE].shape[1]
     status, found = post_json(server, "/embed_sparse", {"inputs": TEXTS})
@@ -104,6 +108,7 @@ def test_tei_embed_sparse_and_its_root(server, references):
                                      vocab), top_k(references[SPLADE][1], 4), atol=ATOL)
 
 
+@pytest.mark.workers
 def test_openai_embedding_types_sparse(server, references):
     vocab = references[SPLADE].shape[1]
     status, answer = post_json(server, "/v1/embeddings", {
@@ -117,6 +122,7 @@ def test_openai_embedding_types_sparse(server, references):
                                    top_k(want, 6), atol=ATOL)
 
 
+@pytest.mark.workers
 def test_a_response_over_the_limit_is_refused_naming_a_top_k_that_fits(server, encoder):
     texts = TEXTS * 8
     status, answer = post_json(server, "/embed_sparse", {"inputs": texts})
@@ -129,6 +135,7 @@ def test_a_response_over_the_limit_is_refused_naming_a_top_k_that_fits(server, e
     assert status == 200 and max(map(len, found)) == fits
 
 
+@pytest.mark.workers
 def test_the_memory_bound_counts_the_vocabulary_scores(splade_artifact, minilm_artifact):
     """Without a fitted memory model a SPLADE batch is admitted by the analytic bound: per
     token its [vocab] scores and their masked copy, beside what a dense model's counts."""
@@ -151,6 +158,7 @@ def test_grpc_bad_sparse_requests_are_refused_naming_the_field(encoder, request_
     assert found == field, message
 
 
+@pytest.mark.workers
 def test_dense_vectors_of_a_splade_model_are_refused_naming_the_model(encoder, server):
     found, message = invalid(lambda: encoder.Embed(pb.EmbedRequest(texts=["a"]), timeout=60))
     assert found == "model" and "no dense vectors" in message, message

@@ -21,8 +21,9 @@ from tests.harness import minilm_dir
 from tests.hugging_face import HuggingFace
 from tests.server.test_http import LONG_TEXT, MODEL, post, post_json
 
-# Also run against a server of several processes (make test: --server-workers 2).
-pytestmark = pytest.mark.workers
+# The tests marked `workers` also run against a server of several processes (make test:
+# --server-workers 2): those whose answers or accounting cross from the engine to the
+# front ends. What a front end refuses on its own is the same code in every process.
 
 TEXTS = ["The cat sat on the mat.", "attention is all you need", "Ünïcödé wörds, 服务 and emoji 🙂."]
 # The vectors a caller gets against sentence-transformers' (cosine, both normalised).
@@ -100,6 +101,7 @@ def test_llama_index_text_embeddings_inference(minilm_server, reference):
                 st_vectors(reference, TEXTS[:1]))
 
 
+@pytest.mark.workers
 def test_embed_takes_token_ids_and_truncates_on_request(minilm_server, hf, reference):
     ids = [hf.ids(text) for text in TEXTS]
     status, by_ids = post_json(minilm_server, "/embed", {"inputs": ids})
@@ -116,6 +118,7 @@ def test_embed_takes_token_ids_and_truncates_on_request(minilm_server, hf, refer
     assert status == 200 and len(cut[0]) == 384
 
 
+@pytest.mark.workers
 def test_embed_all_is_bert_models_hidden_state(minilm_server, hf):
     status, tokens = post_json(minilm_server, "/embed_all", {"inputs": TEXTS})
     assert status == 200 and len(tokens) == len(TEXTS)
@@ -126,6 +129,7 @@ def test_embed_all_is_bert_models_hidden_state(minilm_server, hf):
         assert np.abs(got - hidden).max() <= HIDDEN_ATOL
 
 
+@pytest.mark.workers
 def test_tokenize_is_the_tokenizers_with_byte_offsets(minilm_server, hf):
     status, tokenized = post_json(minilm_server, "/tokenize", {"inputs": TEXTS})
     assert status == 200 and len(tokenized) == len(TEXTS)
@@ -165,6 +169,7 @@ def get(url: str) -> tuple[int, object]:
         return err.code, json.loads(err.read())
 
 
+@pytest.mark.workers
 def test_info_describes_the_default_model_and_root_is_health(minilm_server):
     status, info = get(minilm_server.http_url + "/info")
     assert status == 200
