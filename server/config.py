@@ -238,8 +238,9 @@ _HELP = {
                          "and waiting bulk work yields only to interactive work that arrived "
                          "less than this after the last bulk batch started",
     "interactive_window_ms": "interactive work counts as arriving while some waits and for this "
-                             "long after an interactive request last arrived (bulk batches are "
-                             "cut meanwhile: --bulk-batch-ms)",
+                             "long after an interactive request last arrived or an interactive "
+                             "batch last started (bulk batches are cut meanwhile: "
+                             "--bulk-batch-ms)",
     "max_chunking_chars": "longest text (in Unicode code points) a request with chunking may "
                           "carry; a longer one gets INVALID_ARGUMENT naming it. A chunked text "
                           "is tokenized whole and costs what its windows or chunks cost "

@@ -355,10 +355,15 @@ class RequestQueue:
         return self.lanes[w.job.priority].key(w)
 
     def top_arriving(self, now: float) -> bool:
-        """Whether work of the highest class is arriving: some of it waits, or a request of
-        it arrived within --interactive-window-ms."""
+        """Whether work of the highest class is arriving: some of it waits (queued, or in a
+        batch formed and not started), or a request of it arrived or a batch of it started
+        within --interactive-window-ms. Its batch formed, or started, counts: a caller that
+        sends its next call once answered, its last call having waited past the window
+        behind a long batch, would otherwise find the lower class's batch formed beside its
+        own uncut, and wait as long again."""
         lane = self.lanes[CLASSES[0]]
-        return bool(lane.index) or now - lane.arrived <= self.limits.interactive_window_s
+        recent = max(lane.arrived, lane.started)
+        return lane.jobs > 0 or now - recent <= self.limits.interactive_window_s
 
     def depths(self) -> dict[Priority, int]:
         """Requests with sequences waiting, by class."""

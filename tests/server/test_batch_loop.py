@@ -412,6 +412,25 @@ def test_bulk_batches_are_cut_by_their_predicted_time_while_interactive_work_arr
     asyncio.run(main())
 
 
+def test_interactive_work_formed_or_started_counts_as_arriving(backend):
+    """Interactive work counts as arriving while its batch is formed and for the window
+    after that batch starts, however long before it arrived: a caller that sends its next
+    call once answered then finds the bulk batch formed beside its own cut, not whole."""
+    async def main():
+        core = assembled(backend, bulk_batch_s=0.05, interactive_window_s=0.5)
+        interactive = submit(core, [8], priority=INTERACTIVE)
+        await asyncio.sleep(0.6)  # it arrived more than the window ago, and still waits
+        items = core.batch_loop.next_batch(core.queue.first())
+        core.queue.take(items)  # formed, not started
+        assert core.queue.top_arriving(time.monotonic())
+        core.queue.started(core.queue.claim(items))
+        assert core.queue.top_arriving(time.monotonic())
+        await asyncio.sleep(0.6)
+        assert not core.queue.top_arriving(time.monotonic())
+        await drop_all([interactive])
+    asyncio.run(main())
+
+
 def test_without_a_time_model_the_cut_follows_the_batches_run(backend):
     """No fit: a bulk batch of a length bucket nothing has run at yet is one sequence; once
     a batch there has run, it is sized by its seconds per padded token."""
