@@ -14,6 +14,7 @@ from attnserve.server.engine.requests import (
     Classified,
     ClassifyRequest,
     Submission,
+    check_cut,
     lengths_of,
 )
 from attnserve.server.engine.tokenize import TooLong
@@ -29,9 +30,7 @@ async def classify(model: ServedModel, request: ClassifyRequest, holds: Holds,
     count = len(request.texts)
     if not count:
         raise InvalidArgument(names.sequences, "empty: send at least one text")
-    if request.top_k is not None and request.top_k < 1:
-        raise InvalidArgument(names.top_k, f"{request.top_k}; expected 1 or more (unset: every "
-                              "label)")
+    check_cut(names.top_k, request.top_k, "every label")
     left = model.left(request.truncation_direction)
     model.scheduler.admit(count * len(model.tokenizer.empty.ids), at_least=True)
     size = request.size.check(np.zeros(count, dtype=np.int64))

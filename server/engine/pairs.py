@@ -20,6 +20,7 @@ from attnserve.server.engine.requests import (
     ScoreMode,
     ScoreRequest,
     Submission,
+    check_cut,
     lengths_of,
 )
 from attnserve.server.engine.tokenize import TooLong
@@ -40,9 +41,7 @@ async def rerank(model: ServedModel, request: RerankRequest, holds: Holds,
                               f"({', '.join(map(repr, labels[:8]))}): rerank ranks by one "
                               "score; its logits come from raw tensor inference")
     _check_pairs(request.query, request.texts, names)
-    if request.top_n is not None and request.top_n < 1:
-        raise InvalidArgument(names.top_n, f"{request.top_n}; expected 1 or more (unset: every "
-                              "text)")
+    check_cut(names.top_n, request.top_n, "every text")
     left = model.left(request.truncation_direction)
     count = len(request.texts)
     shown = count if request.top_n is None else min(count, request.top_n)

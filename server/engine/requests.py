@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attnserve.server.errors import ResourceExhausted
+from attnserve.server.errors import InvalidArgument, ResourceExhausted
 from attnserve.server.priority import Priority, of_call
 from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
 
@@ -379,6 +379,12 @@ class Submission:
     def __post_init__(self) -> None:
         if self.lengths is None:
             self.lengths = lengths_of(self.sequences)
+
+
+def check_cut(name: str, value: int | None, unset: str) -> None:
+    """A request's top_k or top_n: 1 or more, or unset (`unset` says what it then keeps)."""
+    if value is not None and value < 1:
+        raise InvalidArgument(name, f"{value}; expected 1 or more (unset: {unset})")
 
 
 def lengths_of(sequences: Sequence) -> np.ndarray:

@@ -16,6 +16,7 @@ from attnserve.server.engine.requests import (
     SparseEmbedded,
     SparseRequest,
     Submission,
+    check_cut,
     lengths_of,
     size_text,
 )
@@ -35,9 +36,7 @@ async def embed_sparse(model: ServedModel, request: SparseRequest, holds: Holds,
     count = len(request.texts)
     if not count:
         raise InvalidArgument(names.sequences, "empty: send at least one text")
-    if request.top_k is not None and request.top_k < 1:
-        raise InvalidArgument(names.top_k, f"{request.top_k}; expected 1 or more (unset: every "
-                              "non-zero weight)")
+    check_cut(names.top_k, request.top_k, "every non-zero weight")
     top_k = request.top_k or manifest.sparse.top_k
     vocab = manifest.vocab_size
     most = np.full(count, min(top_k or vocab, vocab))

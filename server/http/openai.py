@@ -48,7 +48,7 @@ from attnserve.server.engine.requests import (
     TruncationDirection,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
-from attnserve.server.http.calls import JSON_FLOAT_BYTES
+from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
 from attnserve.server.http.door import Door, encode, json_response, numbers
 from attnserve.server.http.schemas import (
     Classification,
@@ -128,7 +128,7 @@ class OpenAIDoor(Door):
     def _request(self, body: Embeddings, model: ServedModel, vectors: VectorFormat) -> EmbedRequest:
         """The model's request for a body: the response's size depends on the model."""
         item = ITEM_BYTES + vectors.vector_bytes(model.manifest.embedding_size)
-        head = 256 + len(model.name.encode()) * 6
+        head = head_bytes(model)
         if body.chunking is None:
             size = ResponseSize(lambda lengths: head + len(lengths) * item,
                                 self.max_response_bytes, ADVICE)
@@ -202,7 +202,7 @@ class OpenAIDoor(Door):
         inputs, names = sequences(body.input, "input", ids=False)
         labels = model.manifest.labels
         item = CLASS_BYTES + max(map(len, labels), default=0) * 6 + len(labels) * JSON_FLOAT_BYTES
-        head = 256 + len(model.name.encode()) * 6
+        head = head_bytes(model)
         classified = await classify.classify(model, ClassifyRequest(
             names, ResponseSize(
                 lambda counts: head + len(counts) * item, self.max_response_bytes,
@@ -233,7 +233,7 @@ class OpenAIDoor(Door):
             if getattr(body, name) is not None:
                 raise InvalidArgument(name, "applies to dense vectors, not sparse ones")
         inputs, names = sequences(body.input, "input", ids=False)
-        head = 256 + len(model.name.encode()) * 6
+        head = head_bytes(model)
         embedded = await sparse.embed_sparse(model, SparseRequest(
             names, ResponseSize(lambda counts: head + len(counts) * ITEM_BYTES
                                 + int(counts.sum()) * SPARSE_ENTRY_BYTES,
@@ -276,6 +276,12 @@ class OpenAIDoor(Door):
 
     async def get_model(self, request: web.Request, holds: Holds) -> web.Response:
         return json_response(self._model(self.plane.model(request.match_info["model"])))
+
+
+def head_bytes(model: ServedModel) -> int:
+    """A list answer's object, usage and ids around its items, with the model's name
+    escaped at its longest."""
+    return 256 + len(model.name.encode()) * JSON_CHAR_BYTES
 
 
 def pooled(model: ServedModel) -> str:
