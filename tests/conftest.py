@@ -11,7 +11,12 @@ import pytest
 
 from tests import harness
 from tests.artifact_cache import exported
-from tests.families import make_reranker, make_sentence_transformer, make_sparse_encoder
+from tests.families import (
+    make_checkpoint,
+    make_reranker,
+    make_sentence_transformer,
+    make_sparse_encoder,
+)
 from tests.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
 
 # Its artifact's graphs are each written with their weights in an external data file (the
@@ -129,6 +134,27 @@ def _export_in_process(out: Path, checkpoint: Path, external_data: bool, **flags
     exported(out, run, checkpoint, f"external_data={external_data}",
              *(f"{k}={v}" for k, v in sorted(flags.items())))
     return load_artifact(out)
+
+
+# The flags every test of a family's checkpoint exports it with (`family_checkpoint`):
+# one export a family, float16 graphs included, kept for every test that serves or checks it.
+FAMILY_EXPORT_FLAGS = ("--fp16",)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """family -> its random checkpoint (tests/families.py), made once, in a folder named
+    after the family (the name its artifact serves under); exported with
+    FAMILY_EXPORT_FLAGS, every test of it shares one export."""
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = make_checkpoint(family, root / family)
+        return made[family]
+
+    return get
 
 
 @pytest.fixture(scope="session")

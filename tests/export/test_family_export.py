@@ -16,7 +16,7 @@ import torch
 
 from attnserve.artifact import MANIFEST, TOKENIZER, load_artifact
 from attnserve.export.quantize import pooled_cosines
-from tests.conftest import ATTNSERVE, REPO, export
+from tests.conftest import ATTNSERVE, FAMILY_EXPORT_FLAGS, REPO, export
 from tests.export.test_export import assert_dynamic_axes, worst_errors
 from tests.families import FAMILIES, make_checkpoint
 from tests.hugging_face import FP16_HIDDEN_ATOL, FP16_MAPS_ATOL, HuggingFace
@@ -37,13 +37,14 @@ def family(request):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, family):
-    return make_checkpoint(family, tmp_path_factory.mktemp(f"{family}-checkpoint"))
+def checkpoint(family_checkpoint, family):
+    return family_checkpoint(family)
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory, family, checkpoint):
-    return load_artifact(export(tmp_path_factory.mktemp(f"{family}-artifact"), checkpoint, "--fp16"))
+    return load_artifact(export(tmp_path_factory.mktemp(f"{family}-artifact"), checkpoint,
+                                *FAMILY_EXPORT_FLAGS))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from attnserve.embed import token_texts
 from attnserve.server.engine import tokenize
 from attnserve.server.engine.chunk_cuts import cut
 from attnserve.server.engine.tokenize import TextTokenizer
-from tests.conftest import export
+from tests.conftest import FAMILY_EXPORT_FLAGS, export
 from tests.families import FAMILIES, make_checkpoint
 from tests.harness import ATTNSERVE, REPO, ServerProcess
 from tests.hugging_face import HuggingFace
@@ -29,8 +29,8 @@ SENTENCES = ("The quick brown fox jumps over the lazy dog. Le chat dort sur le c
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory):
-    return make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+def checkpoint(request, family_checkpoint):
+    return family_checkpoint(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ WIDTH = 126  # the tiny models' 128 positions less their two special tokens
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, checkpoint):
-    artifact = export(tmp_path_factory.mktemp("artifact"), checkpoint)
+    artifact = export(tmp_path_factory.mktemp("artifact"), checkpoint, *FAMILY_EXPORT_FLAGS)
     with ServerProcess(artifact) as running:
         yield running
 

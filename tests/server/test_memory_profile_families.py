@@ -14,8 +14,8 @@ import pytest
 
 from attnserve.artifact import load_artifact
 from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, load_memory_model
-from tests.conftest import export
-from tests.families import FAMILIES, make_checkpoint
+from tests.conftest import FAMILY_EXPORT_FLAGS, export
+from tests.families import FAMILIES
 from tests.harness import ServerProcess
 from tests.server.test_memory_profile import BATCHES, CPU, SEQ_LENS, profile
 
@@ -25,7 +25,7 @@ PROFILED = FAMILIES + DECODERS
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory, sentence_artifact) -> dict:
+def profiled(tmp_path_factory, sentence_artifact, family_checkpoint) -> dict:
     """family -> (artifact directory, memory_profile.json)"""
     out = {}
     for family in PROFILED:
@@ -34,8 +34,8 @@ def profiled(tmp_path_factory, sentence_artifact) -> dict:
             artifact = tmp_path_factory.mktemp(family)
             shutil.copytree(sentence_artifact(family)[1].directory, artifact, dirs_exist_ok=True)
         else:
-            checkpoint = make_checkpoint(family, tmp_path_factory.mktemp(f"{family}-checkpoint"))
-            artifact = export(tmp_path_factory.mktemp(family), checkpoint, "--name", family)
+            artifact = export(tmp_path_factory.mktemp(family), family_checkpoint(family),
+                              *FAMILY_EXPORT_FLAGS)
         report_dir = tmp_path_factory.mktemp(f"{family}-profile")
         profile(artifact, report_dir)
         out[family] = artifact, json.loads((report_dir / "memory_profile.json").read_text())
