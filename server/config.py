@@ -229,9 +229,10 @@ _HELP = {
                         "ones past three quarters of it)",
     "bulk_batch_ms": "while interactive work is arriving (--interactive-window-ms), a batch of "
                      "bulk work holds only the sequences whose predicted time (the artifact's "
-                     "time model, else the batches run so far) stays within this, so an "
-                     "interactive request waits at most about this long behind the batch "
-                     "running when it arrives; 0: bulk batches are never cut",
+                     "time model, else the batches run so far) stays within this, and at "
+                     "least one: an interactive batch runs beside it, and where none can "
+                     "(--cuda-graphs) waits at most about this long behind the batch running "
+                     "when it arrives; 0: bulk batches are never cut",
     "priority_aging_ms": "bulk work counts as having arrived this much after the later of its "
                          "arrival and the start of the last bulk batch when the next batch's "
                          "class is chosen: interactive work goes first while bulk batches run, "

@@ -7,6 +7,7 @@ another, so a flood of calls to one model delays another's by sharing the device
 queueing behind it (`python -m bench fairness` measures it)."""
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -43,9 +44,12 @@ class ModelRunner:
         self.inference_threads = backend.concurrency
         self.inference: ThreadPoolExecutor = inference_pool(name, backend.concurrency,
                                                             backend.bind_thread)
+        beside = (inference_pool(f"{name}-beside", 1, functools.partial(backend.bind_thread,
+                                                                         beside=True))
+                  if backend.beside else None)
         self.queue = RequestQueue(name, limits, memory, metrics)
-        self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, metrics, probe,
-                                    limits, memory, times, artifact.manifest.pad_token_id)
+        self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, beside, metrics,
+                                    probe, limits, memory, times, artifact.manifest.pad_token_id)
         self.warm = False
         """both graphs have run on every inference thread"""
 

@@ -118,6 +118,10 @@ class Backend(Protocol):
     max_in_flight: int
     """batches worth having handed over at once: `concurrency` running and the rest
     formed, padded and waiting, so the device never waits for the next batch to be formed"""
+    beside: bool
+    """whether one more thread may run batches beside the `concurrency` others, on the
+    first one's sessions (`bind_thread(beside=True)`): the batch loop runs the highest
+    class's batches there while a lower class's batch runs"""
 
     def release_memory(self) -> None:
         """Hand back to the OS what earlier batches left allocated (arenas, heap); called
@@ -146,9 +150,10 @@ class Backend(Protocol):
         thread."""
         ...
 
-    def bind_thread(self) -> None:
+    def bind_thread(self, beside: bool = False) -> None:
         """Called once by each inference thread as it starts: the thread keeps the same
-        sessions for its life (CUDA graphs belong to the thread that captured them)."""
+        sessions for its life (CUDA graphs belong to the thread that captured them).
+        `beside`: the thread that runs batches beside the others (`beside`)."""
         ...
 
     def warm_up_shapes(self, max_batch_tokens: int) -> list[Shape]:

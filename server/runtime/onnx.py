@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -274,8 +275,9 @@ class BoundRunner:
 
 
 class Lane:
-    """One session per graph, running one batch at a time (a reranker's lane has no
-    attention graph)."""
+    """One session per graph, running one batch at a time from its inference thread (a
+    reranker's lane has no attention graph); the first lane's also run the beside
+    thread's batch (Backend.beside) at the same time."""
 
     def __init__(self, index: int, embed: PlainRunner | BoundRunner, attend: PlainRunner | None):
         self.index = index
@@ -350,6 +352,9 @@ class OrtBackend:
         self.concurrency = s.sessions or (2 if provider == CUDA else 1)
         # One batch running per lane, and one more formed and waiting.
         self.max_in_flight = self.concurrency + 1
+        # onnxruntime runs a session from several threads at once; IO-bound buffers (CUDA
+        # graphs) are one batch's at a time.
+        self.beside = not s.cuda_graphs
         device = "cuda" if provider == CUDA else "cpu"
         if provider == CPU:
             keep_freed_memory()
@@ -399,7 +404,10 @@ class OrtBackend:
 
     # --- threads -----------------------------------------------------------------------
 
-    def bind_thread(self) -> None:
+    def bind_thread(self, beside: bool = False) -> None:
+        if beside:
+            self._local.lane, self._local.beside = self.lanes[0], True
+            return
         with self._bind_lock:
             self._local.lane = self.lanes[self._bound % len(self.lanes)]
             self._bound += 1
@@ -420,7 +428,7 @@ class OrtBackend:
         names += [name for name in self.sequence_outputs if name in outputs]
         names += [attention_output(layer) for layer in layers]
         lane = self._lane()
-        with lane.lock:
+        with nullcontext() if getattr(self._local, "beside", False) else lane.lock:
             key = (bool(layers), input_ids.shape)
             new_shape = key not in lane.seen
             lane.seen.add(key)

@@ -50,7 +50,7 @@ class LookupBackend:
     what ran, and nothing of onnxruntime. `gate`: when set, a batch waits for it."""
 
     provider, device, platform, precision = PROVIDER, "cpu", "numpy_lookup", "fp32"
-    concurrency, max_in_flight = 1, 2
+    concurrency, max_in_flight, beside = 1, 2, False
 
     def __init__(self, directory: Path):
         self.table = np.load(directory / TABLE)

@@ -53,7 +53,7 @@ class Gated:
         self.backend = backend
         self.provider, self.precision = backend.provider, backend.precision
         self.concurrency, self.max_in_flight = backend.concurrency, backend.max_in_flight
-        self.bind_thread = backend.bind_thread
+        self.beside, self.bind_thread = backend.beside, backend.bind_thread
         self.hold = hold
         self.held = threading.Event()
         self.gate = threading.Event()
@@ -364,22 +364,29 @@ def test_a_bulk_backlog_older_than_the_aging_time_still_yields_while_its_batches
     asyncio.run(main())
 
 
-def test_an_interactive_request_queued_behind_bulk_work_runs_in_the_next_batch(backend):
+@pytest.mark.parametrize("beside", [True, False], ids=["thread beside", "no thread beside"])
+def test_an_interactive_request_queued_behind_bulk_work_runs_in_the_next_batch(backend, beside):
     """Bulk work runs in two batches, the second formed and waiting while the first is held
-    running; an interactive request arriving then puts the waiting bulk batch back and
-    runs next, before it."""
+    running. An interactive request arriving then runs on the thread beside (Backend.beside),
+    answered while the bulk batch is still held; without that thread, it puts the waiting
+    bulk batch back and runs next, before it."""
     async def main():
         gated = Gated(backend, hold=0)
+        gated.beside = beside
         core = assembled(gated, max_batch_size=2)
         bulk = submit(core, [20] * 4, priority=BULK)
         core.batch_loop.start()
         await until(lambda: gated.held.is_set() and len(core.batch_loop.in_flight) == 2,
                     "one bulk batch runs, the next waits formed")
         interactive = submit(core, [8], priority=INTERACTIVE)
-        await until(lambda: any(b.priority is INTERACTIVE for b in core.batch_loop.in_flight),
-                    "the interactive batch is formed")
-        # The bulk batch that had not started is back in the queue, at its front.
-        assert [w.state for w in core.queue.lanes[BULK].index] == [State.QUEUED] * 2
+        if beside:
+            check_rows(backend, [8], await asyncio.wait_for(interactive, WAIT_S))
+            assert not gated.gate.is_set() and not bulk.done()
+        else:
+            await until(lambda: any(b.priority is INTERACTIVE for b in core.batch_loop.in_flight),
+                        "the interactive batch is formed")
+            # The bulk batch that had not started is back in the queue, at its front.
+            assert [w.state for w in core.queue.lanes[BULK].index] == [State.QUEUED] * 2
         gated.gate.set()
         check_rows(backend, [8], await asyncio.wait_for(interactive, WAIT_S))
         check_rows(backend, [20] * 4, await asyncio.wait_for(bulk, WAIT_S))

@@ -162,8 +162,8 @@ def started(lines: list[str], priority: str) -> list[int]:
 
 @pytest.mark.workers
 def test_an_interactive_call_runs_in_the_next_batch(server):
-    """Behind a bulk request of many batches, an interactive call waits for the batch
-    running when it arrives and no other bulk batch: one formed behind the running one
+    """Behind a bulk request of many batches, an interactive call runs beside the bulk
+    batch running when it arrives and waits for no other: one formed behind the running one
     is put back unless it had started as the call arrived."""
     start = len(server.output())
     with grpc.insecure_channel(server.address) as channel:
