@@ -4,7 +4,6 @@
 harness the benchmarks use too)."""
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from tests.families import (
     make_sentence_transformer,
     make_sparse_encoder,
 )
-from tests.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
+from tests.harness import ServerProcess, make_tiny_checkpoint
 
 # Its artifact's graphs are each written with their weights in an external data file (the
 # threshold lowered to nothing), as a graph past 2 GB is: the export, the optimiser, the
@@ -40,13 +39,18 @@ def pytest_configure(config):
 
 
 def export(out: Path, checkpoint: Path | None = None, *extra: str) -> Path:
-    """`attnserve export` into `out`, or a copy of what it made before from the same inputs
-    (tests/artifact_cache.py)."""
+    """`attnserve export` into `out`, with the command's own flags, or a copy of what it
+    made before from the same inputs (tests/artifact_cache.py). In this process: a
+    process of its own would import torch again, seconds an export on a tiny model
+    (tests/test_cli.py runs the command itself)."""
+    from attnserve.cli import build_parser
+
     def run(directory: Path) -> None:
-        args = [*ATTNSERVE, "export", "--out", str(directory), *extra]
+        argv = ["export", "--out", str(directory), *extra]
         if checkpoint is not None:
-            args += ["--from", str(checkpoint)]
-        subprocess.run(args, check=True, cwd=REPO, capture_output=True, timeout=600)
+            argv += ["--from", str(checkpoint)]
+        args = build_parser()[0].parse_args(argv)
+        assert args.func(args) == 0, f"attnserve {' '.join(argv)} failed"
 
     return exported(out, run, checkpoint, "cli", *extra)
 

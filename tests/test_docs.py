@@ -9,7 +9,7 @@ import sys
 
 import yaml
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "deploy" / "README.md", *DOCS.glob("*.md")]

@@ -12,7 +12,7 @@ import time
 from attnserve.artifact import FORMAT_VERSION, MANIFEST, MEMORY_MODEL, load_artifact
 from attnserve.client import EncoderClient
 from attnserve.server.memory.model import ATTENTION, EMBEDDINGS
-from tests.conftest import REPO
+from tests.harness import REPO
 
 START_TIMEOUT_S = 600
 # The fit on a few short shapes: the fit itself is tested in tests/server/test_memory_profile.py,

@@ -12,7 +12,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 STUBS = REPO / "server" / "_proto"
 HOOK = REPO / "server" / "memory" / "_alloc_peak.so"  # `make alloc-hook`, where there is a C compiler

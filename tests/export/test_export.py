@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 
 from attnserve.artifact import POOLED_OUTPUTS, ArtifactError, load_artifact
-from tests.conftest import ATTNSERVE, REPO, without_module
-from tests.harness import minilm_dir
+from tests.conftest import without_module
+from tests.harness import ATTNSERVE, REPO, minilm_dir
 from tests.hugging_face import FP16_HIDDEN_ATOL, FP16_MAPS_ATOL, HuggingFace
 
 # float32 graphs of MiniLM against Hugging Face: they reach hidden states within 6.0e-6

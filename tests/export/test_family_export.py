@@ -16,9 +16,10 @@ import torch
 
 from attnserve.artifact import MANIFEST, TOKENIZER, load_artifact
 from attnserve.export.quantize import pooled_cosines
-from tests.conftest import ATTNSERVE, FAMILY_EXPORT_FLAGS, REPO, export
+from tests.conftest import FAMILY_EXPORT_FLAGS, export
 from tests.export.test_export import assert_dynamic_axes, worst_errors
 from tests.families import FAMILIES, make_checkpoint
+from tests.harness import ATTNSERVE, REPO
 from tests.hugging_face import FP16_HIDDEN_ATOL, FP16_MAPS_ATOL, HuggingFace
 
 FP32_ATOL = 1e-4

@@ -17,8 +17,8 @@ from attnserve.artifact import (
     load_artifact,
 )
 from attnserve.export.quantize import pooled_cosines
-from tests.conftest import ATTNSERVE, REPO, export
-from tests.harness import make_tiny_checkpoint
+from tests.conftest import export
+from tests.harness import ATTNSERVE, REPO, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

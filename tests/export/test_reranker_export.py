@@ -22,9 +22,10 @@ from attnserve.artifact import (
     read_manifest,
 )
 from attnserve.export.quantize import INT8_MAX_SCORE_ERROR
-from tests.conftest import ATTNSERVE, REPO, export
+from tests.conftest import export
 from tests.export.test_export import dims
 from tests.families import RERANKER_FAMILIES, make_reranker
+from tests.harness import ATTNSERVE, REPO
 
 FP32_ATOL = 1e-4
 FP16_ATOL = 2e-2

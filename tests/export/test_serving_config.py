@@ -11,7 +11,8 @@ import pytest
 
 from attnserve.artifact import MANIFEST, ArtifactError, load_artifact
 from attnserve.export.serving import ServingConfigError, read_serving
-from tests.conftest import ATTNSERVE, REPO, export
+from tests.conftest import export
+from tests.harness import ATTNSERVE, REPO
 
 HIDDEN = 32
 

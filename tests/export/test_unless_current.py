@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from attnserve.artifact import MANIFEST, MEMORY_MODEL, load_artifact, outdated, sha256_file
-from tests.conftest import ATTNSERVE, REPO
+from tests.harness import ATTNSERVE, REPO
 
 
 def export_unless_current(out: Path, checkpoint: Path) -> subprocess.CompletedProcess:

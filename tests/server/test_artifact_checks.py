@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from attnserve.artifact import MANIFEST, MEMORY_MODEL, TOKENIZER
-from tests.conftest import ATTNSERVE, REPO
+from tests.harness import ATTNSERVE, REPO
 from tests.server.reliability import embed_ids, serve, stub
 
 EMBED_GRAPH = "encoder_opt.onnx"  # the graph served (optimised, fp32)

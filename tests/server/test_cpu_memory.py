@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from attnserve.client import EncoderClient
-from tests.conftest import ServerProcess
+from tests.harness import ServerProcess
 
 MIB = 1 << 20
 # 32 sequences of MiniLM's 512 positions hold about 600 MiB at their peak on the CPU.

@@ -10,8 +10,8 @@ import pytest
 
 from attnserve.client import EncoderClient
 from attnserve.export.int8_texts import PARITY_TEXTS
-from tests.conftest import ATTNSERVE, REPO, ServerProcess, export
-from tests.harness import make_tiny_checkpoint
+from tests.conftest import export
+from tests.harness import ATTNSERVE, REPO, ServerProcess, make_tiny_checkpoint
 
 TEXTS = list(PARITY_TEXTS[::4])
 

@@ -26,7 +26,8 @@ from attnserve.server.memory.model import (
     model_key,
     save_entries,
 )
-from tests.conftest import ATTNSERVE, REPO, without_module
+from tests.conftest import without_module
+from tests.harness import ATTNSERVE, REPO
 
 SEQ_LENS = (16, 32, 64, 128)
 BATCHES = (8, 32)

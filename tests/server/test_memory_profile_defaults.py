@@ -10,7 +10,7 @@ from attnserve.artifact import MEMORY_MODEL
 from attnserve.memory_profile import Shape, shapes_for
 from attnserve.server.memory.batch_time import TIME
 from attnserve.server.memory.model import ATTENTION, EMBEDDINGS, model_key, save_entries
-from tests.conftest import ATTNSERVE, REPO
+from tests.harness import ATTNSERVE, REPO
 
 CPU = "CPUExecutionProvider"
 

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests import harness
-from tests.conftest import ATTNSERVE, REPO
+from tests.harness import ATTNSERVE, REPO
 
 
 def test_health_serves_every_service(tiny_server):

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from attnserve.client import EncoderClient
-from tests.conftest import ATTNSERVE, REPO
+from tests.harness import ATTNSERVE, REPO
 from tests.server.reliability import embed_ids, health, serve, stub
 
 TIMEOUT_S = 10
