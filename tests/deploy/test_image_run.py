@@ -49,6 +49,9 @@ ENGINE = DOCKER / "engine.sh"
 BUILD = DOCKER / "build.sh"
 IMAGE = "localhost/attnserve:image-test-cpu"
 BUILD_TIMEOUT_S = 2400
+# The memory model baked on a few short shapes: the fit itself is tested in
+# tests/server/test_memory_profile.py, here that the image runs as its pod does.
+PROFILE_ARGS = "--seq-lens 8,16,32 --batch-sizes 1,2"
 # The image is the local base (129 MB: Debian minbase + Python 3.11, about the size of
 # python:3.11-slim), the runtime venv (250 MB, onnxruntime's CPU build 68 MB of it) and the
 # baked MiniLM artifact (271 MB: three fp32 graphs of 87 MB). 650 MB measured; the bound
@@ -187,7 +190,8 @@ def podman() -> str:
 @pytest.fixture(scope="module")
 def image(request, podman) -> str:
     started = time.monotonic()
-    out = subprocess.run([str(BUILD), "cpu", "--local", "--tag", IMAGE], cwd=REPO,
+    out = subprocess.run([str(BUILD), "cpu", "--local", "--tag", IMAGE, "--",
+                          "--build-arg", f"PROFILE_ARGS={PROFILE_ARGS}"], cwd=REPO,
                          env={**_env(), "ENGINE": "podman"}, capture_output=True, text=True,
                          timeout=BUILD_TIMEOUT_S, check=False)
     assert out.returncode == 0, f"build failed:\n{out.stdout[-8000:]}\n{out.stderr[-8000:]}"
