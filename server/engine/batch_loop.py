@@ -15,7 +15,7 @@ too. Where the backend allows it (Backend.beside), an interactive batch does not
 for the bulk batch running either: it runs on a thread of its own beside it, the two
 sharing the cores for the few milliseconds it takes (one sequence of 256 tokens, the
 least a bulk batch can be cut to, takes MiniLM 45 ms on 2 cores: alone, a 16-token call
-takes 6). Up to the backend's `max_in_flight` batches are handed
+takes 6; AMD EPYC, 2026-12-03). Up to the backend's `max_in_flight` batches are handed
 to the inference threads at once (one per thread runs, `backend.concurrency` of them):
 while they run, the next is formed, padded and queued behind them, so no inference thread
 waits on the event loop. The batches in flight hold their predicted memory together
