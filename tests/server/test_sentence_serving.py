@@ -4,9 +4,12 @@ layers, Normalize and prompts) and, where transformers has one, its sequence cla
 exported once for the session (conftest's sentence_artifact and classifier_artifact), one
 server a family holding both:
 
-- the vectors of gRPC Embed, OpenAI's /v1/embeddings and TEI's /embed, with and without
-  each prompt, within cosine 0.99999 of SentenceTransformer.encode, Qwen3's last token
-  and Gemma3's Dense layers and window (a text past it) among them;
+- the vectors of gRPC Embed, OpenAI's /v1/embeddings, Infinity's /embeddings and TEI's
+  /embed, with and without each prompt, within cosine 0.99999 of
+  SentenceTransformer.encode, Qwen3's last token and Gemma3's Dense layers and window (a
+  text past it) among them;
+- KServe's infer over HTTP and gRPC: the hidden states of a padded batch of ids within
+  1e-4 of transformers' model of the family;
 - a text cut on either side: the checkpoint's tokens (its closing special token kept) and
   SentenceTransformer.encode's vector of them;
 - late chunks (each chunk's mean token state through sentence-transformers' own Dense
@@ -14,7 +17,10 @@ server a family holding both:
   token, not a mean);
 - Tokenize over gRPC and TEI, with a prompt: the checkpoint tokenizer's ids;
 - the rerankers over gRPC, Cohere's /v1/rerank and TEI's /rerank against
-  sentence-transformers' CrossEncoder."""
+  sentence-transformers' CrossEncoder.
+
+The vectors, the hidden states and the rerankers' scores are also checked against servers
+of two front-end processes (the `workers` mark), which carry them from the engine process."""
 
 import dataclasses
 import json
@@ -30,6 +36,7 @@ from attnserve.client import EncoderClient
 from tests.export.test_sentence_families import MIN_COSINE, TEXTS, cosines
 from tests.families import CLASSIFIER_FAMILIES, GEMMA3_WINDOW, SENTENCE_FAMILIES
 from tests.harness import ServerProcess
+from tests.hugging_face import HuggingFace
 from tests.server.test_http import post_json
 
 RERANK_ATOL = 1e-4
@@ -39,7 +46,8 @@ LONG = "Le chat dort sur le canapé pendant que la pluie tombe doucement. " * 12
 CHUNKED = ("The quick brown fox jumps over the lazy dog. Self-attention lets every token "
            "look at every other token. Hello world, don't panic!")
 QUERY = "where does the cat sleep?"
-DOORS = ("grpc", "openai", "tei")
+DOORS = ("grpc", "openai", "infinity", "tei")
+HIDDEN_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=SENTENCE_FAMILIES)
@@ -84,9 +92,9 @@ def vectors(door: str, server, client, family: str, texts: list[str], prompt: st
         return np.stack([r.pooled for r in client.embed(texts, model=family, normalize=True,
                                                         prompt_name=prompt or "")])
     named = {"prompt_name": prompt} if prompt else {}
-    if door == "openai":
-        status, answer = post_json(server, "/v1/embeddings", {"model": family, "input": texts,
-                                                              **named})
+    if door in ("openai", "infinity"):
+        path = "/v1/embeddings" if door == "openai" else "/embeddings"
+        status, answer = post_json(server, path, {"model": family, "input": texts, **named})
         assert status == 200, answer
         return np.array([item["embedding"] for item in answer["data"]])
     status, answer = post_json(server, "/embed", {"inputs": texts, **named})
@@ -94,6 +102,7 @@ def vectors(door: str, server, client, family: str, texts: list[str], prompt: st
     return np.array(answer)
 
 
+@pytest.mark.workers
 @pytest.mark.parametrize("door", DOORS)
 def test_vectors_equal_sentence_transformers(door, server, client, family, st, exported):
     prompts = [None, *(name for name, text in exported[1].manifest.prompts.items() if text)]
@@ -102,6 +111,51 @@ def test_vectors_equal_sentence_transformers(door, server, client, family, st, e
         got = vectors(door, server, client, family, TEXTS, prompt)
         assert got.shape == want.shape
         assert cosines(got, want).min() >= MIN_COSINE, (door, prompt)
+
+
+@pytest.mark.workers
+@pytest.mark.parametrize("door", ["http", "grpc"])
+def test_kserve_infer_gives_transformers_hidden_states(door, server, family, exported):
+    """A batch of two sequences of ids, the shorter padded on the right: each one's real
+    positions as transformers' model of the family (Qwen3's causal attention, Gemma3's
+    windows) computes them alone."""
+    hf = HuggingFace(exported[0])
+    sequences = [hf.ids(TEXTS[2]), hf.ids(TEXTS[0])]
+    longest = max(map(len, sequences))
+    mask = np.array([[1] * len(s) + [0] * (longest - len(s)) for s in sequences])
+    ids = np.array([s + [exported[1].manifest.pad_token_id] * (longest - len(s))
+                    for s in sequences])
+    if door == "http":
+        status, answer = post_json(server, f"/v2/models/{family}/infer", {
+            "inputs": [{"name": name, "shape": list(array.shape), "datatype": "INT64",
+                        "data": array.ravel().tolist()}
+                       for name, array in (("input_ids", ids), ("attention_mask", mask))],
+            "outputs": [{"name": "last_hidden_state"}]})
+        assert status == 200, answer
+        (output,) = answer["outputs"]
+        hidden = np.array(output["data"], dtype=np.float32).reshape(output["shape"])
+    else:
+        hidden = kserve_grpc_hidden(server, family, ids, mask)
+    for row, sequence in enumerate(sequences):
+        want, _ = hf.run(sequence)
+        assert np.abs(hidden[row, :len(sequence)] - want).max() <= HIDDEN_ATOL, (door, row)
+
+
+def kserve_grpc_hidden(server, model: str, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    import grpc
+
+    from attnserve.server._proto.inference import grpc_service_pb2 as kpb
+    from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
+
+    request = kpb.ModelInferRequest(model_name=model)
+    for name, array in (("input_ids", ids), ("attention_mask", mask)):
+        request.inputs.add(name=name, datatype="INT64", shape=array.shape)
+        request.raw_input_contents.append(array.astype("<i8").tobytes())
+    request.outputs.add(name="last_hidden_state")
+    with grpc.insecure_channel(server.address) as channel:
+        response = kpb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    (output,) = response.outputs
+    return np.frombuffer(response.raw_output_contents[0], dtype="<f4").reshape(tuple(output.shape))
 
 
 def test_model_info_gives_the_vectors_size(client, family, exported):
@@ -241,6 +295,7 @@ def cross_encoder(family, classifier_artifact, exported):
                         max_length=exported[1].manifest.max_positions)
 
 
+@pytest.mark.workers
 def test_rerankers_score_as_the_cross_encoder_on_every_door(server, client, cross_encoder):
     logits = cross_encoder.predict([(QUERY, text) for text in TEXTS],
                                    activation_fn=torch.nn.Identity())
