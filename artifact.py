@@ -392,11 +392,13 @@ def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
 
 
 def sequence_outputs(manifest: Manifest) -> tuple[str, ...]:
-    """The outputs with one vector per sequence: an embedder's pooled vectors (and SPLADE's
-    sparse vector), a reranker's or classifier's logits."""
+    """The outputs a batch hands each sequence a row of: an embedder's pooled vectors and
+    its other heads' outputs (SPLADE's vocabulary row; bge-m3's weight and vector per
+    position, which the engine cuts to the sequence's tokens), a reranker's or
+    classifier's logits."""
     if manifest.kind in SCORERS:
         return (LOGITS_OUTPUT,)
-    return manifest.pooled_outputs + ((SPARSE_OUTPUT,) if manifest.sparse else ())
+    return manifest.pooled_outputs + manifest.head_outputs
 
 
 def outdated(directory: Path | str) -> str | None:
@@ -525,13 +527,15 @@ def _read_manifest(manifest_path: Path) -> tuple[Manifest, bytes]:
 
 def unserved(manifest: Manifest) -> str | None:
     """What of an artifact this server cannot serve, in one phrase, or None: it serves
-    embedders' pooled vectors and SPLADE's sparse vectors, rerankers' and classifiers'
-    scores; the other heads export, and are refused here rather than served as something
-    they are not."""
-    others = [head for head in manifest.heads if head not in ("dense", "sparse")]
-    if others:
-        return (f"heads {manifest.heads}: this server serves an embedder's dense and sparse "
-                f"vectors only, not its {', '.join(others)} output")
+    embedders' pooled vectors, SPLADE's sparse vectors and bge-m3's three heads,
+    rerankers' and classifiers' scores. A multi-vector checkpoint that tokenizes queries
+    and documents its own way (markers, expansion, a skiplist) exports, and is refused
+    here rather than served as something it is not."""
+    head = manifest.multi_vector
+    if head is not None and (head.query is not None or head.document is not None):
+        return ("heads ['multi_vector'] with query and document tokenization (markers, "
+                "expansion, a skiplist): this server serves a multi-vector head that "
+                "tokenizes every text alike (bge-m3's), not this one")
     return None
 
 

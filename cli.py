@@ -129,6 +129,12 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     return run_rerank(args)
 
 
+def cmd_classify(args: argparse.Namespace) -> int:
+    from attnserve.classify import run_classify
+
+    return run_classify(args)
+
+
 def cmd_memory_profile(args: argparse.Namespace) -> int:
     # Imported here: a measuring tool, with matplotlib, that serving never loads.
     from attnserve.artifact import ArtifactError
@@ -240,6 +246,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--heads", default="", help="comma-separated heads (default: all)")
     p.add_argument("--average-heads", action="store_true")
     p.add_argument("--heatmap", type=Path, help="PNG of the first text's first selected map")
+    p.add_argument("--sparse", action="store_true",
+                   help="each text's sparse vector from a model with a sparse head (SPLADE): "
+                        "its largest weights by token id, or with --out an .npz of indices, "
+                        "values and indptr (compressed sparse rows)")
+    p.add_argument("--top-k", type=int, default=None, metavar="N",
+                   help="with --sparse: each text's N largest weights only (default: the "
+                        "model's own, or every non-zero weight)")
     p.add_argument("--batch-size", type=int, default=32, help="texts per request with --file")
     p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
     p.set_defaults(func=cmd_embed)
@@ -260,6 +273,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "positions, instead of an error")
     p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
     p.set_defaults(func=cmd_rerank)
+
+    p = sub.add_parser("classify", help="score every label of texts, or of (text, pair) "
+                                        "pairs, with a running server's classifier")
+    p.add_argument("texts", nargs="*", help="texts to classify")
+    p.add_argument("--pair", action="append", default=[], metavar="TEXT",
+                   help="the second text of a pair (NLI: the hypothesis), once for each text "
+                        "in order (repeatable)")
+    p.add_argument("--file", type=Path, help="one text a line, after the others")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--model", default="", help="the classifier to call, as the server lists "
+                   "it (attnserve.v1 ListModels); default: the server's first classifier")
+    p.add_argument("--top-k", type=int, default=None, metavar="N",
+                   help="the best N labels of each text only (default: every label)")
+    p.add_argument("--raw-scores", action="store_true",
+                   help="the classifier's logits instead of its softmax or sigmoid")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a text (a pair's second text) longer than the model's positions, "
+                        "instead of an error")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
+    p.set_defaults(func=cmd_classify)
 
     p = sub.add_parser("memory-profile",
                        help="peak memory and time of one batch against its shape (allocations "

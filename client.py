@@ -44,6 +44,24 @@ class RerankResult:
 
 
 @dataclass
+class LabelScore:
+    id: int
+    """the label's id in the classifier's config"""
+    label: str
+    score: float
+
+
+@dataclass
+class SparseEmbedding:
+    """A text's non-zero weights by token id, ids ascending."""
+
+    indices: np.ndarray
+    """uint32 token ids"""
+    values: np.ndarray
+    """float32, in the order of `indices`"""
+
+
+@dataclass
 class EmbeddingResult:
     pooled: np.ndarray | None
     token_embeddings: np.ndarray | None
@@ -143,6 +161,41 @@ class EncoderClient:
                                                    priority=priority),
                                    timeout=timeout)
         return np.asarray(response.scores, dtype=np.float32)
+
+    def classify(self, texts: list[str], *, text_pairs: list[str | None] | None = None,
+                 raw_scores: bool = False, top_k: int | None = None, truncate: bool = False,
+                 truncation_direction: str = "right", model: str = "", priority: str = "",
+                 timeout: float | None = None) -> list[list[LabelScore]]:
+        """Each text's label scores, highest first, or (text, text_pairs[i])'s where that
+        is not None: the classifier's softmax or sigmoid, or its logits with
+        `raw_scores`; the `top_k` best labels only when set. `model`: "" for the server's
+        first classifier."""
+        pairs = [None] * len(texts) if text_pairs is None else text_pairs
+        if len(pairs) != len(texts):
+            raise ValueError(f"text_pairs: {len(pairs)} for {len(texts)} texts")
+        inputs = [pb.ClassifyInput(text=text, text_pair=pair)
+                  for text, pair in zip(texts, pairs, strict=True)]
+        response = self.stub.Classify(pb.ClassifyRequest(
+            model=model, inputs=inputs, raw_scores=raw_scores, top_k=top_k, truncate=truncate,
+            truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
+            priority=priority), timeout=timeout)
+        return [[LabelScore(s.id, s.label, s.score) for s in c.scores]
+                for c in response.classifications]
+
+    def embed_sparse(self, texts: list[str], *, top_k: int | None = None,
+                     truncate: bool = False, truncation_direction: str = "right",
+                     prompt_name: str = "", model: str = "", priority: str = "",
+                     timeout: float | None = None) -> list[SparseEmbedding]:
+        """Each text's sparse vector from a model with a sparse head (SPLADE): its
+        non-zero weights by token id, the `top_k` largest only when set (else the
+        model's own default). `model`: "" for the server's default."""
+        response = self.stub.EmbedSparse(pb.EmbedSparseRequest(
+            model=model, texts=texts, truncate=truncate,
+            truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
+            prompt_name=prompt_name, top_k=top_k, priority=priority), timeout=timeout)
+        return [SparseEmbedding(np.asarray(v.indices, dtype=np.uint32),
+                                np.asarray(v.values, dtype=np.float32))
+                for v in response.vectors]
 
     def tokenize(self, texts: list[str], truncate: bool = False, model: str = "",
                  prompt_name: str = "", truncation_direction: str = "right") -> list[pb.Tokenization]:

@@ -160,6 +160,36 @@ def _chunks_out(args: argparse.Namespace, texts: list[str], results: list[Embedd
     return 0
 
 
+# Flags of dense vectors that a sparse vector has no use for.
+NOT_SPARSE = ("pooling", "normalize", "dimensions", "chunk_tokens", "attention", "heatmap")
+SPARSE_SHOWN = 8
+"""the largest weights printed of each text's sparse vector"""
+
+
+def _sparse_out(args: argparse.Namespace, client: EncoderClient, texts: list[str]) -> int:
+    """Each text's sparse vector: its largest weights printed, or saved (--out) as an .npz
+    in compressed sparse row form, `indices`, `values` and `indptr` (text i's entries
+    are indices[indptr[i]:indptr[i + 1]]), which scipy.sparse.csr_matrix takes as it is."""
+    vectors = []
+    for start in range(0, len(texts), args.batch_size):
+        vectors += client.embed_sparse(texts[start:start + args.batch_size], top_k=args.top_k,
+                                       truncate=args.truncate,
+                                       truncation_direction=args.truncation_direction,
+                                       prompt_name=args.prompt_name, model=args.model)
+    if args.out:
+        np.savez(args.out, indices=np.concatenate([v.indices for v in vectors]),
+                 values=np.concatenate([v.values for v in vectors]),
+                 indptr=np.cumsum([0] + [v.indices.size for v in vectors]))
+        print(f"wrote {len(vectors)} sparse vectors to {args.out}")
+        return 0
+    for text, vector in zip(texts, vectors, strict=True):
+        largest = np.argsort(-vector.values, kind="stable")[:SPARSE_SHOWN]
+        shown = " ".join(f"{vector.indices[i]}:{vector.values[i]:.4f}" for i in largest)
+        print(f"{text[:40]!r}: {vector.indices.size} non-zero [{shown}"
+              + (" …]" if vector.indices.size > SPARSE_SHOWN else "]"))
+    return 0
+
+
 def run_embed(args: argparse.Namespace) -> int:
     texts = list(args.texts)
     if args.file:
@@ -168,11 +198,23 @@ def run_embed(args: argparse.Namespace) -> int:
     if not texts:
         print("attnserve embed: give texts as arguments, --file or --document", file=sys.stderr)
         return 2
+    defaults = {"pooling": "default", "normalize": False, "dimensions": 0}
+    dense_flags = [f"--{name.replace('_', '-')}" for name in NOT_SPARSE
+                   if getattr(args, name) not in (defaults.get(name), None, False)]
+    if args.sparse and dense_flags:
+        print(f"attnserve embed: --sparse takes no {', '.join(dense_flags)} (flags of dense "
+              "vectors)", file=sys.stderr)
+        return 2
+    if args.top_k is not None and not args.sparse:
+        print("attnserve embed: --top-k cuts a sparse vector: add --sparse", file=sys.stderr)
+        return 2
     wants_maps = args.attention or args.heatmap is not None
     layers = _ints(args.layers) if wants_maps else None
     root = args.tls_ca.read_bytes() if args.tls_ca else None
     pooled = []
     with EncoderClient(args.address, root_certificates=root) as client:
+        if args.sparse:
+            return _sparse_out(args, client, texts)
         results = []
         for start in range(0, len(texts), args.batch_size):
             batch = texts[start:start + args.batch_size]

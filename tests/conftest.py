@@ -11,6 +11,7 @@ import pytest
 from tests import harness
 from tests.artifact_cache import exported
 from tests.families import (
+    make_bge_m3,
     make_checkpoint,
     make_reranker,
     make_sentence_transformer,
@@ -235,3 +236,16 @@ def splade_artifact(tmp_path_factory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def bge_m3(tmp_path_factory):
+    """A random bge-m3-shaped checkpoint (tests/families.py's make_bge_m3), its exported
+    directory and its manifest: one graph of the dense, lexical and multi-vector heads."""
+    from attnserve.artifact import read_manifest
+    from attnserve.export.pipeline import run_export
+
+    root = tmp_path_factory.mktemp("bge-m3")
+    checkpoint = make_bge_m3(root / "checkpoint")
+    exported(root / "artifact", lambda directory: run_export(directory, checkpoint), checkpoint)
+    return checkpoint, root / "artifact", read_manifest(root / "artifact")

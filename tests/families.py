@@ -33,6 +33,7 @@ its scores spread over pairs.
 
 The model, export and server tests share them."""
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,6 +318,19 @@ def make_checkpoint(family: str, directory: Path, **overrides) -> Path:
     if family not in makers:
         raise ValueError(f"no maker for {family!r}")
     return makers[family](directory, overrides)
+
+
+def make_bge_m3(directory: Path, colbert_dim: int = 24) -> Path:
+    """A random XLM-RoBERTa checkpoint with bge-m3's two heads beside it, as FlagEmbedding
+    saves them: sparse_linear.pt (hidden -> 1) and colbert_linear.pt (hidden -> colbert_dim)."""
+    import torch
+
+    checkpoint = make_checkpoint("xlm-roberta", directory)
+    hidden = json.loads((checkpoint / "config.json").read_text())["hidden_size"]
+    torch.manual_seed(1)
+    torch.save(torch.nn.Linear(hidden, 1).state_dict(), checkpoint / "sparse_linear.pt")
+    torch.save(torch.nn.Linear(hidden, colbert_dim).state_dict(), checkpoint / "colbert_linear.pt")
+    return checkpoint
 
 
 RERANKER_FAMILIES = ("bert", *FAMILIES)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnserve.artifact import HIDDEN_OUTPUT
+from attnserve.artifact import HIDDEN_OUTPUT, TOKEN_OUTPUTS
 from attnserve.server.engine.queue import Limits, RequestQueue, State, Waiting
 from attnserve.server.errors import RequestError
 from attnserve.server.host import TRIM_AFTER_BYTES
@@ -372,7 +372,8 @@ class BatchLoop:
                 None if out.hidden is None or HIDDEN_OUTPUT not in job.outputs
                 else out.hidden[row, :w.length],
                 {layer: maps[row, :, :w.length, :w.length] for layer, maps in out.attentions.items()},
-                {name: out.pooled[name][row] for name in job.outputs if name in out.pooled},
+                {name: out.pooled[name][row, :w.length] if name in TOKEN_OUTPUTS
+                 else out.pooled[name][row] for name in job.outputs if name in out.pooled},
                 ran.span_means.get(row),
             )
             job.unanswered -= 1

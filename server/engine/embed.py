@@ -34,9 +34,11 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
     count = len(request.texts) or len(request.token_ids)
     if not count:
         raise InvalidArgument(names.sequences, "empty: send at least one sequence")
-    if not model.manifest.dense and (request.chunking or request.outputs - {HIDDEN_OUTPUT}):
+    manifest = model.manifest
+    if not manifest.dense and (request.chunking or
+                               request.outputs - {HIDDEN_OUTPUT, *manifest.head_outputs}):
         raise InvalidArgument("model", f"{model.name!r} has no dense vectors (its heads: "
-                              f"{', '.join(model.manifest.heads)}): ask for its sparse vectors")
+                              f"{', '.join(manifest.heads)}): ask for its sparse vectors")
     texts = bool(request.texts)
     prompt = model.prompt(request.prompt_name, texts)
     left = model.left(request.truncation_direction, texts)

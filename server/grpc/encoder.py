@@ -7,7 +7,15 @@ import dataclasses
 
 import numpy as np
 
-from attnserve.artifact import CLASSIFIER, EMBEDDER, RERANKER, Manifest, pooled_output
+from attnserve.artifact import (
+    CLASSIFIER,
+    EMBEDDER,
+    RERANKER,
+    SPARSE_OUTPUT,
+    TOKEN_WEIGHTS_OUTPUT,
+    Manifest,
+    pooled_output,
+)
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
 from attnserve.server.engine import classify, embed, pairs, sparse
@@ -156,7 +164,8 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
         attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
                                   options.average_heads)
     plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
-                     DTYPES[request.dtype], attention, _chunking(request, manifest))
+                     DTYPES[request.dtype], attention, _chunking(request, manifest),
+                     **_heads(request, manifest, model))
     kind = EMBEDDING_TYPES[request.embedding_type]
     if kind is EmbeddingType.FLOAT:
         return plan
@@ -168,6 +177,31 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
     return dataclasses.replace(plan, embedding_type=kind,
                                ranges=ranges_of(manifest, model, source, kind, "embedding_type",
                                                          request.dimensions))
+
+
+def _heads(request: pb.EmbedRequest, manifest: Manifest, model: str) -> dict:
+    """EmbedPlan's multi-vector and sparse fields, as the request asks for them of the
+    model's heads."""
+    heads = ", ".join(manifest.heads)
+    plan = {}
+    for field, asked, present in (("return_multi_vector", request.return_multi_vector,
+                                   manifest.multi_vector),
+                                  ("return_sparse", request.return_sparse,
+                                   manifest.sparse or manifest.lexical)):
+        if not asked:
+            continue
+        if present is None:
+            raise InvalidArgument(field, f"model {model!r} has no {field[7:].replace('_', '-')} "
+                                  f"head (its heads: {heads})")
+        if request.HasField("chunking"):
+            raise InvalidArgument(field, "not with chunking, which returns one vector per chunk")
+    if request.return_multi_vector:
+        plan["multi_vector"] = (manifest.multi_vector.dim, manifest.multi_vector.skip_leading)
+    if request.return_sparse:
+        plan["sparse"] = SPARSE_OUTPUT if manifest.sparse else TOKEN_WEIGHTS_OUTPUT
+        plan["dropped_ids"] = tuple(manifest.lexical.dropped_token_ids if manifest.lexical
+                                    else ())
+    return plan
 
 
 def _chunking(request: pb.EmbedRequest, manifest: Manifest) -> Chunking | None:
@@ -309,7 +343,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             top_k = request.top_k if request.HasField("top_k") else None
             return await model.pack(classified.scores.size * RESULT_S, _classify_response,
                                     classified, top_k, model)
-        return await answer(self.metrics, "Classify", context, handle)
+        return await answer(self.metrics, "Classify", context, handle, request.priority)
 
     async def EmbedSparse(self, request, context):
         async def handle():
@@ -324,7 +358,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                 call_holds(), deadline_of(context))
             return await model.pack(embedded.response_bytes * COPY_BYTE_S, _sparse_response,
                                     embedded, model.name)
-        return await answer(self.metrics, "EmbedSparse", context, handle)
+        return await answer(self.metrics, "EmbedSparse", context, handle, request.priority)
 
     async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
         info = model.model_info()

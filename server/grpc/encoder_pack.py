@@ -7,10 +7,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnserve.artifact import HIDDEN_OUTPUT, Manifest, pooled_output
+from attnserve.artifact import (
+    HIDDEN_OUTPUT,
+    MULTI_VECTOR_OUTPUT,
+    SPARSE_OUTPUT,
+    Manifest,
+    pooled_output,
+)
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server.engine.quantize import EmbeddingType, quantize
 from attnserve.server.engine.requests import ChunkedText, Chunking, Embedded
+from attnserve.server.engine.sparse import entries, lexical_rows
 from attnserve.server.grpc.wire import field_bytes, varint_bytes
 from attnserve.server.runtime.backend import Outputs, SequenceResult
 
@@ -60,6 +67,13 @@ class EmbedPlan:
     """what the pooled vectors are sent as"""
     ranges: np.ndarray | None = None
     """int8 and uint8: the ranges they are quantized over (quantized.ranges_of)"""
+    multi_vector: tuple[int, int] | None = None
+    """with return_multi_vector: the head's (dim, leading positions left out)"""
+    sparse: str | None = None
+    """with return_sparse: the graph output it comes from (SPARSE_OUTPUT's vocabulary
+    row, or TOKEN_WEIGHTS_OUTPUT's weight a token)"""
+    dropped_ids: tuple[int, ...] = ()
+    """TOKEN_WEIGHTS_OUTPUT: the ids whose weights are left out (the special tokens)"""
 
     def pooled_tensor(self, vector: np.ndarray) -> pb.Tensor:
         """A pooled (or chunk) vector, as its embedding type."""
@@ -93,10 +107,20 @@ def pooled_name(plan: EmbedPlan) -> str | None:
 def outputs_for(plan: EmbedPlan) -> Outputs:
     """The graph outputs an Embed response is built from: only the pooled vector unless
     the caller asked for token embeddings (attention maps are asked for by layer)."""
-    names = {pooled_name(plan)} - {None}
+    names = {pooled_name(plan), plan.sparse} - {None}
     if plan.return_token_embeddings:
         names.add(HIDDEN_OUTPUT)
+    if plan.multi_vector is not None:
+        names.add(MULTI_VECTOR_OUTPUT)
     return frozenset(names)
+
+
+def sparse_vector(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.SparseVector:
+    row = result.pooled[plan.sparse]
+    rows = ([row] if plan.sparse == SPARSE_OUTPUT
+            else lexical_rows([ids], [row], list(plan.dropped_ids)))
+    (indices,), (values,) = entries(rows, None)
+    return pb.SparseVector(indices=indices.tolist(), values=values.tolist())
 
 
 def attention_maps(result: SequenceResult, plan: EmbedPlan) -> np.ndarray:
@@ -122,6 +146,11 @@ def embedding(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.Em
         out.token_embeddings.CopyFrom(tensor(result.hidden, plan.dtype))
     if plan.attention is not None:
         out.attentions.CopyFrom(tensor(attention_maps(result, plan), plan.dtype))
+    if plan.multi_vector is not None:
+        out.multi_vector.CopyFrom(tensor(result.pooled[MULTI_VECTOR_OUTPUT][plan.multi_vector[1]:],
+                                         plan.dtype))
+    if plan.sparse is not None:
+        out.sparse.CopyFrom(sparse_vector(result, ids, plan))
     return out
 
 
@@ -171,7 +200,17 @@ def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, vector: int, head
     if plan.attention is not None:
         maps = (len(plan.attention.layers), plan.attention.returned_heads(heads), length, length)
         total += field_bytes(tensor_bytes(maps, value_bytes))
+    if plan.multi_vector is not None:
+        dim, skip = plan.multi_vector
+        total += field_bytes(tensor_bytes((max(length - skip, 0), dim), value_bytes))
+    if plan.sparse is not None:
+        most = vocab if plan.sparse == SPARSE_OUTPUT else length
+        total += field_bytes(2 * field_bytes(0) + SPARSE_ENTRY_BYTES * min(most, vocab))
     return total
+
+
+SPARSE_ENTRY_BYTES = 5 + 4
+"""a sparse entry: its id a uint32 varint at the largest, its weight a packed float"""
 
 
 def _response_head_bytes(model: str, tokens: int) -> int:

@@ -163,13 +163,15 @@ def analytic_bound(manifest: Manifest) -> MemoryModel:
     output, the slices taken from it and the unfused attention graph's own temporaries
     (a two-copy count measured ~10 % short); a SPLADE head's vocabulary scores per
     token, and their masked copy, which outgrow the rest (30,522 entries against a few
-    thousand)."""
+    thousand); bge-m3's weight and multi-vector vector a token."""
     hidden = manifest.hidden_size
     widening = max(4 * hidden, manifest.intermediate_size)
     vocabulary = 2 * manifest.vocab_size if manifest.sparse else 0
+    heads = (manifest.lexical is not None) + (manifest.multi_vector.dim if manifest.multi_vector
+                                              else 0)
     return MemoryModel(
         a=64 * 1024 * 1024,
-        b=4.0 * (8 * hidden + 2 * widening + vocabulary),
+        b=4.0 * (8 * hidden + 2 * widening + vocabulary + heads),
         c=4.0 * 4,
         d=4.0 * 4,
         source="analytic bound",

@@ -32,10 +32,12 @@ from attnserve.artifact import (
     DENSE_OUTPUT,
     HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
+    MULTI_VECTOR_OUTPUT,
     RERANKER,
     SCORERS,
     SPARSE_OUTPUT,
     TOKEN_TYPES,
+    TOKEN_WEIGHTS_OUTPUT,
     Artifact,
     ArtifactError,
     Graph,
@@ -228,9 +230,11 @@ class BoundRunner:
         m = self.manifest
         if m.kind in SCORERS:
             return {LOGITS_OUTPUT: (batch, len(m.labels))}
+        heads = {SPARSE_OUTPUT: (batch, m.vocab_size), TOKEN_WEIGHTS_OUTPUT: (batch, seq),
+                 MULTI_VECTOR_OUTPUT: (batch, seq, m.multi_vector.dim if m.multi_vector else 0)}
         return {HIDDEN_OUTPUT: (batch, seq, m.hidden_size)} | {
-            name: (batch, m.embedding_size) for name in m.pooled_outputs} | (
-            {SPARSE_OUTPUT: (batch, m.vocab_size)} if m.sparse else {})
+            name: (batch, m.embedding_size) for name in m.pooled_outputs} | {
+            name: heads[name] for name in m.head_outputs}
 
     def _new_slot(self, shape: Shape) -> _Slot:
         def buffer(dims: tuple[int, ...], dtype: type) -> ort.OrtValue:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnserve.artifact import TOKEN_OUTPUTS, TOKEN_WEIGHTS_OUTPUT
 from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.timings import CallTimes
 from attnserve.server.errors import (
@@ -105,8 +106,11 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
             views.append(flat[at:at + heads * n * n].reshape(heads, n, n))
             at += heads * n * n
         maps.append(views)
-    # Pooled vectors are `width` wide, a reranker's logits one per label.
-    pooled = [arrays.pop(0).reshape(len(lengths), -1) for _ in names]
+    # Pooled vectors are `width` wide, a reranker's logits one per label; a head's output
+    # per token (bge-m3's) is a row a token: a vector, or a weight.
+    pooled = [_per_token(name, flat, lengths) if name in TOKEN_OUTPUTS
+              else flat.reshape(len(lengths), -1)
+              for name, flat in ((name, arrays.pop(0)) for name in names)]
     # The means are as wide as the pooled vectors (past any Dense layers).
     span_means = (_split(arrays[0], arrays[1], arrays[0].size // int(arrays[1].sum())) if means
                   else [None] * len(lengths))
@@ -114,6 +118,11 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
                            {layer: maps[k][i] for k, layer in enumerate(layers)},
                            {name: pooled[k][i] for k, name in enumerate(names)}, span_means[i])
             for i, (n, end) in enumerate(zip(lengths.tolist(), ends, strict=True))]
+
+
+def _per_token(name: str, flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    views = _split(flat, lengths, flat.size // int(lengths.sum()))
+    return [v.reshape(-1) for v in views] if name == TOKEN_WEIGHTS_OUTPUT else views
 
 
 def welcome(facts: EngineFacts):

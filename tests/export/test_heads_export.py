@@ -16,9 +16,10 @@ checkpoints made here, against each model's own library:
   and scores (sigmoid of the graph's logits) equal to transformers' text-classification
   pipeline (served: tests/server/test_classify.py; SPLADE: tests/server/test_sparse.py).
 
-Every artifact of the other heads (bge-m3's, ColBERT's) is refused by the server's loader in
-one line naming what it cannot serve, and checkpoints that are half one thing are refused by
-export naming the file."""
+A ColBERT artifact (its own query and document tokenization) is refused by the server's
+loader in one line naming what it cannot serve (bge-m3's is served:
+tests/server/test_bge_m3.py), and checkpoints that are half one thing are refused by export
+naming the file."""
 
 from dataclasses import replace
 
@@ -44,7 +45,6 @@ from attnserve.artifact import (
 from attnserve.model import CheckpointError
 from tests.conftest import SPLADES
 from tests.families import (
-    make_checkpoint,
     make_multi_vector,
 )
 
@@ -129,16 +129,6 @@ def test_export_refuses_a_splade_model_with_other_modules(tmp_path):
         read_splade(checkpoint)
 
 
-@pytest.fixture(scope="module")
-def bge_m3(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bge-m3")
-    checkpoint = make_checkpoint("xlm-roberta", root / "checkpoint")
-    torch.manual_seed(1)
-    torch.save(torch.nn.Linear(32, 1).state_dict(), checkpoint / "sparse_linear.pt")
-    torch.save(torch.nn.Linear(32, M3_COLBERT_DIM).state_dict(), checkpoint / "colbert_linear.pt")
-    return checkpoint, root / "artifact", _export(root / "artifact", checkpoint)
-
-
 def _lexical(ids, weights, dropped) -> dict[int, float]:
     """FlagEmbedding's lexical weights: per token id its largest positive weight."""
     found: dict[int, float] = {}
@@ -181,14 +171,6 @@ def test_bge_m3_heads_come_from_one_graph_as_flagembedding_computes_them(bge_m3)
         np.testing.assert_allclose(vectors[i, skip:n], F.normalize(
             h[1:] @ colbert["weight"].T + colbert["bias"], dim=-1).numpy(), atol=ATOL)
         assert mask[i].sum() == n
-
-
-def test_the_server_refuses_a_bge_m3_artifact_in_one_line(bge_m3):
-    with pytest.raises(ArtifactError, match=r"heads \['dense', 'lexical', 'multi_vector'\]: "
-                                            "this server serves an embedder's dense and "
-                                            "sparse vectors only, not its lexical, "
-                                            "multi_vector output"):
-        load_artifact(bge_m3[1])
 
 
 def test_half_a_bge_m3_checkpoint_is_refused_naming_the_missing_file(bge_m3, tmp_path):
@@ -296,8 +278,10 @@ def test_multi_vector_matches_the_multi_vector_encoder(multi_vector):
 
 
 def test_the_server_refuses_a_multi_vector_artifact_in_one_line(multi_vector):
-    with pytest.raises(ArtifactError, match=r"heads \['multi_vector'\]: this server serves an "
-                                            "embedder's dense and sparse vectors only"):
+    with pytest.raises(ArtifactError, match=r"heads \['multi_vector'\] with query and document "
+                                            r"tokenization \(markers, expansion, a skiplist\): "
+                                            "this server serves a multi-vector head that "
+                                            "tokenizes every text alike"):
         load_artifact(multi_vector[1])
 
 

@@ -9,6 +9,7 @@ embedding model asked to classify and the classifier asked to embed. One server 
 classifier (its default) and MiniLM."""
 
 import json
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import numpy as np
 import pytest
 from huggingface_hub import InferenceClient
 
+from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from tests.harness import ATTNSERVE, REPO, delta
 from tests.server.reliability import serve
 from tests.server.test_http import post_json
 from tests.server.test_rerank import invalid
@@ -94,6 +97,31 @@ def test_grpc_classify_scores_every_label_of_texts_and_pairs(encoder, logits):
         (best,) = found.scores
         assert best.id == int(logits[key].argmax())
         assert best.score == pytest.approx(float(logits[key].max()), abs=ATOL)
+
+
+def test_the_client_and_the_classify_command(server, logits):
+    """EncoderClient.classify and `attnserve classify`, texts and a pair, as a user calls
+    them; the call's priority class reaches the queue from Classify's own field."""
+    before = server.scrape()
+    with EncoderClient(server.address) as client:
+        found = client.classify([TEXTS[0], PAIR[0]], text_pairs=[None, PAIR[1]],
+                                model=CLASSIFIER, priority="bulk")
+        (best,) = client.classify([TEXTS[1]], raw_scores=True, top_k=1)[0]
+    assert delta(before, server.scrape(), "attnserve_queue_wait_seconds_count",
+                 model=CLASSIFIER, priority="bulk") == 1
+    for key, scores in zip([TEXTS[0], PAIR], found, strict=True):
+        np.testing.assert_allclose(by_label([vars(s) for s in scores]), sigmoid(logits[key]),
+                                   atol=ATOL)
+    assert best.label == LABELS[int(logits[TEXTS[1]].argmax())]
+    assert best.score == pytest.approx(float(logits[TEXTS[1]].max()), abs=ATOL)
+    done = subprocess.run([*ATTNSERVE, "classify", PAIR[0], "--pair", PAIR[1], "--address",
+                           server.address, "--model", CLASSIFIER], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = done.stdout.strip().split(": ", 1)[1].split("  ")
+    scores = {label: float(score) for label, score in (entry.split() for entry in printed)}
+    np.testing.assert_allclose([scores[label] for label in LABELS], sigmoid(logits[PAIR]),
+                               atol=ATOL)
 
 
 @pytest.mark.workers

@@ -10,13 +10,16 @@ model without a sparse head, dense vectors asked of a SPLADE model. One server h
 SPLADE models (a DistilBERT max/relu one, the default, and a RoBERTa sum/log1p one with
 max_active_dims 5) and MiniLM."""
 
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from tests.harness import ATTNSERVE, REPO, delta
 from tests.server.reliability import serve
 from tests.server.test_http import post_json
 from tests.server.test_rerank import invalid
@@ -92,6 +95,51 @@ def test_embed_sparse_matches_sparse_encoder(encoder, references):
             assert len(got.indices) == min(k, np.count_nonzero(want))
             np.testing.assert_allclose(dense(got.indices, got.values, summed.shape[1]),
                                        top_k(want, k), atol=ATOL)
+
+
+def test_the_client_and_the_embed_commands_sparse_vectors(server, references, tmp_path):
+    """EncoderClient.embed_sparse and `attnserve embed --sparse` (printed, and saved as
+    compressed sparse rows), as a user calls them; the call's priority class reaches the
+    queue from EmbedSparse's own field."""
+    vocab = references[SPLADE].shape[1]
+    before = server.scrape()
+    with EncoderClient(server.address) as client:
+        vectors = client.embed_sparse(TEXTS, top_k=3, priority="bulk")
+    assert delta(before, server.scrape(), "attnserve_queue_wait_seconds_count",
+                 model=SPLADE, priority="bulk") == 1
+    for got, want in zip(vectors, references[SPLADE], strict=True):
+        assert got.indices.dtype == np.uint32 and got.values.dtype == np.float32
+        np.testing.assert_allclose(dense(got.indices, got.values, vocab), top_k(want, 3),
+                                   atol=ATOL)
+    command = [*ATTNSERVE, "embed", *TEXTS, "--sparse", "--address", server.address]
+    printed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    lines = printed.stdout.strip().splitlines()
+    assert len(lines) == len(TEXTS)
+    for line, want in zip(lines, references[SPLADE], strict=True):
+        assert f": {np.count_nonzero(want)} non-zero [" in line
+        first, weight = line.split("[")[1].split()[0].split(":")
+        assert int(first) == int(np.argmax(want)), line
+        assert float(weight) == pytest.approx(want.max(), abs=ATOL), line
+    out = tmp_path / "sparse.npz"
+    saved = subprocess.run([*command, "--out", str(out)], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    from scipy.sparse import csr_matrix
+
+    with np.load(out) as rows:
+        matrix = csr_matrix((rows["values"], rows["indices"], rows["indptr"]),
+                            shape=(len(TEXTS), vocab))
+    np.testing.assert_allclose(matrix.toarray(), references[SPLADE], atol=ATOL)
+
+
+def test_the_embed_command_refuses_dense_flags_with_sparse(server):
+    done = subprocess.run([*ATTNSERVE, "embed", "a", "--sparse", "--pooling", "cls",
+                           "--address", server.address], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("attnserve embed: --sparse takes no --pooling (flags of "
+                                   "dense vectors)")
 
 
 @pytest.mark.workers
