@@ -525,24 +525,9 @@ def _read_manifest(manifest_path: Path) -> tuple[Manifest, bytes]:
     return manifest, raw
 
 
-def unserved(manifest: Manifest) -> str | None:
-    """What of an artifact this server cannot serve, in one phrase, or None: it serves
-    embedders' pooled vectors, SPLADE's sparse vectors and bge-m3's three heads,
-    rerankers' and classifiers' scores. A multi-vector checkpoint that tokenizes queries
-    and documents its own way (markers, expansion, a skiplist) exports, and is refused
-    here rather than served as something it is not."""
-    head = manifest.multi_vector
-    if head is not None and (head.query is not None or head.document is not None):
-        return ("heads ['multi_vector'] with query and document tokenization (markers, "
-                "expansion, a skiplist): this server serves a multi-vector head that "
-                "tokenizes every text alike (bge-m3's), not this one")
-    return None
-
-
 def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) -> Artifact:
     """Read and verify an artifact: every file present and matching its sha256 (or only
-    the files named in `verify`, for a process that reads no others), and a kind and heads
-    this server serves."""
+    the files named in `verify`, for a process that reads no others)."""
     directory = Path(directory)
     manifest_path = directory / MANIFEST
     manifest, raw = _read_manifest(manifest_path)
@@ -565,9 +550,6 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
         graph = "scores" if manifest.kind in SCORERS else "embeddings"
         raise ArtifactError(f"{manifest_path}: no fp32 {graph} graph")
     _check_extras(manifest_path, manifest)
-    reason = unserved(manifest)
-    if reason:
-        raise ArtifactError(f"{manifest_path}: {reason}")
     return Artifact(directory, manifest, hashlib.sha256(raw).hexdigest())
 
 

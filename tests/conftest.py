@@ -13,6 +13,7 @@ from tests.artifact_cache import exported
 from tests.families import (
     make_bge_m3,
     make_checkpoint,
+    make_multi_vector,
     make_reranker,
     make_sentence_transformer,
     make_sparse_encoder,
@@ -249,3 +250,24 @@ def bge_m3(tmp_path_factory):
     checkpoint = make_bge_m3(root / "checkpoint")
     exported(root / "artifact", lambda directory: run_export(directory, checkpoint), checkpoint)
     return checkpoint, root / "artifact", read_manifest(root / "artifact")
+
+
+@pytest.fixture(scope="session")
+def multi_vector_artifact(tmp_path_factory):
+    """layout ("pylate" or "native": tests/families.py's make_multi_vector) -> (its random
+    ColBERT checkpoint, its exported directory, its manifest), each exported once."""
+    from attnserve.artifact import read_manifest
+    from attnserve.export.pipeline import run_export
+
+    made = {}
+
+    def get(layout: str):
+        if layout not in made:
+            root = tmp_path_factory.mktemp(f"colbert-{layout}")
+            checkpoint = make_multi_vector(root / "checkpoint", layout)
+            exported(root / "artifact", lambda directory: run_export(directory, checkpoint),
+                     checkpoint)
+            made[layout] = checkpoint, root / "artifact", read_manifest(root / "artifact")
+        return made[layout]
+
+    return get

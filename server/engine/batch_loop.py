@@ -73,14 +73,14 @@ MEASURE_ALL_FROM_BYTES = 16 << 20
 SMALL_MEASURE_EVERY = 16
 
 
-def pad(sequences: list[np.ndarray], shape: Shape, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids, attention_mask) of `shape`, one sequence a row from the left; rows past
-    the sequences are all padding, masked out."""
+def pad(items: list[Waiting], shape: Shape, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask) of `shape`, one sequence a row from the left, its first
+    `attended` tokens unmasked; rows past the sequences are all padding, masked out."""
     ids = np.full(shape, pad_id, dtype=np.int64)
     mask = np.zeros(shape, dtype=np.int64)
-    for row, seq in enumerate(sequences):
-        ids[row, :len(seq)] = seq
-        mask[row, :len(seq)] = 1
+    for row, w in enumerate(items):
+        ids[row, :w.length] = w.sequence
+        mask[row, :w.attended] = 1
     return ids, mask
 
 
@@ -250,7 +250,7 @@ class BatchLoop:
             return None
         self.queue.take(items)
         shape = self.backend.padded_shape(len(items), items[-1].length)
-        ids, mask = pad([w.sequence for w in items], shape, self.pad_id)
+        ids, mask = pad(items, shape, self.pad_id)
         jobs = {w.job for w in items}
         outputs = frozenset().union(*(job.outputs for job in jobs))
         if any(job.spans is not None for job in jobs):
@@ -287,7 +287,7 @@ class BatchLoop:
         ids, mask, types = batch.input_ids, batch.attention_mask, batch.token_type_ids
         if len(items) < len(batch.items):  # some callers left while it waited: run the rest
             shape = self.backend.padded_shape(len(items), items[-1].length)
-            ids, mask = pad([w.sequence for w in items], shape, self.pad_id)
+            ids, mask = pad(items, shape, self.pad_id)
             types = token_types(items, shape)
         rows, seq = ids.shape
         predicted = self.memory.batch_bytes(rows, seq, len(batch.layers))

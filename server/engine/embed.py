@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attnserve.artifact import EMBEDDER, HIDDEN_OUTPUT
-from attnserve.server.engine import timings
+from attnserve.artifact import EMBEDDER, HIDDEN_OUTPUT, MULTI_VECTOR_OUTPUT
+from attnserve.server.engine import multi_vector, timings
 from attnserve.server.engine.chunked import embed_chunked
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import DECODE_ID_S, ID_SEQUENCE_S, TOKEN_ID_S, cost
@@ -35,12 +35,14 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
     if not count:
         raise InvalidArgument(names.sequences, "empty: send at least one sequence")
     manifest = model.manifest
-    if not manifest.dense and (request.chunking or
+    if not manifest.dense and (request.chunking or not (request.outputs or request.layers) or
                                request.outputs - {HIDDEN_OUTPUT, *manifest.head_outputs}):
         raise InvalidArgument("model", f"{model.name!r} has no dense vectors (its heads: "
-                              f"{', '.join(manifest.heads)}): ask for its sparse vectors")
+                              f"{', '.join(manifest.heads)}): ask for those")
     texts = bool(request.texts)
-    prompt = model.prompt(request.prompt_name, texts)
+    multi = MULTI_VECTOR_OUTPUT in request.outputs
+    side = multi_vector.side_of(model, request.prompt_name, "prompt_name") if multi else None
+    prompt = None if side is not None else model.prompt(request.prompt_name, texts)
     left = model.left(request.truncation_direction, texts)
     dimensions = _dimensions(model, request)
     if request.chunking is not None:
@@ -51,7 +53,15 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
     least = len(model.tokenizer.empty.ids) if texts else 1
     model.scheduler.admit(count * least, at_least=True)
     request.size.check(np.full(count, least), at_least=True)
-    if texts:
+    attended = None
+    if side is not None:
+        if not texts:
+            raise InvalidArgument(names.sequences, f"{model.name!r} tokenizes a query or a "
+                                  "document its own way: send texts")
+        tokens = await multi_vector.tokenize(model, request.texts, request.prompt_name, side,
+                                             names.sequence, holds)
+        ids, lengths, attended = tokens.ids, tokens.lengths, tokens.attended
+    elif texts:
         encoded = await model.tokenize(request.texts, request.truncate, names.sequence, holds,
                                        prompt=prompt, left=left)
         ids = [e.ids for e in encoded]
@@ -63,8 +73,10 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
                 request.token_ids, request.truncate, names)
     size = request.size.check(lengths)
     results = await model.run_pooled(
-        Submission(ids, lengths, request.layers, deadline, request.outputs), names.sequence,
-        size, holds, prompt, dimensions)
+        Submission(ids, lengths, request.layers, deadline, request.outputs, attended=attended),
+        names.sequence, size, holds, prompt, dimensions)
+    if multi:
+        multi_vector.keep(model, results, ids, side)
     return Embedded(ids, lengths, results, response_bytes=size)
 
 

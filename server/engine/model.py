@@ -7,7 +7,8 @@ response's size), tokenizing or reading ids, the memory budget and the call's ho
 deadline, and the choice of what runs inline and what on a pool
 (server/engine/offload.py). The model's jobs take it, each in a module of its own:
 embedding, tokenizing and decoding (embed.py), chunked embedding (chunked.py), pairs
-scored by a reranker or from an embedder's vectors (pairs.py), and raw tensors run as
+scored by a reranker or from an embedder's vectors (pairs.py), sparse vectors (sparse.py),
+a multi-vector head's vectors (multi_vector.py), labels (classify.py), and raw tensors run as
 sent (tensors.py). An embedder and a reranker each refuse the other's jobs, naming what
 they are.
 

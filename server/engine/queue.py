@@ -153,6 +153,8 @@ class Job:
     segments: np.ndarray | None = None
     """per sequence, where its second segment starts (`submit`)"""
     priority: Priority = DEFAULT
+    attended: np.ndarray | None = None
+    """per sequence, the tokens the encoder attends to (`submit`)"""
 
     def batch_ran(self, start: float, end: float, size: int, rows: int, seq: int) -> None:
         """One of its batches ran, from `start` to `end`: `size` sequences padded to
@@ -197,6 +199,12 @@ class Waiting:
         """where its second segment starts (a reranker's pair: the text's side), if any"""
         segments = self.job.segments
         return None if segments is None else int(segments[self.index])
+
+    @property
+    def attended(self) -> int:
+        """its first tokens the encoder attends to (Submission.attended)"""
+        attended = self.job.attended
+        return self.length if attended is None else int(attended[self.index])
 
 
 class Lane:
@@ -279,7 +287,8 @@ class RequestQueue:
         job = Job(sequences, submission.layers, deadline,
                   asyncio.get_running_loop().create_future(), alone=submission.alone,
                   outputs=submission.outputs, spans=submission.spans,
-                  segments=submission.segments, times=timings.current(), priority=priority)
+                  segments=submission.segments, times=timings.current(), priority=priority,
+                  attended=submission.attended)
         job.results = [None] * len(sequences)
         job.waiting = job.unanswered = len(sequences)
         self.jobs[job] = None

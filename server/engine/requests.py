@@ -375,6 +375,10 @@ class Submission:
     (a reranker's pairs: the text's side)"""
     priority: Priority = field(default_factory=of_call)
     """its call's class: the one its door set for the call (server/priority.py)"""
+    attended: np.ndarray | None = None
+    """per sequence, how many of its first tokens the encoder attends to; the tokens past
+    them run and return outputs but are masked as padding is (a ColBERT query's
+    expansion tokens); None: every token"""
 
     def __post_init__(self) -> None:
         if self.lengths is None:

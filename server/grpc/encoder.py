@@ -149,9 +149,10 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
                               else f"unknown value {request.dtype}")
     if request.embedding_type not in EMBEDDING_TYPES:
         raise InvalidArgument("embedding_type", f"unknown value {request.embedding_type}")
-    # A model without dense vectors (SPLADE) has no pooling of its own: the data plane
-    # refuses it naming the model.
-    pooling = request.pooling or POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
+    # A model without dense vectors (SPLADE, ColBERT) pools nothing unless asked: the data
+    # plane refuses a pooling, or a request for none of its heads, naming the model.
+    pooling = request.pooling or (POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
+                                  if manifest.dense else pb.POOLING_NONE)
     if pooling == pb.POOLING_LAST_TOKEN and pooled_output("lasttoken", False) not in manifest.pooled_outputs:
         raise InvalidArgument("pooling", f"POOLING_LAST_TOKEN: model {model!r} was exported without "
                               f"last-token vectors (manifest format_version "

@@ -147,8 +147,7 @@ def embedding(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.Em
     if plan.attention is not None:
         out.attentions.CopyFrom(tensor(attention_maps(result, plan), plan.dtype))
     if plan.multi_vector is not None:
-        out.multi_vector.CopyFrom(tensor(result.pooled[MULTI_VECTOR_OUTPUT][plan.multi_vector[1]:],
-                                         plan.dtype))
+        out.multi_vector.CopyFrom(tensor(result.pooled[MULTI_VECTOR_OUTPUT], plan.dtype))
     if plan.sparse is not None:
         out.sparse.CopyFrom(sparse_vector(result, ids, plan))
     return out

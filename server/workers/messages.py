@@ -2,8 +2,9 @@
 arrays (server/workers/channel.py).
 
 front end -> engine: ["submit", job, model, layers, deadline, outputs, alone, has spans, has
-segments, priority class] with the sequences' ids laid end to end, their lengths, (late chunking) their
-token spans and (a reranker's pairs) where each one's second segment starts;
+segments, priority class, has attended] with the sequences' ids laid end to end, their
+lengths, (late chunking) their token spans, (a reranker's pairs) where each one's second
+segment starts and (ColBERT queries) how many of each one's tokens are attended to;
 ["cancel", job]; ["bye"] (a drained front end leaving).
 engine -> front end: ["welcome", EngineFacts's fields] (the models in the order the front
 ends hold them: --artifact's); ["results", job, hidden, layers, pooled names, has span
@@ -54,9 +55,12 @@ def submit(job: int, model: int, submission: Submission):
         entries += [spans, [np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))]]
     if segments is not None:
         entries.append([segments])
+    attended = submission.attended
+    if attended is not None:
+        entries.append([attended])
     header = ["submit", job, model, list(submission.layers), submission.deadline,
               sorted(submission.outputs), submission.alone, spans is not None,
-              segments is not None, submission.priority.value]
+              segments is not None, submission.priority.value, attended is not None]
     return header, entries
 
 
@@ -69,13 +73,15 @@ def _split(flat: np.ndarray, counts: np.ndarray, width: int) -> list[np.ndarray]
 
 def submitted(header, arrays: list[np.ndarray]) -> Submission:
     """The submission, its sequences views of the message."""
-    _, _, _, layers, deadline, outputs, alone, has_spans, has_segments, priority = header
+    _, _, _, layers, deadline, outputs, alone, has_spans, has_segments, priority, has_attended = header
     lengths = arrays[1].astype(np.int64)
     sequences = [s.reshape(-1) for s in _split(arrays[0], lengths, 1)]
+    rest = list(arrays[4 if has_spans else 2:])
+    segments = rest.pop(0).astype(np.int64) if has_segments else None
+    attended = rest.pop(0).astype(np.int64) if has_attended else None
     return Submission(sequences, lengths, tuple(layers), deadline, frozenset(outputs), alone,
-                      _split(arrays[2], arrays[3], 2) if has_spans else None,
-                      arrays[-1].astype(np.int64) if has_segments else None,
-                      Priority(priority))
+                      _split(arrays[2], arrays[3], 2) if has_spans else None, segments,
+                      Priority(priority), attended)
 
 
 def results(job: int, results: list[SequenceResult], layers: tuple[int, ...], times: CallTimes):

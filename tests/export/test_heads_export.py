@@ -16,10 +16,8 @@ checkpoints made here, against each model's own library:
   and scores (sigmoid of the graph's logits) equal to transformers' text-classification
   pipeline (served: tests/server/test_classify.py; SPLADE: tests/server/test_sparse.py).
 
-A ColBERT artifact (its own query and document tokenization) is refused by the server's
-loader in one line naming what it cannot serve (bge-m3's is served:
-tests/server/test_bge_m3.py), and checkpoints that are half one thing are refused by export
-naming the file."""
+Checkpoints that are half one thing are refused by export naming the file. (Served:
+tests/server/test_bge_m3.py, test_multi_vector.py, test_sparse.py, test_classify.py.)"""
 
 from dataclasses import replace
 
@@ -38,15 +36,10 @@ from attnserve.artifact import (
     SPARSE_OUTPUT,
     TOKEN_WEIGHTS_OUTPUT,
     TOKENIZER,
-    ArtifactError,
-    load_artifact,
     read_manifest,
 )
 from attnserve.model import CheckpointError
 from tests.conftest import SPLADES
-from tests.families import (
-    make_multi_vector,
-)
 
 ATOL = 1e-4
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "ok",
@@ -222,10 +215,8 @@ DOCUMENTS = ["The fox sleeps under the tree, (mostly) at noon!", "Hello, world."
 
 
 @pytest.fixture(scope="module", params=["pylate", "native"])
-def multi_vector(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"colbert-{request.param}")
-    checkpoint = make_multi_vector(root / "checkpoint", request.param)
-    return checkpoint, root / "artifact", _export(root / "artifact", checkpoint)
+def multi_vector(request, multi_vector_artifact):
+    return multi_vector_artifact(request.param)
 
 
 def _vectors(artifact, side, texts) -> list[np.ndarray]:
@@ -275,14 +266,6 @@ def test_multi_vector_matches_the_multi_vector_encoder(multi_vector):
     scores = [[float((q @ d.T).max(axis=1).sum()) for d in documents] for q in queries]
     np.testing.assert_allclose(scores, reference.similarity(want_queries, want_documents).numpy(),
                                atol=ATOL)
-
-
-def test_the_server_refuses_a_multi_vector_artifact_in_one_line(multi_vector):
-    with pytest.raises(ArtifactError, match=r"heads \['multi_vector'\] with query and document "
-                                            r"tokenization \(markers, expansion, a skiplist\): "
-                                            "this server serves a multi-vector head that "
-                                            "tokenizes every text alike"):
-        load_artifact(multi_vector[1])
 
 
 def test_a_sequence_classifier_is_a_reranker_or_a_classifier_by_its_labels():

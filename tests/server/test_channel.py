@@ -94,9 +94,11 @@ def test_every_message_reads_back_as_it_was_written(layers, pooled, spans, segme
     sequences = [rng.integers(0, 30000, n).astype(np.int64) for n in lengths]
     token_spans = None if spans is None else [np.array([[0, 1], [1, n]]) for n in lengths]
     segments = np.array([2, 1, 3], dtype=np.int64) if segmented else None
+    # A ColBERT query's expansion tokens run unattended: with and without, beside the rest.
+    attended = np.array([2, 1, 5], dtype=np.int64) if segmented else None
     header, entries = messages.submit(7, 2, Submission(
         sequences, lengths, (1,), 12.5, frozenset({"last_hidden_state"}), 3.0, token_spans,
-        segments, Priority.BULK))
+        segments, Priority.BULK, attended))
     (got_header, arrays), = asyncio.run(exchange([(header, entries)]))[0]
     assert got_header[:7] == ["submit", 7, 2, [1], 12.5, ["last_hidden_state"], 3.0]
     back = messages.submitted(got_header, arrays)
@@ -105,6 +107,8 @@ def test_every_message_reads_back_as_it_was_written(layers, pooled, spans, segme
         (1,), 12.5, frozenset({"last_hidden_state"}), 3.0, Priority.BULK)
     assert (None if back.segments is None else back.segments.tolist()) == (
         None if segments is None else segments.tolist())
+    assert (None if back.attended is None else back.attended.tolist()) == (
+        None if attended is None else attended.tolist())
     assert [s.tolist() for s in back.sequences] == [s.tolist() for s in sequences]
     assert (back.spans is None) == (token_spans is None)
     if token_spans is not None:
