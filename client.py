@@ -70,6 +70,15 @@ class EmbeddingResult:
     num_tokens: int = 0
     chunks: list[Chunk] = field(default_factory=list)
     """with chunking, in text order"""
+    multi_vector: np.ndarray | None = None
+    """with multi_vector: [vectors, dim]"""
+    sparse: SparseEmbedding | None = None
+    """with sparse"""
+
+
+def _sparse(vector: pb.SparseVector) -> SparseEmbedding:
+    return SparseEmbedding(np.asarray(vector.indices, dtype=np.uint32),
+                           np.asarray(vector.values, dtype=np.float32))
 
 
 class EncoderClient:
@@ -101,6 +110,7 @@ class EncoderClient:
               chunk_tokens: int | None = None, isolated: bool = False, window_overlap: int = 0,
               model: str = "", embedding_type: str = "float", prompt_name: str = "",
               dimensions: int = 0, truncation_direction: str = "right", priority: str = "",
+              multi_vector: bool = False, sparse: bool = False,
               timeout: float | None = None) -> list[EmbeddingResult]:
         """`model`: one of `list_models()`, "" for the server's default.
         `priority`: the call's class, "interactive" or "bulk" ("" for the default,
@@ -113,7 +123,10 @@ class EncoderClient:
         `chunk_tokens`: one vector per chunk of at most that many tokens (`chunks`), late
         chunking unless `isolated`, windows overlapping by `window_overlap` tokens (0: the
         server's default). `embedding_type`: float, int8, uint8, binary or ubinary, what
-        `pooled` (and each chunk's) comes as."""
+        `pooled` (and each chunk's) comes as. `multi_vector`: each text's multi-vector
+        (ColBERT) vectors, of a model with that head (a ColBERT model's: `prompt_name`
+        "query" or "document"); `sparse`: its sparse vector, of a model with a sparse head;
+        both from the same pass as `pooled`."""
         request = pb.EmbedRequest(
             texts=texts or [], token_ids=[pb.TokenIds(ids=ids) for ids in token_ids or []],
             truncate=truncate, pooling=POOLING[pooling], normalize=normalize,
@@ -122,7 +135,7 @@ class EncoderClient:
             embedding_type=EMBEDDING_TYPES[embedding_type],
             prompt_name=prompt_name, dimensions=dimensions,
             truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
-            priority=priority,
+            priority=priority, return_multi_vector=multi_vector, return_sparse=sparse,
         )
         if attention_layers is not None:
             request.attention.CopyFrom(pb.AttentionOptions(
@@ -135,7 +148,8 @@ class EncoderClient:
         return [EmbeddingResult(to_numpy(e.pooled), to_numpy(e.token_embeddings),
                                 to_numpy(e.attentions), list(e.token_ids), e.num_tokens,
                                 [Chunk(c.start, c.end, c.num_tokens, to_numpy(c.pooled))
-                                 for c in e.chunks])
+                                 for c in e.chunks], to_numpy(e.multi_vector),
+                                _sparse(e.sparse) if sparse else None)
                 for e in response.embeddings]
 
     def rerank(self, query: str, texts: list[str], *, top_n: int | None = None,
@@ -193,9 +207,7 @@ class EncoderClient:
             model=model, texts=texts, truncate=truncate,
             truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
             prompt_name=prompt_name, top_k=top_k, priority=priority), timeout=timeout)
-        return [SparseEmbedding(np.asarray(v.indices, dtype=np.uint32),
-                                np.asarray(v.values, dtype=np.float32))
-                for v in response.vectors]
+        return [_sparse(v) for v in response.vectors]
 
     def tokenize(self, texts: list[str], truncate: bool = False, model: str = "",
                  prompt_name: str = "", truncation_direction: str = "right") -> list[pb.Tokenization]:

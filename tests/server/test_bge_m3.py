@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from tests.harness import delta
 from tests.server.reliability import serve
@@ -116,6 +117,16 @@ def test_the_lexical_weights_on_every_sparse_door(server, encoder, flag_embeddin
     for item, (_, _, lexical, _) in zip(answer["data"], flag_embedding, strict=True):
         sparse = item["embeddings"]["sparse"]
         assert_lexical(sparse["indices"], sparse["values"], lexical)
+
+
+def test_the_client_gets_the_three_heads(server, flag_embedding):
+    with EncoderClient(server.address) as client:
+        (got,) = client.embed(TEXTS[:1], normalize=True, multi_vector=True, sparse=True)
+    ids, dense, lexical, vectors = flag_embedding[0]
+    np.testing.assert_allclose(got.pooled, dense, atol=ATOL)
+    np.testing.assert_allclose(got.multi_vector, vectors, atol=ATOL)
+    assert got.sparse.indices.dtype == np.uint32
+    assert_lexical(got.sparse.indices, got.sparse.values, lexical)
 
 
 def test_the_dense_vector_on_the_http_doors(server, flag_embedding):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from tests.export.test_heads_export import DOCUMENTS, QUERIES
 from tests.server.reliability import serve
@@ -63,6 +64,14 @@ def test_embed_gives_each_sides_vectors_as_the_library(encoder, references, layo
         for got, expected in zip(response.embeddings, want, strict=True):
             assert vectors(got).shape == expected.shape, (side, layout)
             np.testing.assert_allclose(vectors(got), expected, atol=ATOL)
+
+
+def test_the_client_gets_the_vectors_as_numpy(server, references):
+    with EncoderClient(server.address) as client:
+        (got,) = client.embed(QUERIES[:1], model="native", prompt_name="query",
+                              multi_vector=True)
+    assert got.pooled is None and got.sparse is None
+    np.testing.assert_allclose(got.multi_vector, references["native"][0][0], atol=ATOL)
 
 
 @pytest.mark.workers
