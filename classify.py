@@ -4,13 +4,12 @@ running server's classifier."""
 import argparse
 import sys
 
+from attnserve.cli import texts_given
 from attnserve.client import EncoderClient
 
 
 def run_classify(args: argparse.Namespace) -> int:
-    texts = list(args.texts)
-    if args.file:
-        texts += [line.rstrip("\n") for line in args.file.read_text().splitlines() if line.strip()]
+    texts = texts_given(args.texts, args.file)
     if not texts:
         print("attnserve classify: give texts as arguments, or --file", file=sys.stderr)
         return 2

@@ -41,6 +41,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def texts_given(texts: list[str], file: Path | None) -> list[str]:
+    """A calling command's texts: its arguments, then each non-blank line of `file`."""
+    read = [line.rstrip("\n") for line in file.read_text().splitlines() if line.strip()] if file else []
+    return list(texts) + read
+
+
 def _refused(command: str, err: Exception) -> int:
     print(f"attnserve {command}: {err}", file=sys.stderr)
     return 2

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnserve.cli import texts_given
 from attnserve.client import EmbeddingResult, EncoderClient
 
 
@@ -191,10 +192,7 @@ def _sparse_out(args: argparse.Namespace, client: EncoderClient, texts: list[str
 
 
 def run_embed(args: argparse.Namespace) -> int:
-    texts = list(args.texts)
-    if args.file:
-        texts += [line.rstrip("\n") for line in args.file.read_text().splitlines() if line.strip()]
-    texts += [path.read_text() for path in args.document]
+    texts = texts_given(args.texts, args.file) + [path.read_text() for path in args.document]
     if not texts:
         print("attnserve embed: give texts as arguments, --file or --document", file=sys.stderr)
         return 2

@@ -3,13 +3,12 @@
 import argparse
 import sys
 
+from attnserve.cli import texts_given
 from attnserve.client import EncoderClient
 
 
 def run_rerank(args: argparse.Namespace) -> int:
-    texts = list(args.texts)
-    if args.file:
-        texts += [line.rstrip("\n") for line in args.file.read_text().splitlines() if line.strip()]
+    texts = texts_given(args.texts, args.file)
     if not texts:
         print("attnserve rerank: give texts after the query, or --file", file=sys.stderr)
         return 2

@@ -37,6 +37,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 FAMILIES = ("roberta", "xlm-roberta", "modernbert")
 # The families with a sentence-transformers checkpoint of their own (SENTENCE_MODULES).
 SENTENCE_FAMILIES = ("mpnet", "distilbert", "qwen3", "gemma3_text")
@@ -331,6 +333,55 @@ def make_bge_m3(directory: Path, colbert_dim: int = 24) -> Path:
     torch.save(torch.nn.Linear(hidden, 1).state_dict(), checkpoint / "sparse_linear.pt")
     torch.save(torch.nn.Linear(hidden, colbert_dim).state_dict(), checkpoint / "colbert_linear.pt")
     return checkpoint
+
+
+@dataclass(frozen=True)
+class BgeM3Output:
+    """One text's outputs as FlagEmbedding's BGEM3 computes them."""
+
+    ids: list[int]
+    dense: np.ndarray
+    """the [CLS] state, normalised"""
+    lexical: dict[int, float]
+    """ReLU(sparse_linear(h)) a token: a token id's largest positive weight, specials left out"""
+    colbert: np.ndarray
+    """colbert_linear(h) of every token after [CLS], normalised"""
+    dropped: frozenset[int]
+    """the ids left out of `lexical`: the tokenizer's cls, eos, pad and unk tokens"""
+
+
+def bge_m3_outputs(checkpoint: Path, texts: list[str]) -> list[BgeM3Output]:
+    """Each text's bge-m3 outputs, computed from the checkpoint's own tensors on
+    transformers' hidden states, as FlagEmbedding computes them."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model = AutoModel.from_pretrained(str(checkpoint)).eval()
+    sparse = torch.load(checkpoint / "sparse_linear.pt", weights_only=True)
+    colbert = torch.load(checkpoint / "colbert_linear.pt", weights_only=True)
+    dropped = frozenset({tokenizer.cls_token_id, tokenizer.eos_token_id,
+                         tokenizer.pad_token_id, tokenizer.unk_token_id})
+    found = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        with torch.no_grad():
+            h = model(torch.tensor([ids])).last_hidden_state[0]
+        weights = torch.relu(h @ sparse["weight"].T + sparse["bias"]).squeeze(-1).tolist()
+        found.append(BgeM3Output(
+            ids, F.normalize(h[0], dim=-1).numpy(), lexical_weights(ids, weights, dropped),
+            F.normalize(h[1:] @ colbert["weight"].T + colbert["bias"], dim=-1).numpy(), dropped))
+    return found
+
+
+def lexical_weights(ids, weights, dropped) -> dict[int, float]:
+    """FlagEmbedding's lexical weights: per token id its largest positive weight."""
+    found: dict[int, float] = {}
+    for token, weight in zip(ids, weights, strict=True):
+        if token not in dropped and weight > 0:
+            found[token] = max(found.get(token, 0.0), float(weight))
+    return found
 
 
 RERANKER_FAMILIES = ("bert", *FAMILIES)

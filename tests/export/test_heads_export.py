@@ -24,7 +24,6 @@ from dataclasses import replace
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 from attnserve.artifact import (
     CLASSIFIER,
@@ -40,6 +39,7 @@ from attnserve.artifact import (
 )
 from attnserve.model import CheckpointError
 from tests.conftest import SPLADES
+from tests.families import bge_m3_outputs, lexical_weights
 
 ATOL = 1e-4
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "ok",
@@ -122,47 +122,28 @@ def test_export_refuses_a_splade_model_with_other_modules(tmp_path):
         read_splade(checkpoint)
 
 
-def _lexical(ids, weights, dropped) -> dict[int, float]:
-    """FlagEmbedding's lexical weights: per token id its largest positive weight."""
-    found: dict[int, float] = {}
-    for token, weight in zip(ids, weights, strict=True):
-        if token not in dropped and weight > 0:
-            found[token] = max(found.get(token, 0.0), float(weight))
-    return found
-
-
 def test_bge_m3_heads_come_from_one_graph_as_flagembedding_computes_them(bge_m3):
-    import torch.nn.functional as F
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoTokenizer
 
     checkpoint, artifact, manifest = bge_m3
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    model = AutoModel.from_pretrained(str(checkpoint)).eval()
-    sparse = torch.load(checkpoint / "sparse_linear.pt", weights_only=True)
-    colbert = torch.load(checkpoint / "colbert_linear.pt", weights_only=True)
-    dropped = {tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
-               tokenizer.unk_token_id}
+    references = bge_m3_outputs(checkpoint, TEXTS)
     assert manifest.heads == ["dense", "lexical", "multi_vector"]
     assert (manifest.default_pooling, manifest.normalize) == ("cls", True)
-    assert set(manifest.lexical.dropped_token_ids) == dropped
+    assert set(manifest.lexical.dropped_token_ids) == references[0].dropped
     assert (manifest.multi_vector.dim, manifest.multi_vector.skip_leading,
             manifest.multi_vector.similarity) == (M3_COLBERT_DIM, 1, "meanmaxsim")
     dense, weights, vectors, mask = _run(artifact, ["pooled_cls_normalized", TOKEN_WEIGHTS_OUTPUT,
                                                     MULTI_VECTOR_OUTPUT], tokenizer)
-    for i, text in enumerate(TEXTS):
-        ids = tokenizer(text)["input_ids"]
-        n = len(ids)
-        with torch.no_grad():
-            h = model(torch.tensor([ids])).last_hidden_state[0]
-        np.testing.assert_allclose(dense[i], F.normalize(h[0], dim=-1).numpy(), atol=ATOL)
-        want = _lexical(ids, torch.relu(h @ sparse["weight"].T + sparse["bias"]).squeeze(-1).tolist(),
-                        dropped)
-        got = _lexical(ids, weights[i, :n], set(manifest.lexical.dropped_token_ids))
-        assert got.keys() == want.keys()
-        np.testing.assert_allclose([got[t] for t in want], list(want.values()), atol=ATOL)
+    for i, want in enumerate(references):
+        n = len(want.ids)
+        np.testing.assert_allclose(dense[i], want.dense, atol=ATOL)
+        got = lexical_weights(want.ids, weights[i, :n], set(manifest.lexical.dropped_token_ids))
+        assert got.keys() == want.lexical.keys()
+        np.testing.assert_allclose([got[t] for t in want.lexical], list(want.lexical.values()),
+                                   atol=ATOL)
         skip = manifest.multi_vector.skip_leading
-        np.testing.assert_allclose(vectors[i, skip:n], F.normalize(
-            h[1:] @ colbert["weight"].T + colbert["bias"], dim=-1).numpy(), atol=ATOL)
+        np.testing.assert_allclose(vectors[i, skip:n], want.colbert, atol=ATOL)
         assert mask[i].sum() == n
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from attnserve.client import EncoderClient
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
+from tests.families import bge_m3_outputs
 from tests.harness import delta
 from tests.server.reliability import serve
 from tests.server.test_http import post_json
@@ -41,32 +42,8 @@ def server(bge_m3, tiny_artifact):
 
 @pytest.fixture(scope="module")
 def flag_embedding(bge_m3):
-    """Each text's (ids, dense vector, lexical weights {id: weight}, multi-vector vectors),
-    as FlagEmbedding's BGEM3 computes them from the checkpoint's tensors."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import AutoModel, AutoTokenizer
-
-    checkpoint = bge_m3[0]
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    model = AutoModel.from_pretrained(str(checkpoint)).eval()
-    sparse = torch.load(checkpoint / "sparse_linear.pt", weights_only=True)
-    colbert = torch.load(checkpoint / "colbert_linear.pt", weights_only=True)
-    dropped = {tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
-               tokenizer.unk_token_id}
-    found = []
-    for text in TEXTS:
-        ids = tokenizer(text)["input_ids"]
-        with torch.no_grad():
-            h = model(torch.tensor([ids])).last_hidden_state[0]
-        weights = torch.relu(h @ sparse["weight"].T + sparse["bias"]).squeeze(-1).tolist()
-        lexical: dict[int, float] = {}
-        for token, weight in zip(ids, weights, strict=True):
-            if token not in dropped and weight > 0:
-                lexical[token] = max(lexical.get(token, 0.0), weight)
-        vectors = F.normalize(h[1:] @ colbert["weight"].T + colbert["bias"], dim=-1)
-        found.append((ids, F.normalize(h[0], dim=-1).numpy(), lexical, vectors.numpy()))
-    return found
+    """Each text's outputs as FlagEmbedding computes them (tests/families.py)."""
+    return [(o.ids, o.dense, o.lexical, o.colbert) for o in bge_m3_outputs(bge_m3[0], TEXTS)]
 
 
 def assert_lexical(indices, values, want: dict[int, float]) -> None:
