@@ -35,9 +35,9 @@ RUNS_MARKER = ("<!-- python -m bench: runs written by `python -m bench families 
            help=f"the checkpoints' shapes, comma-separated, of {', '.join(checkpoints.SHAPES)}"),
     option("--reps", type=int, default=20, help="calls of each request shape an engine times"),
     option("--docs", type=Path, default=None, metavar="PAGE",
-           help="write this run's table, dated and headed by the machine, into PAGE "
-                "(docs/benchmarks.md) in place of the same machine's earlier run, and its plot "
-                "beside PAGE; a full run only"))
+           help="write this run's table, dated and headed by the machine and the shapes, into "
+                "PAGE (docs/benchmarks.md) in place of the same machine's earlier run of those "
+                "shapes, and its plot beside PAGE; a full run only"))
 def families(args) -> Result:
     """attnserve's gRPC Embed against SentenceTransformer.encode on models of real sizes.
 
@@ -88,7 +88,7 @@ def families(args) -> Result:
                         r |= {"cosine_vs_st": cosine, "cosine_vs_fp32": versus_fp32}
         st_lengths[shape] = reference["max_seq_length"]
     data = {"server_args": args.server_arg, "reps": reps, "rows": rows,
-            "st_max_seq_length": st_lengths}
+            "st_max_seq_length": st_lengths, "shapes": args.shapes}
     text = markdown(rows)
     if args.docs:
         data["environment"] = environment(len(os.sched_getaffinity(0)))
@@ -208,10 +208,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write_docs(page: Path, data: dict, tables: str) -> None:
-    """The run's section of `page` (docs/benchmarks.md), and its plot beside the page."""
+    """The run's section of `page` (docs/benchmarks.md), and its plot beside the page: one
+    section a machine and set of shapes (a shape run alone keeps the other's section)."""
     import importlib.util
 
-    key = f"families, {machine(data['environment'])}"
+    key = f"families {data['shapes']}, {machine(data['environment'])}"
     plot_file = None
     if importlib.util.find_spec("matplotlib"):
         plot_file = f"bench-{slug(key)}.png"

@@ -531,11 +531,22 @@ def answered(log: str) -> dict[str, int]:
 
 
 def gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie nobody has reaped yet."""
+    """Exited: no such process, or a zombie nobody has reaped yet, every thread of it. The
+    main thread of a killed process turns zombie while its other threads still exit, and
+    the last of them is the one that closes its sockets: a listener outlives a zombie main
+    thread by that moment."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return True
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # that thread has exited meanwhile
+            continue
+        if state != "Z":
+            return False
+    return True
 
 
 @pytest.mark.parametrize("load", [False, True], ids=["idle", "under load"])
