@@ -258,8 +258,9 @@ _HELP = {
     "drain_seconds": "on SIGTERM, how long accepted work may take to finish",
     "max_message_bytes": "largest gRPC message received or sent, and largest HTTP response",
     "max_connection_age_seconds": "close client connections after this long (they reconnect at "
-                                  "once), so clients balancing over a headless Service find new "
-                                  "replicas; 0 keeps connections forever",
+                                  "once; calls in flight on them finish), so clients balancing "
+                                  "over a headless Service find new replicas; 0 keeps "
+                                  "connections forever",
     "intra_op_threads": "onnxruntime intra-op threads; 0: one per core this process may use "
                         "on the CPU, 1 on CUDA",
     "shape_buckets": "pad every batch to a bounded set of shapes (rows to a power of two up "

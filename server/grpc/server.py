@@ -66,9 +66,11 @@ class GrpcServer:
                    # shares its ports only with its own front ends.
                    ("grpc.so_reuseport", 1 if shared_port else 0)]
         if config.max_connection_age_seconds:
-            # A connection past its age gets GOAWAY; calls on it may still finish.
-            options += [("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
-                        ("grpc.max_connection_age_grace_ms", int(config.drain_seconds * 1000))]
+            # A connection past its age gets GOAWAY and takes no new calls. No grace
+            # limit: a call in flight runs to its end (a 0.6B model's large batch takes
+            # minutes on a small CPU), so a stream the client holds open keeps its
+            # connection until the client closes it.
+            options += [("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000))]
         decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries, self.keys,
                                 self.tracing)
         self.server = grpc.aio.server(interceptors=[decode], options=options)
