@@ -2,7 +2,8 @@
 into the server, and reading a batch's exact peak through it.
 
 `attnserve serve` on the CPU starts itself again with the library in LD_PRELOAD (a
-library that replaces malloc must be there before the process starts). Without a C
+library that replaces malloc must be there before the process starts), and with glibc's
+malloc tunables (server/host.py TUNABLES), read only at a start too. Without a C
 compiler, or where the preload fails, the server runs on glibc's sampled count instead
 (server/memory/probe.py) and says so in its log."""
 
@@ -11,6 +12,8 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from attnserve.server.host import with_malloc_tunables
 
 log = logging.getLogger("attnserve.memory")
 
@@ -51,7 +54,7 @@ def start_with_hook() -> None:
     if refused:
         log.warning("event=alloc_hook_not_loaded library=%s reason=%r", LIBRARY, refused)
         return
-    env = dict(os.environ, **{_TRIED: "1", "LD_PRELOAD": str(LIBRARY)})
+    env = dict(with_malloc_tunables(os.environ), **{_TRIED: "1", "LD_PRELOAD": str(LIBRARY)})
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -49,7 +49,7 @@ from attnserve.artifact import (
     sequence_outputs,
 )
 from attnserve.server.config import ConfigError
-from attnserve.server.host import gpu_present, keep_freed_memory, trim_heap
+from attnserve.server.host import gpu_present, set_malloc_for_inference, trim_heap
 from attnserve.server.runtime.backend import (
     DEFAULT_STRATEGY,
     HIDDEN_ONLY,
@@ -143,9 +143,9 @@ def session_options(threads: int, provider: str, precision: str = "fp32",
             options.add_session_config_entry(key, value)
     # The CPU arena is off: the per-batch memory figure (see server/memory/probe.py) and
     # the memory model count onnxruntime's own allocations, which an arena hides after
-    # its first growth, and what a long batch took goes back to the OS once idle. The
-    # speed the arena gave comes from glibc keeping freed pages instead
-    # (keep_freed_memory, set when a CPU backend is built).
+    # its first growth, and what a long batch took goes back to the OS once idle. glibc
+    # is set up to keep that fast instead (set_malloc_for_inference, called when a CPU
+    # backend is built).
     options.enable_cpu_mem_arena = False
     # Memory patterns are planned per input shape and, with shapes that change from batch
     # to batch, made a small batch after a large one allocate a block sized for the large
@@ -361,7 +361,7 @@ class OrtBackend:
         self.beside = not s.cuda_graphs
         device = "cuda" if provider == CUDA else "cpu"
         if provider == CPU:
-            keep_freed_memory()
+            set_malloc_for_inference()
         else:
             preload_cuda_libraries()
         self.lanes = []
@@ -453,8 +453,8 @@ class OrtBackend:
         """Hand memory a long batch left behind back to the OS (glibc malloc_trim). The
         batch loop calls it once the server is idle, not after every batch: batch after
         batch, each would fault its memory in again. The CPU sessions run without an arena
-        (see session_options and keep_freed_memory); CUDA sessions keep theirs (their IO-bound buffers and
-        captured graphs point into them)."""
+        (see session_options and set_malloc_for_inference); CUDA sessions keep theirs
+        (their IO-bound buffers and captured graphs point into them)."""
         trim_heap()
 
     def padded_shape(self, batch: int, longest: int) -> Shape:

@@ -8,7 +8,7 @@ every request must be answered in the end.
 
 The overhead, and why it is fixed: the budget covers the batches (their predicted peaks)
 and what calls hold outside them until their answers are sent; beyond it the process has
-the heap's slack (freed blocks glibc keeps: those under its 32 MiB mmap threshold, until
+the heap's slack (freed blocks glibc keeps: those under its 4 MiB mmap threshold, until
 the server trims the heap after a batch that took a quarter of the budget) and the
 memory model's error (within 15 %). Neither grows with the number of callers:
 HEAP_SLACK + 15 % of the budget. Measured: the process rose 226 MiB over its 300 MiB
