@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,6 +59,8 @@ class ServerProcess:
                  log_path: Path | None = None, start_timeout_s: float = START_TIMEOUT_S,
                  start_new_session: bool = False, command: list[str] = ATTNSERVE):
         self.workdir = Path(tempfile.mkdtemp(prefix="attnserve-"))
+        # Its log is read after stop(), so the folder goes with the object, not the server.
+        weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
         self.log_path = log_path or self.workdir / "serve.log"
         self.ready_path = self.workdir / "ready.json"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
