@@ -153,7 +153,6 @@ class EmbeddingRanges:
     (sentence-transformers' `quantize_embeddings(ranges=...)`; format_version 4)."""
 
     texts: int
-    """how many calibration texts were run"""
     ranges: dict[str, list[list[float]]]
     """pooled output name (Manifest.pooled_outputs) -> [[min of each dimension], [max of
     each]], float32 values"""
@@ -333,11 +332,9 @@ class Manifest:
     @property
     def heads(self) -> list[str]:
         """An embedder's heads: dense (pooled vectors), sparse, lexical, multi_vector."""
-        if self.kind != EMBEDDER:
-            return []
         named = {"dense": self.dense, "sparse": self.sparse, "lexical": self.lexical,
                  "multi_vector": self.multi_vector}
-        return [name for name, present in named.items() if present]
+        return [name for name, present in named.items() if present and self.kind == EMBEDDER]
 
     @property
     def head_outputs(self) -> tuple[str, ...]:
@@ -367,16 +364,14 @@ class Manifest:
 
     @property
     def files_listed(self) -> list[str]:
-        """Every file of the artifact the manifest hashes: the graphs and their data, the
-        tokenizer, the Dense layers' graph."""
+        """Every file of the artifact the manifest hashes."""
         names = [name for graph in self.graphs for name in graph.files] + [TOKENIZER]
         return names + ([self.dense_graph] if self.dense_graph else [])
 
     def graph(self, *, attention: bool, precision: str) -> Graph | None:
         """The graph to serve with: an optimised one when export kept it."""
         candidates = [g for g in self.graphs if g.attention == attention and g.precision == precision]
-        candidates.sort(key=lambda g: not g.optimized)
-        return candidates[0] if candidates else None
+        return min(candidates, key=lambda g: not g.optimized, default=None)
 
 
 def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
@@ -403,9 +398,7 @@ def sequence_outputs(manifest: Manifest) -> tuple[str, ...]:
 
 def outdated(directory: Path | str) -> str | None:
     """Why `directory` does not hold what this exporter writes, in one phrase, or None
-    when it does: no artifact, one that does not load (damaged, or in a format this
-    version cannot read), one in an older format, or one whose graphs lack outputs the
-    server asks for. `attnserve export --unless-current` exports again for any of them."""
+    when it does (`attnserve export --unless-current`; docs/architecture.md)."""
     directory = Path(directory)
     if not (directory / MANIFEST).is_file():
         return f"{directory}: no artifact yet"
@@ -417,8 +410,7 @@ def outdated(directory: Path | str) -> str | None:
         return (f"{directory / MANIFEST}: format_version {manifest.format_version}, from an "
                 f"older exporter (this one writes {FORMAT_VERSION})")
     for graph in manifest.graphs:
-        missing = [name for name in required_outputs(manifest, graph)
-                   if name not in graph.outputs]
+        missing = [name for name in required_outputs(manifest, graph) if name not in graph.outputs]
         if missing:
             return (f"{directory / graph.file}: lacks the outputs {missing} the server asks "
                     "for (an older exporter)")
@@ -441,11 +433,8 @@ def _check_extras(path: Path, m: Manifest) -> None:
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> Path:
@@ -475,7 +464,6 @@ def read_manifest(directory: Path | str) -> Manifest:
 
 
 def _heads(data: dict) -> dict:
-    """A manifest's heads, each read into its dataclass."""
     heads = {}
     if data.get("sparse") is not None:
         heads["sparse"] = SparseHead(**data.pop("sparse"))
@@ -491,16 +479,13 @@ def _heads(data: dict) -> dict:
 
 def _read_manifest(manifest_path: Path) -> tuple[Manifest, bytes]:
     if not manifest_path.is_file():
-        raise ArtifactError(f"{manifest_path}: missing (is {manifest_path.parent} an attnserve "
-                            "export?)")
+        raise ArtifactError(f"{manifest_path}: missing (is {manifest_path.parent} an attnserve export?)")
     raw = manifest_path.read_bytes()
     try:
         data = json.loads(raw)
         if data.get("format_version") not in READABLE_FORMAT_VERSIONS:
-            raise ArtifactError(
-                f"{manifest_path}: format_version {data.get('format_version')!r}, "
-                f"this server reads {' and '.join(map(str, READABLE_FORMAT_VERSIONS))}"
-            )
+            raise ArtifactError(f"{manifest_path}: format_version {data.get('format_version')!r}, "
+                                f"this server reads {' and '.join(map(str, READABLE_FORMAT_VERSIONS))}")
         graphs = [Graph(**g | {"parity": _parity(g.get("parity"))}) for g in data.pop("graphs")]
         ranges = data.pop("embedding_ranges", None)
         manifest = Manifest(graphs=graphs, embedding_ranges=None if ranges is None
@@ -514,8 +499,7 @@ def _read_manifest(manifest_path: Path) -> tuple[Manifest, bytes]:
         raise ArtifactError(f"{manifest_path}: not a valid manifest ({err})") from err
     if manifest.kind not in KINDS:
         raise ArtifactError(f"{manifest_path}: kind {manifest.kind!r}, expected one of {list(KINDS)}")
-    allowed = [list(INPUT_NAMES)] + ([[*INPUT_NAMES, TOKEN_TYPES]] if manifest.kind in SCORERS
-                                     else [])
+    allowed = [list(INPUT_NAMES)] + ([[*INPUT_NAMES, TOKEN_TYPES]] if manifest.kind in SCORERS else [])
     if list(manifest.inputs) not in allowed:
         raise ArtifactError(f"{manifest_path}: inputs {manifest.inputs}, expected "
                             f"{' or '.join(map(str, allowed))}")
@@ -542,10 +526,8 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
             raise ArtifactError(f"{path}: missing (listed in {MANIFEST})")
         actual = sha256_file(path)
         if actual != expected:
-            raise ArtifactError(
-                f"{path}: sha256 {actual[:12]}… does not match the manifest's {expected[:12]}… "
-                "(corrupted or tampered; export again)"
-            )
+            raise ArtifactError(f"{path}: sha256 {actual[:12]}… does not match the manifest's "
+                                f"{expected[:12]}… (corrupted or tampered; export again)")
     if manifest.graph(attention=False, precision="fp32") is None:
         graph = "scores" if manifest.kind in SCORERS else "embeddings"
         raise ArtifactError(f"{manifest_path}: no fp32 {graph} graph")

@@ -5,8 +5,10 @@ names the flag or file and the reason, and exit status 2; never a traceback."""
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from attnserve.server.logs import setup_logging
@@ -82,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as err:
-        return _startup_failed(err)
+        return _refused("serve", err)
     # Before the heavy imports, which the new process would pay again. Only a server this
     # command line started (not `main([...])` inside another program, not a check), and
     # not on CUDA, where the probe reads the device instead.
@@ -99,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             return supervise(config, workers)
         except OSError as err:
-            return _startup_failed(err)
+            return _refused("serve", err)
 
     from attnserve.server.app import Server, run
     from attnserve.server.runtime.onnx import DeviceError
@@ -115,30 +117,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 0
         asyncio.run(run(config))
     except (ArtifactError, DeviceError, ValueError, OSError) as err:
-        return _startup_failed(err)
+        return _refused("serve", err)
     return 0
 
 
-def _startup_failed(err: Exception) -> int:
-    return _refused("serve", err)
-
-
-def cmd_embed(args: argparse.Namespace) -> int:
-    from attnserve.embed import run_embed
-
-    return run_embed(args)
-
-
-def cmd_rerank(args: argparse.Namespace) -> int:
-    from attnserve.rerank import run_rerank
-
-    return run_rerank(args)
-
-
-def cmd_classify(args: argparse.Namespace) -> int:
-    from attnserve.classify import run_classify
-
-    return run_classify(args)
+def _calls(module: str) -> Callable[[argparse.Namespace], int]:
+    """The command of `attnserve.<module>`'s run_<module>, imported only when it runs."""
+    return lambda args: getattr(importlib.import_module(f"attnserve.{module}"), f"run_{module}")(args)
 
 
 def cmd_memory_profile(args: argparse.Namespace) -> int:
@@ -150,6 +135,26 @@ def cmd_memory_profile(args: argparse.Namespace) -> int:
         return run_memory_profile(args)
     except (ArtifactError, OSError) as err:
         return _refused("memory-profile", err)
+
+
+def _call_arguments(p: argparse.ArgumentParser, model: str, default: str) -> None:
+    """The flags of a command that calls a running server."""
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--model", default="", help=f"the {model} to call, as the server lists it "
+                   f"(attnserve.v1 ListModels); default: the server's {default}")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
+
+
+def _scorer_parser(sub, name: str, help: str, model: str, raw_scores: str,
+                   truncate: str) -> argparse.ArgumentParser:
+    """rerank's or classify's parser, less the flags of its own."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--file", type=Path, help="one text a line, after the others")
+    _call_arguments(p, model, f"first {model}")
+    p.add_argument("--raw-scores", action="store_true", help=raw_scores)
+    p.add_argument("--truncate", action="store_true", help=truncate)
+    p.set_defaults(func=_calls(name))
+    return p
 
 
 class _Parser(argparse.ArgumentParser):
@@ -225,9 +230,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "document for --chunk-tokens")
     p.add_argument("--out", type=Path, help=".npy file for the pooled embeddings (with "
                    "--chunk-tokens: an .npz of vectors, spans, text_index and num_tokens)")
-    p.add_argument("--address", default="localhost:50051")
-    p.add_argument("--model", default="", help="the model to call, as the server lists it "
-                   "(attnserve.v1 ListModels); default: the server's default")
+    _call_arguments(p, "model", "default")
     p.add_argument("--pooling", default="default", choices=("default", "mean", "cls", "none"))
     p.add_argument("--normalize", action="store_true")
     p.add_argument("--truncate", action="store_true")
@@ -260,45 +263,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="with --sparse: each text's N largest weights only (default: the "
                         "model's own, or every non-zero weight)")
     p.add_argument("--batch-size", type=int, default=32, help="texts per request with --file")
-    p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
-    p.set_defaults(func=cmd_embed)
+    p.set_defaults(func=_calls("embed"))
 
-    p = sub.add_parser("rerank", help="rank texts against a query with a running server's "
-                                      "reranker")
+    p = _scorer_parser(sub, "rerank", "rank texts against a query with a running server's reranker",
+                       "reranker", raw_scores="the classifier's logit instead of its sigmoid",
+                       truncate="cut a text (never the query) whose pair is longer than the "
+                                "model's positions, instead of an error")
     p.add_argument("query")
     p.add_argument("texts", nargs="*", help="texts to rank")
-    p.add_argument("--file", type=Path, help="one text a line, after the others")
-    p.add_argument("--address", default="localhost:50051")
-    p.add_argument("--model", default="", help="the reranker to call, as the server lists it "
-                   "(attnserve.v1 ListModels); default: the server's first reranker")
     p.add_argument("--top-n", type=int, default=None, metavar="N", help="the best N texts only")
-    p.add_argument("--raw-scores", action="store_true",
-                   help="the classifier's logit instead of its sigmoid")
-    p.add_argument("--truncate", action="store_true",
-                   help="cut a text (never the query) whose pair is longer than the model's "
-                        "positions, instead of an error")
-    p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
-    p.set_defaults(func=cmd_rerank)
 
-    p = sub.add_parser("classify", help="score every label of texts, or of (text, pair) "
-                                        "pairs, with a running server's classifier")
+    p = _scorer_parser(sub, "classify", "score every label of texts, or of (text, pair) pairs, "
+                                        "with a running server's classifier", "classifier",
+                       raw_scores="the classifier's logits instead of its softmax or sigmoid",
+                       truncate="cut a text (a pair's second text) longer than the model's "
+                                "positions, instead of an error")
     p.add_argument("texts", nargs="*", help="texts to classify")
     p.add_argument("--pair", action="append", default=[], metavar="TEXT",
                    help="the second text of a pair (NLI: the hypothesis), once for each text "
                         "in order (repeatable)")
-    p.add_argument("--file", type=Path, help="one text a line, after the others")
-    p.add_argument("--address", default="localhost:50051")
-    p.add_argument("--model", default="", help="the classifier to call, as the server lists "
-                   "it (attnserve.v1 ListModels); default: the server's first classifier")
     p.add_argument("--top-k", type=int, default=None, metavar="N",
                    help="the best N labels of each text only (default: every label)")
-    p.add_argument("--raw-scores", action="store_true",
-                   help="the classifier's logits instead of its softmax or sigmoid")
-    p.add_argument("--truncate", action="store_true",
-                   help="cut a text (a pair's second text) longer than the model's positions, "
-                        "instead of an error")
-    p.add_argument("--tls-ca", type=Path, help="PEM CA to verify a TLS server")
-    p.set_defaults(func=cmd_classify)
 
     p = sub.add_parser("memory-profile",
                        help="peak memory and time of one batch against its shape (allocations "
@@ -308,8 +293,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--seq-lens", type=_numbers, default="16,32,64,128,256,384,512",
                    help="comma-separated sequence lengths (those over the model's positions "
                         "are skipped)")
-    p.add_argument("--batch-sizes", type=_numbers, default="1,8,32",
-                   help="comma-separated batch sizes")
+    p.add_argument("--batch-sizes", type=_numbers, default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="skip shapes of more tokens (batch × seq): the peak grows linearly "
                         "with the batch, so long lengths are measured at the small batches "
@@ -318,8 +302,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="also measure each shape with every layer's attention maps returned")
     p.add_argument("--out", type=Path, default=Path("bench/results/memory-profile"),
                    help="folder for memory_profile.{csv,json,png}")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                   help="as for serve")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"), help="as for serve")
     p.add_argument("--precision", default="auto", choices=CHOICES["precision"])
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads; 0: all")
     p.add_argument("--repeats", type=int, default=1,
@@ -327,8 +310,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         "counts the same bytes)")
     p.add_argument("--time-runs", type=int, default=3,
                    help="timed runs of each shape, after an untimed one; the median counts")
-    p.add_argument("--holdout-every", type=int, default=3,
-                   help="hold out every Nth shape to score the fit")
+    p.add_argument("--holdout-every", type=int, default=3, help="hold out every Nth shape to score the fit")
     p.add_argument("--no-save-model", action="store_true",
                    help="do not write memory_model.json beside the artifact")
     p.add_argument("--unless-fitted", action="store_true",

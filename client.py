@@ -161,8 +161,7 @@ class EncoderClient:
         response = self.stub.Rerank(pb.RerankRequest(
             model=model, query=query, texts=texts, top_n=top_n, raw_scores=raw_scores,
             return_texts=return_texts, truncate=truncate, priority=priority), timeout=timeout)
-        return [RerankResult(r.index, r.score, r.text if return_texts else None)
-                for r in response.results]
+        return [RerankResult(r.index, r.score, r.text if return_texts else None) for r in response.results]
 
     def score(self, query: str, texts: list[str], *, mode: str = "cosine", truncate: bool = False,
               model: str = "", priority: str = "", timeout: float | None = None) -> np.ndarray:
@@ -193,8 +192,7 @@ class EncoderClient:
             model=model, inputs=inputs, raw_scores=raw_scores, top_k=top_k, truncate=truncate,
             truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
             priority=priority), timeout=timeout)
-        return [[LabelScore(s.id, s.label, s.score) for s in c.scores]
-                for c in response.classifications]
+        return [[LabelScore(s.id, s.label, s.score) for s in c.scores] for c in response.classifications]
 
     def embed_sparse(self, texts: list[str], *, top_k: int | None = None,
                      truncate: bool = False, truncation_direction: str = "right",

@@ -65,20 +65,15 @@ def tick_labels(tokens: list[str], fonts: list[Path] | None = None) -> list[Tick
     from matplotlib import font_manager, rcParams
 
     default = Path(font_manager.findfont(font_manager.FontProperties(family=rcParams["font.family"])))
-    candidates: list[Path] | None = fonts
     labels = []
     for token in tokens:
         if _covers(default, token):
             labels.append(TickLabel(token, None))
             continue
-        if candidates is None:
-            candidates = installed_fonts()
-        font = next((f for f in candidates if _covers(f, token)), None)
-        if font is not None:
-            labels.append(TickLabel(token, font))
-        else:
-            escaped = "".join(c if _covers(default, c) else f"U+{ord(c):04X}" for c in token)
-            labels.append(TickLabel(escaped, None))
+        fonts = installed_fonts() if fonts is None else fonts
+        font = next((f for f in fonts if _covers(f, token)), None)
+        labels.append(TickLabel(token, font) if font else TickLabel(
+            "".join(c if _covers(default, c) else f"U+{ord(c):04X}" for c in token), None))
     return labels
 
 
@@ -150,8 +145,7 @@ def _chunks_out(args: argparse.Namespace, texts: list[str], results: list[Embedd
                  spans=np.asarray([(c.start, c.end) for _, c in rows], np.int64).reshape(-1, 2),
                  text_index=np.asarray([i for i, _ in rows], np.int64),
                  num_tokens=np.asarray([c.num_tokens for _, c in rows], np.int64))
-        print(f"wrote {len(rows)} chunk vectors of {len(texts)} texts, with their spans, to "
-              f"{args.out}")
+        print(f"wrote {len(rows)} chunk vectors of {len(texts)} texts, with their spans, to {args.out}")
         return 0
     for text, result in zip(texts, results, strict=True):
         print(f"{text[:40]!r}: {result.num_tokens} tokens, {len(result.chunks)} chunks")
@@ -209,7 +203,6 @@ def run_embed(args: argparse.Namespace) -> int:
     wants_maps = args.attention or args.heatmap is not None
     layers = _ints(args.layers) if wants_maps else None
     root = args.tls_ca.read_bytes() if args.tls_ca else None
-    pooled = []
     with EncoderClient(args.address, root_certificates=root) as client:
         if args.sparse:
             return _sparse_out(args, client, texts)
@@ -240,17 +233,17 @@ def run_embed(args: argparse.Namespace) -> int:
             read = info.prompts.get(args.prompt_name or info.default_prompt_name, "") + texts[0]
     if args.chunk_tokens is not None:
         return _chunks_out(args, texts, results)
-    for text, result in zip(texts, results, strict=True):
-        if result.pooled is not None:
-            pooled.append(result.pooled)
-        if not args.out:
+    pooled = [result.pooled for result in results if result.pooled is not None]
+    if args.out:
+        if pooled:
+            np.save(args.out, np.stack(pooled))
+            print(f"wrote {len(pooled)} embeddings to {args.out}")
+    else:
+        for text, result in zip(texts, results, strict=True):
             vector = result.pooled
             shown = "" if vector is None else _vector_head(vector)
             print(f"{text[:40]!r}: dim={0 if vector is None else vector.size} [{shown} …]"
                   + ("" if result.attentions is None else f" attentions={list(result.attentions.shape)}"))
-    if args.out and pooled:
-        np.save(args.out, np.stack(pooled))
-        print(f"wrote {len(pooled)} embeddings to {args.out}")
     if args.heatmap:
         maps = results[0].attentions
         labels = token_texts(read, list(tokenized.tokens), list(tokenized.offsets))

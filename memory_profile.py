@@ -1,49 +1,13 @@
 """`attnserve memory-profile`: the peak memory and the time of one batch against its shape,
-and the memory and time models fitted to them.
+and the memory and time models fitted to them, saved beside the artifact in
+memory_model.json under `provider/precision/graph` (other providers' entries kept).
+docs/memory.md ("Fitting it: `attnserve memory-profile`", "The time model") says which
+shapes are measured, how a peak and a time are measured on the CPU and on CUDA, and how
+they are fitted (server/memory/fit.py). It asserts nothing.
 
-Shapes: every batch size × sequence length up to --max-tokens (batch × seq) through the
-embeddings graph (a reranker's: its scores graph, on pairs of its two segments) and,
-with --attention, through the attention graph, returning every
-layer's maps or only the first layer's, alternately along the diagonals of the grid (so
-the fit can tell maps held for the request, d, from the scores every layer makes, c).
-The peak is linear in the batch, so the grid leaves out its large-batch, long-length
-corner, which would take most of the time and add nothing the fit needs.
-
-What one shape's peak is (`PeakMeter`, in a worker process that measures every shape):
-
-* CPU: the high-water mark of the bytes the run has allocated and not yet freed, counted
-  allocation by allocation by memray's native tracking (malloc, calloc, realloc,
-  posix_memalign, aligned_alloc, mmap … of every thread, without Python stacks) from the
-  moment the run starts: onnxruntime's intermediate tensors, its outputs and the numpy
-  arrays they come back in. Memory the allocator hands out again counts again, so the
-  figure does not depend on what ran before, and a rerun gives the same bytes.
-  The shapes run through the server's own backend (server/runtime/backend.py), with its
-  session options: onnxruntime's CPU arena and memory patterns off, so each tensor is an
-  allocation of its own (with an arena, its growth would be counted, which depends on what
-  ran before and on its rounding).
-* CUDA: a fresh backend per shape (its sessions' arena grown by what is asked:
-  kSameAsRequested), run once at a tiny shape so cuBLAS/cuDNN workspaces exist, then the
-  shape; the rise of the device memory NVML reports in use over the run is the arena's
-  growth to the shape's peak. NVML counts the whole GPU: run it on an idle one.
-
-What one shape's time is: the median of --time-runs runs through the same backend as the
-server runs it (the CPU's: the same session options; CUDA's: the shape's fresh backend),
-after one untimed run at the shape, outside the allocation tracking.
-
-The measurements are fitted per graph by least squares on relative error, every
-coefficient ≥ 0, the peaks as one phase or the larger of two, the times as one phase
-(server/memory/fit.py; model.py and batch_time.py give the forms and what each term
-stands for): first on the shapes off one diagonal in three of the batch × seq grid, to
-report the error on those held out, then on all of them. The final fits are saved beside
-the artifact in memory_model.json under `provider/precision/graph` (the time model under
-the entry's "time"; other providers' entries are kept), which the server loads to admit
-batches, to predict each one's peak, and to size the bulk batches it cuts while
-interactive work is arriving.
-
-It prints a table (and, when --out already holds a run of the same shapes, how far this
-run is from it) and writes memory_profile.csv, memory_profile.json and memory_profile.png
-to --out. It asserts nothing. (How the fit holds up under a served mixed load, measured ÷
-predicted per bucket, is `python -m bench memory-load` in a checkout.)
+The CPU's count is memray's, through the server's own backend with onnxruntime's CPU arena
+and memory patterns off, so each tensor is an allocation of its own: with an arena its
+growth would be counted, which depends on what ran before and on its rounding.
 """
 
 import argparse
@@ -55,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,7 +31,6 @@ from attnserve.server.memory.fit import (
     BATCH_TIME,
     NOISE_FLOOR_BYTES,
     NOISE_FLOOR_SECONDS,
-    features,
     fit_with_holdout,
     formula,
     predict,
@@ -101,12 +65,8 @@ class Shape:
     returned_layers: int
 
 
-@dataclass
-class Measurement:
-    graph: str
-    batch: int
-    seq: int
-    returned_layers: int
+@dataclass(frozen=True)
+class Measurement(Shape):
     peak_bytes: int
     """the largest over the runs"""
     run_peaks: list[int]
@@ -128,7 +88,7 @@ class Measurement:
 
 class PeakMeter:
     """The artifact's graphs on one device, through the server's own backend, and one
-    shape's peak (module docstring)."""
+    shape's peak and time (docs/memory.md)."""
 
     def __init__(self, artifact_dir: Path, device: str, precision: str, threads: int):
         from attnserve.server.memory.probe import MemoryProbe
@@ -179,42 +139,44 @@ class PeakMeter:
         layers = tuple(range(returned_layers)) if kind == ATTENTION else ()
         return backend.run(ids, mask, layers)
 
-    def _cpu_peak(self, shape: Shape, ids: np.ndarray, mask: np.ndarray) -> int:
+    @staticmethod
+    def _cpu_peak(run: Callable[[], object]) -> int:
         import memray
 
         with tempfile.TemporaryDirectory(prefix="memory-profile-") as scratch:
             capture = Path(scratch) / "run.bin"
             with memray.Tracker(capture, native_traces=False, trace_python_allocators=False,
                                 file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS):
-                out = self._run(self.backend, shape.graph, ids, mask, shape.returned_layers)
-                del out
+                run()
             with memray.FileReader(capture) as reader:
                 return int(reader.metadata.peak_memory)
 
-    def _cuda_peak(self, backend, shape: Shape, ids: np.ndarray, mask: np.ndarray) -> int:
+    def _cuda_peak(self, run: Callable[[], object]) -> int:
         before = self.probe.device_memory().used
-        out = self._run(backend, shape.graph, ids, mask, shape.returned_layers)
+        out = run()
         peak = self.probe.device_memory().used - before
         del out
         return max(0, peak)
 
-    def _times(self, backend, shape: Shape, ids: np.ndarray, mask: np.ndarray,
-               runs: int) -> list[float]:
-        self._run(backend, shape.graph, ids, mask, shape.returned_layers)  # the shape's first run
+    @staticmethod
+    def _times(run: Callable[[], object], runs: int) -> list[float]:
+        run()  # the shape's first run
         times = []
         for _ in range(runs):
             started = time.perf_counter()
-            self._run(backend, shape.graph, ids, mask, shape.returned_layers)
+            run()
             times.append(time.perf_counter() - started)
         return times
 
     def measure(self, shape: Shape, repeats: int, time_runs: int) -> Measurement:
         ids, mask = self._inputs(shape.batch, shape.seq)
         backend = self._backend() if self.cuda else self.backend
-        peaks = [self._cuda_peak(backend, shape, ids, mask) if self.cuda
-                 else self._cpu_peak(shape, ids, mask) for _ in range(repeats)]
-        times = self._times(backend, shape, ids, mask, time_runs)
-        del backend
+
+        def run():
+            return self._run(backend, shape.graph, ids, mask, shape.returned_layers)
+
+        peaks = [self._cuda_peak(run) if self.cuda else self._cpu_peak(run) for _ in range(repeats)]
+        times = self._times(run, time_runs)
         return Measurement(shape.graph, shape.batch, shape.seq, shape.returned_layers, max(peaks),
                            peaks, float(np.median(times)), times, self.provider, self.precision,
                            self.graphs[shape.graph], CUDA_METHOD if self.cuda else CPU_METHOD)
@@ -230,13 +192,12 @@ def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precisi
     left_out: list[str] = []
     todo = list(shapes)
     while todo:
-        command = [sys.executable, "-m", "attnserve.memory_profile", "--worker",
-                   "--artifact", str(Path(artifact_dir).resolve()), "--device", device,
-                   "--precision", precision, "--threads", str(threads), "--repeats", str(repeats),
-                   "--time-runs", str(time_runs), "--shapes", json.dumps([asdict(s) for s in todo])]
+        job = {"artifact_dir": str(Path(artifact_dir).resolve()), "device": device,
+               "precision": precision, "threads": threads, "repeats": repeats,
+               "time_runs": time_runs, "shapes": [asdict(s) for s in todo]}
+        command = [sys.executable, "-m", "attnserve.memory_profile", json.dumps(job)]
         with tempfile.TemporaryFile("w+") as errors:
-            worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
-                                      text=True)
+            worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
             stop = threading.Timer(timeout_s, worker.kill)
             stop.start()
             try:
@@ -320,8 +281,7 @@ def plot(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]],
     import matplotlib.pyplot as plt
 
     modes = sorted({(r.graph, r.returned_layers) for r in rows}, key=lambda m: (m[0] == ATTENTION, m[1]))
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.8), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.8), squeeze=False, sharey=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (kind, maps) in zip(axes[0], modes, strict=True):
         mine = [(i, r) for i, r in enumerate(rows) if (r.graph, r.returned_layers) == (kind, maps)]
@@ -334,8 +294,7 @@ def plot(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]],
             if out:  # held-out shapes: a white centre
                 ax.plot([s for s, _ in out], [m for _, m in out], "o", color="white", markersize=3)
             dense = np.geomspace(min(seqs), max(seqs), 64)
-            fitted = [max(float(np.dot(p, features(kind, batch, s, heads, maps))) for p in fits[kind]) / MIB
-                      for s in dense]
+            fitted = [predict(fits[kind], Shape(kind, batch, s, maps), heads) / MIB for s in dense]
             ax.plot(dense, fitted, "-", color=color, alpha=0.6, linewidth=1)
         ax.set_xscale("log", base=2)
         ticks = sorted({r.seq for _, r in mine})
@@ -393,11 +352,7 @@ def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers:
     with `attention`, the attention graph too, returning every layer's maps or only the
     first layer's, alternately along the diagonals of the grid (so the fit sees both
     counts at every size). `first`: the graph without maps (a reranker's scores graph).
-
-    Every term of the model grows linearly with the batch, so a shape over `max_tokens`
-    (a large batch at a long length) costs most of the profile's time and teaches the
-    fit nothing the same length at a smaller batch does not: the long lengths are
-    measured at the small batches, the large batches at the short lengths."""
+    Why the grid leaves out the shapes over `max_tokens`: docs/memory.md."""
     def kept(batch: int, seq: int) -> bool:
         return max_tokens is None or batch * seq <= max_tokens
 
@@ -431,8 +386,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     seq_lens = [s for s in seq_lens if s not in skipped]
     batches = sorted(set(args.batch_sizes))
     if not seq_lens or not batches or min(batches) < 1:
-        print("memory-profile: no shapes to measure (check --seq-lens and --batch-sizes)",
-              file=sys.stderr)
+        print("memory-profile: no shapes to measure (check --seq-lens and --batch-sizes)", file=sys.stderr)
         return 2
     if skipped:
         print(f"skipping seq lens {skipped}: over the model's {manifest.max_positions} "
@@ -472,32 +426,26 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         return 1
     provider, precision, method = rows[0].provider, rows[0].precision, rows[0].method
     result = fit_with_holdout(rows, heads, args.holdout_every)
-    fits = result["fits"]
-    held = result["held"]
     timed = fit_with_holdout(rows, heads, args.holdout_every, BATCH_TIME)
-    times = timed["fits"]
+    fits, times, held = result["fits"], timed["fits"], result["held"]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     previous = previous_peaks(out / "memory_profile.json", provider, precision)
     agree = agreement(rows, previous)
     graph_files = {r.graph: r.graph_file for r in rows}
-    models = {kind: MemoryModel(*map(float, phases[0]), source=f"fitted on {provider} {precision} "
-                                f"({graph_files[kind]})",
-                                other_phases=tuple(tuple(map(float, p)) for p in phases[1:]))
-              for kind, phases in fits.items()}
-    time_models = {kind: TimeModel(*map(float, phases[0]), source=f"fitted on {provider} "
-                                   f"{precision} ({graph_files[kind]})")
-                   for kind, phases in times.items()}
+    sources = {kind: f"fitted on {provider} {precision} ({graph_files[kind]})" for kind in fits}
     entries = {
-        model_key(provider, precision, kind): model.entry() | {
+        model_key(provider, precision, kind): MemoryModel(
+            *map(float, phases[0]), source=sources[kind],
+            other_phases=tuple(tuple(map(float, p)) for p in phases[1:])).entry() | {
             "graph_file": graph_files[kind], "measure": method,
             "shapes": sum(r.graph == kind for r in rows),
             "holdout": (result["holdout"] or {}).get("by_graph", {}).get(kind),
-            TIME: time_models[kind].entry() | {
+            TIME: TimeModel(*map(float, times[kind][0]), source=sources[kind]).entry() | {
                 "measure": TIME_METHOD, "runs": max(1, args.time_runs), "threads": args.threads,
                 "holdout": (timed["holdout"] or {}).get("by_graph", {}).get(kind)},
-        } for kind, model in models.items()}
+        } for kind, phases in fits.items()}
     title = (f"{manifest.model_name} on {provider} ({precision}): peak memory of one batch "
              f"({'allocation high-water mark' if method == CPU_METHOD else 'arena growth, fresh backend'})")
     written = [out / "memory_profile.csv", out / "memory_profile.json"]
@@ -509,8 +457,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         "model": manifest.model_name, "provider": provider, "precision": precision,
         "artifact": str(artifact.directory), "artifact_sha256": artifact.manifest_sha256,
         "heads": heads, "layers": layers, "repeats": args.repeats, "max_tokens": max_tokens,
-        "measure": method,
-        "seconds": round(time.monotonic() - started, 1),
+        "measure": method, "seconds": round(time.monotonic() - started, 1),
         "rows": [asdict(r) | {"predicted_bytes": round(predict(fits[r.graph], r, heads)),
                               "predicted_seconds": predict(times[r.graph], r, heads),
                               "held_out": i in held} for i, r in enumerate(rows)],
@@ -574,24 +521,15 @@ def _errors(what: str, fitted: dict, floor: str, shapes: int, every: int) -> str
     return "\n".join(lines)
 
 
-def _worker(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="attnserve.memory_profile --worker")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--artifact", type=Path, required=True)
-    parser.add_argument("--shapes", required=True, help="JSON list of Shape fields")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--precision", default="auto")
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--time-runs", type=int, default=1)
-    args = parser.parse_args(argv)
-    meter = PeakMeter(args.artifact, args.device, args.precision, args.threads)
-    for fields in json.loads(args.shapes):
-        row = meter.measure(Shape(**fields), max(1, args.repeats), max(1, args.time_runs))
+def _worker(job: dict) -> int:
+    """Measure `job`'s shapes (measure_shapes's arguments), printing each row as JSON."""
+    meter = PeakMeter(Path(job["artifact_dir"]), job["device"], job["precision"], job["threads"])
+    for fields in job["shapes"]:
+        row = meter.measure(Shape(**fields), job["repeats"], job["time_runs"])
         print(json.dumps(asdict(row)), flush=True)
     return 0
 
 
 if __name__ == "__main__":
     # Only the worker runs as a module; people run `attnserve memory-profile`.
-    sys.exit(_worker(sys.argv[1:]))
+    sys.exit(_worker(json.loads(sys.argv[1])))

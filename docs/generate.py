@@ -29,19 +29,15 @@ def _cell(text: str) -> str:
 
 
 def _row(action: argparse.Action) -> str:
-    flag = ", ".join(action.option_strings)
-    if action.metavar:  # server/config.py names a flag's choices in its metavar: {auto,cuda,cpu}
-        flag += f" {action.metavar}"
-    flag = f"`{flag}`"
-    help_text = action.help or ""
-    found = _SUFFIX.match(help_text)
+    # server/config.py names a flag's choices in its metavar: {auto,cuda,cpu}
+    flag = ", ".join(action.option_strings) + (f" {action.metavar}" if action.metavar else "")
+    found = _SUFFIX.match(action.help or "")
     if found:
-        text, default, env = found["text"], found["default"], f"`{found['env']}`"
-        default = f"`{default}`" if default else ""
+        text, env = found["text"], f"`{found['env']}`"
+        default = f"`{found['default']}`" if found["default"] else ""
     else:
-        text, env = help_text, ""
-        default = "off" if action.nargs == 0 else ""
-    return f"| {flag} | {env} | {default} | {_cell(text)} |"
+        text, env, default = action.help or "", "", "off" if action.nargs == 0 else ""
+    return f"| `{flag}` | {env} | {default} | {_cell(text)} |"
 
 
 def table() -> str:

@@ -1,13 +1,7 @@
-"""The ranges int8 and uint8 embeddings are quantized over, fitted once at export.
-
-Scalar quantization maps each dimension's [min, max] onto 256 levels
-(sentence-transformers' `quantize_embeddings`). Fitted per request, from the request's own
-vectors, a dimension's levels would change with whatever else the request carried, and a
-request of one text would have no range at all; fitted here, every caller of an artifact
-gets the same levels for the same vector, and vectors from different requests compare.
-The ranges come from the calibration texts the int8 gate already uses
-(int8_texts.CALIBRATION_TEXTS), each run alone through the fp32 embeddings graph the server
-serves, for every pooled output (mean and [CLS], raw and normalised)."""
+"""The ranges int8 and uint8 embeddings are quantized over: each pooled output's
+per-dimension range over the calibration texts, fitted once at export (docs/api.md,
+"Output types"). Fitted per request, a dimension's levels would change with whatever else
+the request carried, and a request of one text would have no range at all."""
 
 from pathlib import Path
 

@@ -26,16 +26,12 @@ def external_data(graph: Path) -> str | None:
     return data.name if data.is_file() else None
 
 
-def tensor_bytes(model: onnx.ModelProto) -> int:
-    return sum(tensor.ByteSize() for tensor in model.graph.initializer)
-
-
 def save(model: onnx.ModelProto, path: Path) -> None:
     """Write `model` to `path`, its weights in data_file(path) when they pass
     EXTERNAL_DATA_BYTES; `model` holds its weights in memory after, as before."""
     data = data_file(path)
     data.unlink(missing_ok=True)
-    if tensor_bytes(model) <= EXTERNAL_DATA_BYTES:
+    if not large(model):
         onnx.save_model(model, str(path))
         return
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -60,7 +56,7 @@ def remove(path: Path) -> None:
 
 def large(model: onnx.ModelProto) -> bool:
     """Whether `model` cannot be serialised in one protobuf message."""
-    return tensor_bytes(model) > EXTERNAL_DATA_BYTES
+    return sum(tensor.ByteSize() for tensor in model.graph.initializer) > EXTERNAL_DATA_BYTES
 
 
 @contextmanager

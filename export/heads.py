@@ -1,20 +1,10 @@
 """What a checkpoint returns beyond its encoder's hidden states, as its files say, read
-before its weights are:
-
-- SPLADE, saved by sentence-transformers' SparseEncoder: modules.json lists the masked-LM
-  Transformer (fill-mask), then SpladePooling, whose config.json gives the pooling and the
-  activation; `max_active_dims` in config_sentence_transformers.json the default top_k;
-- bge-m3, as FlagEmbedding saves it: `sparse_linear.pt` (the lexical weights' linear layer)
-  and `colbert_linear.pt` (the token vectors' projection) beside an XLM-RoBERTa checkpoint;
-  its dense vector is the normalised [CLS] state;
-- multi-vector (ColBERT), as PyLate saves it (a Transformer and its Dense projection;
-  `query_prefix`, `document_prefix`, `query_length`, `document_length`,
-  `attend_to_expansion_tokens`, `skiplist_words`, `do_query_expansion` in
-  config_sentence_transformers.json) or sentence-transformers' MultiVectorEncoder
-  (Transformer, Dense layers on the token states, MultiVectorMask, Normalize; the query
-  expansion and lengths in sentence_bert_config.json, the markers as prompts), read as
-  sentence-transformers reads either: a PyLate marker becomes one special token;
-- anything else is a dense embedder (model/sentence_modules.py).
+before its weights are: SPLADE's sparse vector (sentence-transformers' SparseEncoder),
+bge-m3's lexical weights and token vectors (FlagEmbedding's files), a multi-vector
+(ColBERT) model's token vectors (PyLate's or sentence-transformers' MultiVectorEncoder),
+read as sentence-transformers reads them; docs/api.md ("Sparse encoders, bge-m3 and
+classifiers") says which files tell each. Anything else is a dense embedder
+(model/sentence_modules.py).
 
 A module or file this package does not run is refused by name: a sparse or multi-vector
 model exported as a dense embedder would serve vectors that are not the model's.
@@ -28,26 +18,14 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer
 
-from attnserve.artifact import (
-    TOKENIZER,
-    LexicalHead,
-    MultiVectorHead,
-    MultiVectorInput,
-    SparseHead,
-)
+from attnserve.artifact import TOKENIZER, LexicalHead, MultiVectorHead, MultiVectorInput, SparseHead
+from attnserve.export.serving import ST_CONFIG, TRANSFORMER_CONFIG
 from attnserve.model.checkpoint import CheckpointError
 from attnserve.model.masked_lm import MaskedLanguageModel
 from attnserve.model.multi_vector import TokenVectors
-from attnserve.model.sentence_modules import (
-    MODULES,
-    TOKEN_EMBEDDINGS,
-    dense_stack,
-    module_types,
-)
+from attnserve.model.sentence_modules import MODULES, TOKEN_EMBEDDINGS, dense_stack, module_types
 from attnserve.model.sparse import SPLADE_ACTIVATIONS, SPLADE_POOLINGS, LexicalWeights, SpladeHead
 
-ST_CONFIG = "config_sentence_transformers.json"
-TRANSFORMER_CONFIG = "sentence_bert_config.json"
 M3_SPARSE, M3_COLBERT = "sparse_linear.pt", "colbert_linear.pt"
 # The special tokens whose lexical weights bge-m3 leaves out.
 M3_DROPPED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")
@@ -85,8 +63,7 @@ def read_splade(checkpoint: Path) -> Splade | None:
         return None
     if len(modules) != 2 or classes[0] not in _SPLADE_TRANSFORMERS or classes[1] != _SPLADE_POOLING:
         raise CheckpointError(f"{path}: modules {[kind for _, kind, _ in modules]}; attnserve "
-                              "exports a SPLADE model as a masked-LM Transformer, then "
-                              "SpladePooling")
+                              "exports a SPLADE model as a masked-LM Transformer, then SpladePooling")
     if modules[0][2]:
         raise CheckpointError(f"{path}: the Transformer lives in {modules[0][2]!r}; attnserve "
                               "exports one whose config.json and weights are the checkpoint's own")
@@ -106,8 +83,7 @@ def read_splade(checkpoint: Path) -> Splade | None:
     st_path = checkpoint / ST_CONFIG
     top_k = _json(st_path).get("max_active_dims") if st_path.is_file() else None
     if top_k is not None and not (type(top_k) is int and top_k > 0):
-        raise CheckpointError(f"{st_path}: max_active_dims {top_k!r}, expected a whole number "
-                              "from 1")
+        raise CheckpointError(f"{st_path}: max_active_dims {top_k!r}, expected a whole number from 1")
     return Splade(pooling, activation, top_k)
 
 
@@ -154,8 +130,7 @@ def _linear(path: Path, in_features: int, out_features: int | None) -> torch.nn.
         shapes = ({k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
                   if isinstance(state, dict) else type(state).__name__)
         want = f"[{out_features or 'dim'}, {in_features}]"
-        raise CheckpointError(f"{path}: {shapes}; expected a linear layer's weight {want} and "
-                              "its bias")
+        raise CheckpointError(f"{path}: {shapes}; expected a linear layer's weight {want} and its bias")
     linear = torch.nn.Linear(in_features, weight.shape[0])
     linear.load_state_dict({"weight": weight.float(), "bias": bias.float()})
     return linear.eval()
@@ -323,8 +298,7 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
     return MultiVector(dense, head, prompts, marked)
 
 
-def multi_vector_head(multi_vector: MultiVector, hidden_size: int) -> tuple[MultiVectorHead,
-                                                                           TokenVectors]:
+def multi_vector_head(multi_vector: MultiVector, hidden_size: int) -> tuple[MultiVectorHead, TokenVectors]:
     """The manifest's multi-vector head and the module that computes it: the Dense layers
     on every token's state, each vector normalised."""
     projection = dense_stack(multi_vector.dense, hidden_size, TOKEN_EMBEDDINGS)

@@ -72,8 +72,7 @@ class Heads:
 
     def output_names(self) -> list[str]:
         return [*(POOLED_OUTPUTS if self.pooled else ()),
-                *(name for name, head in ((SPARSE_OUTPUT, self.sparse),
-                                          (TOKEN_WEIGHTS_OUTPUT, self.lexical),
+                *(name for name, head in ((SPARSE_OUTPUT, self.sparse), (TOKEN_WEIGHTS_OUTPUT, self.lexical),
                                           (MULTI_VECTOR_OUTPUT, self.multi_vector)) if head)]
 
 
@@ -146,13 +145,11 @@ def _trace(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs
     with scratch(path.parent) as directory, torch.no_grad():
         traced = directory / path.name
         torch.onnx.export(module.eval(), args, str(traced), input_names=inputs,
-                          output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET,
-                          dynamo=False)
+                          output_names=outputs, dynamic_axes=dynamic, opset_version=OPSET, dynamo=False)
         save(onnx.load(str(traced)), path)
 
 
 def export_scores(model: CrossEncoder, path: Path) -> list[str]:
-    """Write the fp32 scores graph of a cross-encoder; returns its output names."""
     input_ids, attention_mask = _tracing_inputs(model.config.vocab_size)
     inputs = score_inputs(model)
     args: tuple[torch.Tensor, ...] = (input_ids, attention_mask)
@@ -165,7 +162,6 @@ def export_scores(model: CrossEncoder, path: Path) -> list[str]:
 
 def export_graph(encoder: AnyEncoder, path: Path, attention: bool,
                  dense: nn.Module | None = None, heads: Heads | None = None) -> list[str]:
-    """Write one fp32 graph; returns its output names."""
     outputs = output_names(encoder, attention, heads)
     dynamic = {name: {0: "batch", 1: "seq"} for name in (*INPUT_NAMES, HIDDEN_OUTPUT,
                                                           TOKEN_WEIGHTS_OUTPUT, MULTI_VECTOR_OUTPUT)}

@@ -101,15 +101,9 @@ def optimize(source: Path, target: Path, config: EncoderShape, fuse_attention: b
     # The optimiser logs every fusion at INFO; our own step lines say what matters.
     logging.disable(logging.INFO)
     try:
-        model = optimize_model(
-            str(source),
-            model_type="bert",
-            num_heads=config.num_heads,
-            hidden_size=config.hidden_size,
-            optimization_options=options,
-            opt_level=0,
-            use_gpu=fp16,
-        )
+        model = optimize_model(str(source), model_type="bert", num_heads=config.num_heads,
+                               hidden_size=config.hidden_size, optimization_options=options, opt_level=0,
+                               use_gpu=fp16)
         if fp16:
             pooling = _take_pooling(model.model.graph)
             model.convert_float_to_float16(keep_io_types=True, op_block_list=FP32_OPS)

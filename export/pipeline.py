@@ -1,13 +1,8 @@
-"""`attnserve export`: checkpoint -> verified artifact directory.
-
-An encoder's checkpoint becomes an embedder's graphs (hidden states, pooled vectors, and
-attention maps in a graph of their own), with its sentence-transformers Dense layers in
-the pooled vectors and in a graph of their own, and its other heads where it has them
-(export/heads.py: SPLADE's sparse vector or ColBERT's token vectors instead of pooled ones;
-bge-m3's lexical weights and token vectors beside its [CLS] vector); a sequence
-classifier's, a reranker's or a classifier's one scores graph (texts or pairs in, logits
-out). Each graph is verified against PyTorch before it is listed, with the same variants
-and gates: fused, float16, int8 (float16 and int8 for pooled vectors and scores only)."""
+"""`attnserve export`: checkpoint -> verified artifact directory (docs/architecture.md lists
+its files): an embedder's graphs, with its Dense layers and other heads (export/heads.py),
+or a sequence classifier's one scores graph. Each graph is verified against PyTorch before
+it is listed, with the same variants and gates: fused, float16, int8 (float16 and int8 for
+pooled vectors and scores only)."""
 
 import logging
 import shutil
@@ -43,14 +38,7 @@ from attnserve.export.heads import (
     read_splade,
     splade_head,
 )
-from attnserve.export.onnx_graphs import (
-    OPSET,
-    Heads,
-    export_dense,
-    export_graph,
-    export_scores,
-    score_inputs,
-)
+from attnserve.export.onnx_graphs import OPSET, Heads, export_dense, export_graph, export_scores, score_inputs
 from attnserve.export.optimize import optimize
 from attnserve.export.quantize import (
     INT8_MAX_SCORE_ERROR,
@@ -64,11 +52,7 @@ from attnserve.export.serving import Serving, ServingConfigError, read_prompts, 
 from attnserve.export.verify import check_onnx, dense_error, max_abs_error
 from attnserve.model import AnyEncoder, CheckpointError, CrossEncoder, load_checkpoint
 from attnserve.model.checkpoint import default_checkpoint_dir, read_architecture
-from attnserve.model.sentence_modules import (
-    check_reranker_modules,
-    dense_layers,
-    read_module_list,
-)
+from attnserve.model.sentence_modules import check_reranker_modules, dense_layers, read_module_list
 
 log = logging.getLogger("attnserve.export")
 
@@ -81,8 +65,7 @@ DENSE_GRAPH = "dense.onnx"
 NOT_DENSE = ("splade", "multi_vector")
 
 
-def _serving(checkpoint: Path, model: AnyEncoder, size: int,
-             matryoshka_dims: list[int] | None) -> Serving:
+def _serving(checkpoint: Path, model: AnyEncoder, size: int, matryoshka_dims: list[int] | None) -> Serving:
     """An embedder's serving configuration, as its checkpoint says, for vectors of `size`;
     a reranker's pooling is its head's, and it has no prompts or vector sizes."""
     if not isinstance(model, CrossEncoder):
@@ -134,6 +117,14 @@ class _Graphs:
                                  external_data=external_data(path)))
         self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}")
 
+    def add_optimized(self, source: str, file: str, outputs: list[str], attention: bool, fp16: bool) -> None:
+        """Optimise `source` into `file` (its attention fused unless it outputs the maps), then
+        `add` it."""
+        optimize(self.out / source, self.out / file, self.model.config, fuse_attention=not attention,
+                 fp16=fp16)
+        self.add(file, outputs, "fp16" if fp16 else "fp32", attention, True,
+                 FP16_TOLERANCE if fp16 else FP32_TOLERANCE)
+
     def add_int8(self, source: str, reference: str, file: str, outputs: list[str],
                  attention: bool, gate: Gate) -> None:
         path = self.out / file
@@ -143,30 +134,22 @@ class _Graphs:
         self.graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity,
                                  external_data(path)))
         self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}",
-                  parity=quantized.parity, split_matmuls=quantized.split,
-                  fp32_matmuls=quantized.kept_fp32)
+                  parity=quantized.parity, split_matmuls=quantized.split, fp32_matmuls=quantized.kept_fp32)
 
 
 def _embedder_graphs(graphs: _Graphs, encoder: AnyEncoder, fp16: bool, int8: bool,
                      gate: EmbeddingGate) -> None:
     out, config, dense, heads = graphs.out, encoder.config, graphs.dense, graphs.heads
-    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False, dense=dense,
-                                 heads=heads)
-    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True, dense=dense,
-                                heads=heads)
+    embed_outputs = export_graph(encoder, out / "encoder.onnx", attention=False, dense=dense, heads=heads)
+    attn_outputs = export_graph(encoder, out / "encoder_attn.onnx", attention=True, dense=dense, heads=heads)
     graphs.step("event=traced", graphs="encoder.onnx,encoder_attn.onnx", opset=OPSET)
     graphs.add("encoder.onnx", embed_outputs, "fp32", False, False, FP32_TOLERANCE)
     graphs.add("encoder_attn.onnx", attn_outputs, "fp32", True, False, FP32_TOLERANCE)
 
-    optimize(out / "encoder.onnx", out / "encoder_opt.onnx", config, fuse_attention=True, fp16=False)
-    graphs.add("encoder_opt.onnx", embed_outputs, "fp32", False, True, FP32_TOLERANCE)
+    graphs.add_optimized("encoder.onnx", "encoder_opt.onnx", embed_outputs, False, fp16=False)
     if fp16:
-        optimize(out / "encoder.onnx", out / "encoder_fp16.onnx", config, fuse_attention=True,
-                 fp16=True)
-        graphs.add("encoder_fp16.onnx", embed_outputs, "fp16", False, True, FP16_TOLERANCE)
-        optimize(out / "encoder_attn.onnx", out / "encoder_attn_fp16.onnx", config,
-                 fuse_attention=False, fp16=True)
-        graphs.add("encoder_attn_fp16.onnx", attn_outputs, "fp16", True, True, FP16_TOLERANCE)
+        graphs.add_optimized("encoder.onnx", "encoder_fp16.onnx", embed_outputs, False, fp16=True)
+        graphs.add_optimized("encoder_attn.onnx", "encoder_attn_fp16.onnx", attn_outputs, True, fp16=True)
     if int8:
         if not (out / "encoder_opt.onnx").is_file():
             raise RuntimeError("--int8 quantizes the fused encoder_opt.onnx, which failed verification")
@@ -182,7 +165,6 @@ def _embedder_graphs(graphs: _Graphs, encoder: AnyEncoder, fp16: bool, int8: boo
 
 
 def _dense_graph(out: Path, dense: nn.Module, hidden_size: int, step: _Steps) -> str:
-    """The Dense layers' graph, verified against PyTorch; returns its file name."""
     path = out / DENSE_GRAPH
     export_dense(dense, hidden_size, path)
     check_onnx(path)
@@ -193,19 +175,14 @@ def _dense_graph(out: Path, dense: nn.Module, hidden_size: int, step: _Steps) ->
     return DENSE_GRAPH
 
 
-def _reranker_graphs(graphs: _Graphs, model: CrossEncoder, fp16: bool, int8: bool,
-                     gate: ScoreGate) -> None:
-    out, config = graphs.out, model.config
+def _reranker_graphs(graphs: _Graphs, model: CrossEncoder, fp16: bool, int8: bool, gate: ScoreGate) -> None:
+    out = graphs.out
     outputs = export_scores(model, out / "reranker.onnx")
     graphs.step("event=traced", graphs="reranker.onnx", opset=OPSET)
     graphs.add("reranker.onnx", outputs, "fp32", False, False, FP32_TOLERANCE)
-    optimize(out / "reranker.onnx", out / "reranker_opt.onnx", config, fuse_attention=True,
-             fp16=False)
-    graphs.add("reranker_opt.onnx", outputs, "fp32", False, True, FP32_TOLERANCE)
+    graphs.add_optimized("reranker.onnx", "reranker_opt.onnx", outputs, False, fp16=False)
     if fp16:
-        optimize(out / "reranker.onnx", out / "reranker_fp16.onnx", config, fuse_attention=True,
-                 fp16=True)
-        graphs.add("reranker_fp16.onnx", outputs, "fp16", False, True, FP16_TOLERANCE)
+        graphs.add_optimized("reranker.onnx", "reranker_fp16.onnx", outputs, False, fp16=True)
     if int8:
         fused = "reranker_opt.onnx" if (out / "reranker_opt.onnx").is_file() else "reranker.onnx"
         graphs.add_int8(fused, fused, "reranker_int8.onnx", outputs, False, gate)
@@ -260,11 +237,10 @@ def _with_heads(checkpoint: Path, which: str, found: Splade | MultiVector | None
     return model, None, {}
 
 
-def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
-               name: str | None = None, int8: bool = False,
-               int8_min_cosine: float | None = None,
-               int8_max_score_error: float | None = None,
-               matryoshka_dims: list[int] | None = None, kind: str | None = None) -> Manifest:
+def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False, name: str | None = None,
+               int8: bool = False, int8_min_cosine: float | None = None,
+               int8_max_score_error: float | None = None, matryoshka_dims: list[int] | None = None,
+               kind: str | None = None) -> Manifest:
     """`matryoshka_dims`: the sizes an embedder's pooled vector may be cut to, in place of
     those the checkpoint's config.json declares; `kind`: reranker or classifier, for a
     sequence classifier, in place of the kind its labels make it."""
@@ -303,8 +279,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     else:
         serving = _serving(checkpoint, model, size, matryoshka_dims)
     if which == "bge-m3":  # its dense vector is the normalised [CLS] state, whatever else says
-        if (checkpoint / MODULES).is_file() and (serving.pooling != "cls" or dense
-                                                 or not normalize):
+        if (checkpoint / MODULES).is_file() and (serving.pooling != "cls" or dense or not normalize):
             raise CheckpointError(f"{checkpoint / MODULES}: pooling {serving.pooling}, "
                                   f"{len(dense)} Dense, normalize {normalize}; bge-m3's dense "
                                   "vector is the [CLS] state, normalised")
@@ -312,12 +287,10 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     kind = _scorer_kind(hf, len(model.head.config.labels), kind) if reranker else EMBEDDER
     step = _Steps(total=(5 + fp16 + int8) if reranker
                   else (6 + (which not in NOT_DENSE) + 2 * fp16 + 2 * int8 + bool(dense)))
-    step("event=loaded", checkpoint=checkpoint, model_type=config.model_type,
-         kind=kind, outputs=which, layers=config.num_layers,
-         heads=config.num_heads, hidden=config.hidden_size, pooling=serving.pooling,
-         prompts=",".join(serving.prompts) or "none",
-         dense=",".join(str(d.linear.out_features) for d in dense or ()) or "none",
-         normalize=normalize,
+    step("event=loaded", checkpoint=checkpoint, model_type=config.model_type, kind=kind, outputs=which,
+         layers=config.num_layers, heads=config.num_heads, hidden=config.hidden_size,
+         pooling=serving.pooling, prompts=",".join(serving.prompts) or "none",
+         dense=",".join(str(d.linear.out_features) for d in dense or ()) or "none", normalize=normalize,
          matryoshka_dims=",".join(map(str, serving.matryoshka_dims)) or "none")
     graphs = _Graphs(out, model, step, dense, heads)
     tokenizer = checkpoint / TOKENIZER
@@ -343,35 +316,18 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False,
     else:
         shutil.copyfile(tokenizer, out / TOKENIZER)
     manifest = Manifest(
-        model_name=name,
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        vocab_size=config.vocab_size,
-        max_positions=config.max_positions,
-        pad_token_id=config.pad_token_id,
-        default_pooling=serving.pooling,
-        opset=OPSET,
-        graphs=graphs.graphs,
-        inputs=list(score_inputs(model) if reranker else INPUT_NAMES),
-        model_type=config.model_type,
-        kind=kind,
-        labels=list(model.head.config.labels) if reranker else [],
-        embedding_ranges=ranges,
-        prompts=serving.prompts,
-        default_prompt_name=serving.default_prompt_name,
-        include_prompt=serving.include_prompt,
-        matryoshka_dims=serving.matryoshka_dims,
-        embedding_size=size,
-        dense_graph=dense_graph,
-        normalize=normalize,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        intermediate_size=config.intermediate_size,
-        dense=which not in NOT_DENSE,
-        problem_type=hf.get("problem_type") if reranker else None,
-        **manifest_heads,
-    )
+        model_name=name, hidden_size=config.hidden_size, num_layers=config.num_layers,
+        num_heads=config.num_heads, vocab_size=config.vocab_size, max_positions=config.max_positions,
+        pad_token_id=config.pad_token_id, default_pooling=serving.pooling, opset=OPSET,
+        graphs=graphs.graphs, inputs=list(score_inputs(model) if reranker else INPUT_NAMES),
+        model_type=config.model_type, kind=kind,
+        labels=list(model.head.config.labels) if reranker else [], embedding_ranges=ranges,
+        prompts=serving.prompts, default_prompt_name=serving.default_prompt_name,
+        include_prompt=serving.include_prompt, matryoshka_dims=serving.matryoshka_dims,
+        embedding_size=size, dense_graph=dense_graph, normalize=normalize,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size, dense=which not in NOT_DENSE,
+        problem_type=hf.get("problem_type") if reranker else None, **manifest_heads)
     write_manifest(out, manifest)
     step("event=written", artifact=out, graphs=",".join(g.file for g in graphs.graphs))
     return manifest

@@ -113,47 +113,34 @@ Row = tuple[np.ndarray, np.ndarray | None]
 """a sequence's ids, and its token types (None where the graph takes none)"""
 
 
-def _tokenizer(path: Path, max_positions: int) -> Tokenizer:
+def encode_texts(tokenizer: Path, texts: tuple[str, ...], max_positions: int, pairs: bool = False,
+                 token_types: bool = False) -> list[Row]:
+    """Each text, or with `pairs` each text with the next one as a (query, text) pair, as the
+    tokenizer pairs them."""
     # The bundled tokenizer.json pads and truncates to 128 tokens; cut at the model's
     # positions instead (keeping [SEP]) so long texts reach the lengths served.
-    tok = Tokenizer.from_file(str(path))
+    tok = Tokenizer.from_file(str(tokenizer))
     tok.no_padding()
     tok.enable_truncation(max_positions)
-    return tok
-
-
-def encode_texts(tokenizer: Path, texts: tuple[str, ...], max_positions: int) -> list[Row]:
-    tok = _tokenizer(tokenizer, max_positions)
-    return [(np.asarray(e.ids, dtype=np.int64), None) for e in tok.encode_batch(list(texts))]
-
-
-def _encode_pairs(tokenizer: Path, texts: tuple[str, ...], max_positions: int,
-                  token_types: bool) -> list[Row]:
-    """Each text with the next one as a (query, text) pair, as the tokenizer pairs them."""
-    tok = _tokenizer(tokenizer, max_positions)
-    pairs = [(texts[i], texts[(i + 1) % len(texts)]) for i in range(len(texts))]
+    inputs = [(text, texts[(i + 1) % len(texts)]) for i, text in enumerate(texts)] if pairs else list(texts)
     return [(np.asarray(e.ids, dtype=np.int64),
              np.asarray(e.type_ids, dtype=np.int64) if token_types else None)
-            for e in tok.encode_batch(pairs)]
+            for e in tok.encode_batch(inputs)]
 
 
 def _padded(rows: list[Row], pad_id: int) -> dict[str, np.ndarray]:
     length = max(len(ids) for ids, _ in rows)
     ids = np.full((len(rows), length), pad_id, dtype=np.int64)
-    mask = np.zeros((len(rows), length), dtype=np.int64)
-    types = np.zeros((len(rows), length), dtype=np.int64)
+    mask, types = np.zeros_like(ids), np.zeros_like(ids)
     for i, (r, t) in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = r, 1
         if t is not None:
             types[i, : len(t)] = t
-    feed = {"input_ids": ids, "attention_mask": mask}
-    if rows[0][1] is not None:
-        feed[TOKEN_TYPES] = types
-    return feed
+    typed = {TOKEN_TYPES: types} if rows[0][1] is not None else {}
+    return {"input_ids": ids, "attention_mask": mask} | typed
 
 
 def _feeds(rows: list[Row], batch: int, pad_id: int) -> Iterator[dict[str, np.ndarray]]:
-    """Each text alone, then the texts in padded batches."""
     for r in rows:
         yield _padded([r], pad_id)
     for start in range(0, len(rows), batch):
@@ -172,8 +159,7 @@ def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 def _pooling_matmuls(model: onnx.ModelProto) -> list[str]:
     """The Dense layers' matmuls, which stay float32: they run once a pooled vector, where
     int8 would save nothing and cost the served vector precision."""
-    return [n.name for n in model.graph.node
-            if n.name.startswith(POOL_SCOPE) and n.op_type == "MatMul"]
+    return [n.name for n in model.graph.node if n.name.startswith(POOL_SCOPE) and n.op_type == "MatMul"]
 
 
 def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
@@ -184,9 +170,9 @@ def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
     Qwen3-0.6B's at once passed 20 GB). Its weights stay where `graph` keeps them."""
     probe = onnx.load(str(graph), load_external_data=False)
     wanted = set(names)
-    width = [helper.make_tensor(name, onnx.TensorProto.INT64, [1], [value]) for name, value in
-             (("probe/minus_one", -1), ("probe/last", -1), ("probe/end", np.iinfo(np.int64).max))]
-    probe.graph.initializer.extend(width)
+    probe.graph.initializer.extend(
+        helper.make_tensor(name, onnx.TensorProto.INT64, [1], [value]) for name, value in
+        (("probe/minus_one", -1), ("probe/last", -1), ("probe/end", np.iinfo(np.int64).max)))
     nodes = []
     for node in probe.graph.node:
         nodes.append(node)
@@ -195,22 +181,17 @@ def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
             nodes += [
                 helper.make_node("Abs", [name], [f"{tag}/abs"]),
                 helper.make_node("Shape", [name], [f"{tag}/shape"]),
-                helper.make_node("Slice", [f"{tag}/shape", "probe/last", "probe/end"],
-                                 [f"{tag}/width"]),
-                helper.make_node("Concat", ["probe/minus_one", f"{tag}/width"], [f"{tag}/2d"],
-                                 axis=0),
+                helper.make_node("Slice", [f"{tag}/shape", "probe/last", "probe/end"], [f"{tag}/width"]),
+                helper.make_node("Concat", ["probe/minus_one", f"{tag}/width"], [f"{tag}/2d"], axis=0),
                 helper.make_node("Reshape", [f"{tag}/abs", f"{tag}/2d"], [f"{tag}/rows"]),
-                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/channel_max"], axes=[0],
-                                 keepdims=0),
-                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/token_max"], axes=[1],
-                                 keepdims=0),
+                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/channel_max"], axes=[0], keepdims=0),
+                helper.make_node("ReduceMax", [f"{tag}/rows"], [f"{name}/token_max"], axes=[1], keepdims=0),
             ]
     del probe.graph.node[:]
     probe.graph.node.extend(nodes)
     # Its own outputs only: the graph's (an attention graph's maps) would be held to the end.
     del probe.graph.output[:]
-    probe.graph.output.extend(helper.make_tensor_value_info(f"{name}/{kind}",
-                                                            onnx.TensorProto.FLOAT, None)
+    probe.graph.output.extend(helper.make_tensor_value_info(f"{name}/{kind}", onnx.TensorProto.FLOAT, None)
                               for name in names for kind in ("channel_max", "token_max"))
     with beside(graph, probe) as path:
         return session(path)
@@ -229,15 +210,18 @@ def _activation_stats(graph: Path, names: list[str], feeds: list[dict]) -> dict[
             top = got[f"{name}/channel_max"]
             channel[name] = np.maximum(channel[name], top) if name in channel else top
             tokens[name].append(got[f"{name}/token_max"])
-    stats = {}
-    for name, per_token in tokens.items():
-        joined = np.concatenate(per_token)
-        stats[name] = _Stats(channel[name], float(joined.max()), float(np.median(joined)))
-    return stats
+    joined = {name: np.concatenate(per_token) for name, per_token in tokens.items()}
+    return {name: _Stats(channel[name], float(t.max()), float(np.median(t))) for name, t in joined.items()}
 
 
-def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Nodes in topological order (ONNX requires it; inserted nodes go at the end first)."""
+def _pruned(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Without the initializers no node reads any more, its nodes in topological order (ONNX
+    requires it; inserted nodes go at the end first); in place."""
+    graph = model.graph
+    used = {name for n in graph.node for name in n.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
     wrapped = ONNXModel(model)
     wrapped.topological_sort()
     return wrapped.model
@@ -267,11 +251,7 @@ def _smooth(model: onnx.ModelProto, stats: dict[str, _Stats]) -> onnx.ModelProto
             graph.initializer.append(numpy_helper.from_array(w * factor[:, None], scaled))
             site.input[0], site.input[1] = smoothed, scaled
     graph.node.extend(muls)
-    used = {name for n in graph.node for name in n.input}
-    kept = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return _sorted(model)
+    return _pruned(model)
 
 
 def _smoothing_factor(channel_max: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -311,11 +291,7 @@ def _split_outliers(model: onnx.ModelProto, outliers: dict[str, np.ndarray], sta
         node.input[0], node.input[1], node.output[0] = f"{tag}_rest", f"{tag}_int8_weight", f"{tag}_int8_y"
         fp32.append(f"{tag}_MatMul")
     graph.node.extend(added)
-    used = {name for n in graph.node for name in n.input}
-    kept = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return _sorted(model), fp32
+    return _pruned(model), fp32
 
 
 def _quantize(source: Path, target: Path, exclude: list[str]) -> None:
@@ -329,39 +305,28 @@ def _quantize(source: Path, target: Path, exclude: list[str]) -> None:
             # Written with its data beside it whatever its size, then kept as graph_files
             # saves every graph of the artifact.
             written = directory / target.name
-            quantize_dynamic(
-                source, written,
-                op_types_to_quantize=["MatMul", "Attention"],
-                per_channel=True,
-                weight_type=QuantType.QInt8,
-                nodes_to_exclude=exclude,
-                use_external_data_format=True,
-                # Shape inference cannot type the outputs of com.microsoft ops (fused
-                # Attention, BiasGelu); they are all float.
-                extra_options={"MatMulConstBOnly": True,
-                               "DefaultTensorType": onnx.TensorProto.FLOAT},
-            )
+            # Shape inference cannot type the outputs of com.microsoft ops (fused Attention,
+            # BiasGelu); they are all float (DefaultTensorType).
+            quantize_dynamic(source, written, op_types_to_quantize=["MatMul", "Attention"], per_channel=True,
+                             weight_type=QuantType.QInt8, nodes_to_exclude=exclude,
+                             use_external_data_format=True, extra_options={
+                                 "MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
             save(onnx.load(str(written)), target)
     finally:
         logging.disable(logging.NOTSET)
 
 
-def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int,
-                   pad_id: int, pooling: str = "mean") -> np.ndarray:
+def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int, pad_id: int,
+                   pooling: str = "mean") -> np.ndarray:
     """Per text of PARITY_TEXTS, the worse of two cosines between the graphs' pooled
     (`pooling`, L2-normalised) embeddings: the text alone, and in a padded batch (texts in
     their fixed order, so short and long share one), as the server runs them."""
     rows = encode_texts(tokenizer, PARITY_TEXTS, max_positions)
     name = pooled_output(pooling, normalized=True)
     reference, quantized = session(fp32, outputs=[name]), session(int8, "int8", outputs=[name])
-
-    def pooled(runner: ort.InferenceSession, feed: dict[str, np.ndarray]) -> np.ndarray:
-        return runner.run([name], feed)[0]
-
-    cosines = np.concatenate([(pooled(reference, feed) * pooled(quantized, feed)).sum(axis=1)
+    cosines = np.concatenate([(reference.run([name], feed)[0] * quantized.run([name], feed)[0]).sum(axis=1)
                               for feed in _feeds(rows, PARITY_BATCH, pad_id)])
-    alone, batched = cosines[: len(rows)], cosines[len(rows):]
-    return np.minimum(alone, batched)
+    return np.minimum(cosines[: len(rows)], cosines[len(rows):])
 
 
 def scores(logits: np.ndarray) -> np.ndarray:
@@ -373,38 +338,19 @@ def scores(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
-def score_errors(fp32: Path, int8: Path, tokenizer: Path, max_positions: int, pad_id: int,
-                 token_types: bool) -> np.ndarray:
-    """Per pair of PARITY_TEXTS (each text and the next), the worse of two differences of
-    its scores between the graphs (every label's, at its largest): the pair alone, and in
-    a padded batch."""
-    rows = _encode_pairs(tokenizer, PARITY_TEXTS, max_positions, token_types)
-    reference, quantized = session(fp32), session(int8, "int8")
-    errors = np.concatenate([
-        np.abs(scores(reference.run([LOGITS_OUTPUT], feed)[0])
-               - scores(quantized.run([LOGITS_OUTPUT], feed)[0])).max(axis=1)
-        for feed in _feeds(rows, PARITY_BATCH, pad_id)])
-    return np.maximum(errors[: len(rows)], errors[len(rows):])
-
-
 class Gate(Protocol):
     """What a quantized graph must keep of its fp32 reference, measured per item (a text
     or a pair) of fixed parity inputs."""
 
-    def calibration(self) -> list[dict[str, np.ndarray]]:
-        ...
+    def calibration(self) -> list[dict[str, np.ndarray]]: ...
 
-    def measure(self, reference: Path, target: Path) -> np.ndarray:
-        ...
+    def measure(self, reference: Path, target: Path) -> np.ndarray: ...
 
-    def passes(self, values: np.ndarray) -> bool:
-        ...
+    def passes(self, values: np.ndarray) -> bool: ...
 
-    def parity(self, values: np.ndarray, reference: Path) -> Parity | ScoreParity:
-        ...
+    def parity(self, values: np.ndarray, reference: Path) -> Parity | ScoreParity: ...
 
-    def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
-        ...
+    def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -437,8 +383,7 @@ class EmbeddingGate:
 
     def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
         return (f"{target.name}: {self.pooling}-pooled cosine against {reference.name} is "
-                f"{values.min():.4f} "
-                f"at worst over {len(values)} texts (one at a time and in batches of "
+                f"{values.min():.4f} at worst over {len(values)} texts (one at a time and in batches of "
                 f"{PARITY_BATCH}), below the required {self.min_cosine}; worst text: "
                 f"{PARITY_TEXTS[int(values.argmin())][:60]!r}")
 
@@ -454,12 +399,19 @@ class ScoreGate:
     max_error: float = INT8_MAX_SCORE_ERROR
 
     def calibration(self) -> list[dict[str, np.ndarray]]:
-        return list(_feeds(_encode_pairs(self.tokenizer, CALIBRATION_TEXTS, self.max_positions,
-                                         self.token_types), CALIBRATION_BATCH, self.pad_id))
+        return list(_feeds(encode_texts(self.tokenizer, CALIBRATION_TEXTS, self.max_positions, True,
+                                        self.token_types), CALIBRATION_BATCH, self.pad_id))
 
     def measure(self, reference: Path, target: Path) -> np.ndarray:
-        return score_errors(reference, target, self.tokenizer, self.max_positions, self.pad_id,
-                            self.token_types)
+        """Per pair of PARITY_TEXTS (each text and the next), the worse of two differences of
+        its scores between the graphs (every label's, at its largest): the pair alone, and in
+        a padded batch."""
+        rows = encode_texts(self.tokenizer, PARITY_TEXTS, self.max_positions, True, self.token_types)
+        fp32, int8 = session(reference), session(target, "int8")
+        errors = np.concatenate([np.abs(scores(fp32.run([LOGITS_OUTPUT], feed)[0])
+                                        - scores(int8.run([LOGITS_OUTPUT], feed)[0])).max(axis=1)
+                                 for feed in _feeds(rows, PARITY_BATCH, self.pad_id)])
+        return np.maximum(errors[: len(rows)], errors[len(rows):])
 
     def passes(self, values: np.ndarray) -> bool:
         return bool(values.max() <= self.max_error)
@@ -467,16 +419,14 @@ class ScoreGate:
     def parity(self, values: np.ndarray, reference: Path) -> ScoreParity:
         return ScoreParity(reference=reference.name, pairs=len(values), batch=PARITY_BATCH,
                            score_error_max=round(float(values.max()), 5),
-                           score_error_mean=round(float(values.mean()), 5),
-                           max_error=self.max_error)
+                           score_error_mean=round(float(values.mean()), 5), max_error=self.max_error)
 
     def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str:
         worst = int(values.argmax())
         return (f"{target.name}: scores differ from {reference.name}'s by up to "
                 f"{values.max():.4f} over {len(values)} pairs (one at a time and in batches of "
                 f"{PARITY_BATCH}), over the allowed {self.max_error}; worst pair: "
-                f"{PARITY_TEXTS[worst][:40]!r} with "
-                f"{PARITY_TEXTS[(worst + 1) % len(PARITY_TEXTS)][:40]!r}")
+                f"{PARITY_TEXTS[worst][:40]!r} with {PARITY_TEXTS[(worst + 1) % len(PARITY_TEXTS)][:40]!r}")
 
 
 def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> QuantizedGraph:
@@ -487,8 +437,7 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
     calibration = gate.calibration()
     with scratch(target.parent) as directory:
         model = onnx.load(str(source))
-        stats = _activation_stats(source, sorted({n.input[0] for n in _sites(model)}),
-                                  calibration)
+        stats = _activation_stats(source, sorted({n.input[0] for n in _sites(model)}), calibration)
         _smooth(model, stats)
         # Names only: a node held keeps its whole graph in memory.
         sites = [_Site(n.name, n.op_type, n.input[0]) for n in _sites(model)]
@@ -497,8 +446,7 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
         save(model, smoothed)
         del model
         stats = _activation_stats(smoothed, sorted({site.input for site in sites}), calibration)
-        values, split, fp32 = _quantize_gated(smoothed, sites, stats, reference, target, gate,
-                                              pooling)
+        values, split, fp32 = _quantize_gated(smoothed, sites, stats, reference, target, gate, pooling)
     parity = gate.parity(values, reference)
     result = QuantizedGraph(parity, site_count - len(fp32), len(split), len(fp32))
     log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,

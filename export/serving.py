@@ -1,13 +1,6 @@
 """What a checkpoint says about serving it, beside its weights: the pooling and the prompts
-a sentence-transformers model was saved with, and the Matryoshka sizes it was trained for.
-
-sentence-transformers writes `config_sentence_transformers.json` (`prompts`,
-`default_prompt_name`) and its Pooling module's config.json, in the folder modules.json
-names (`pooling_mode`, `include_prompt`; older versions one `pooling_mode_*` flag a mode),
-and its Transformer's `sentence_bert_config.json` (`do_lower_case`). Matryoshka sizes
-have no standard place: `matryoshka_dimensions` in `config.json` is what vLLM reads and
-what checkpoints such as jina-embeddings-v3 carry; for the others, `attnserve export
---matryoshka-dims` says them."""
+a sentence-transformers model was saved with, and the Matryoshka sizes it was trained for
+(docs/api.md, "Prompts" and `dimensions`, names the files and keys)."""
 
 import json
 from dataclasses import dataclass
@@ -82,8 +75,7 @@ def _check_lower_case(checkpoint: Path) -> None:
     path = checkpoint / TRANSFORMER_CONFIG
     if _json(path).get("do_lower_case"):
         raise ServingConfigError(f"{path}: do_lower_case true (texts lower-cased before the "
-                                 "tokenizer) is not served; attnserve tokenizes texts as they "
-                                 "come")
+                                 "tokenizer) is not served; attnserve tokenizes texts as they come")
 
 
 def _prompts(checkpoint: Path) -> tuple[dict[str, str], str | None]:

@@ -48,8 +48,7 @@ def _register_rms_norm() -> None:
         inputs=[schema.FormalParameter("X", "T"), schema.FormalParameter("scale", "V")],
         outputs=[schema.FormalParameter("Y", "V"),
                  schema.FormalParameter("inv_std_var", "U", param_option=optional)],
-        type_constraints=[("T", types, ""), ("V", types, ""),
-                          ("U", ["tensor(float)", "tensor(double)"], "")],
+        type_constraints=[("T", types, ""), ("V", types, ""), ("U", ["tensor(float)", "tensor(double)"], "")],
         attributes=[schema.Attribute(name, kind, "", required=False) for name, kind in (
             ("axis", schema.AttrType.INT), ("epsilon", schema.AttrType.FLOAT),
             ("stash_type", schema.AttrType.INT))]))
@@ -98,34 +97,31 @@ def session(model: onnx.ModelProto | Path, precision: str = "fp32",
     `outputs`: of a graph's file, the outputs to keep (an attention graph's maps are graph
     outputs, which onnxruntime holds to the end of every run: 28 layers of them for 16
     texts of 900 tokens passed 20 GB)."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    for key, value in cpu_session_config(precision).items():
-        options.add_session_config_entry(key, value)
     if isinstance(model, Path) and outputs is not None:
         trimmed = onnx.load(str(model), load_external_data=False)
         kept = [o for o in trimmed.graph.output if o.name in outputs]
         del trimmed.graph.output[:]
         trimmed.graph.output.extend(kept)
         with beside(model, trimmed) as path:
-            return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    if isinstance(model, Path):
-        return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-    if not large(model):
-        return ort.InferenceSession(model.SerializeToString(), options,
-                                    providers=["CPUExecutionProvider"])
-    with scratch() as directory:
-        save(model, directory / "graph.onnx")
-        return ort.InferenceSession(str(directory / "graph.onnx"), options,
-                                    providers=["CPUExecutionProvider"])
+            return session(path, precision)
+    if not isinstance(model, Path) and large(model):
+        with scratch() as directory:
+            save(model, directory / "graph.onnx")
+            return session(directory / "graph.onnx", precision)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    for key, value in cpu_session_config(precision).items():
+        options.add_session_config_entry(key, value)
+    source = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 def served(name: str, value: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """What a caller can get of an output: the pooled vectors whole, the outputs of one row
     a token (the hidden state, token weights and vectors) and the attention rows of real
-    tokens only (the server trims the padding away). A padded
-    query of a local ModernBERT layer sees no key at all: its row is whatever the softmax
-    makes of blocked scores, which differs between precisions and serves nobody."""
+    tokens only (the server trims the padding away). A padded query of a local ModernBERT
+    layer sees no key at all: its row is whatever the softmax makes of blocked scores,
+    which differs between precisions and serves nobody."""
     real = mask.astype(bool)
     if name in TOKEN_OUTPUTS:
         return value[real]

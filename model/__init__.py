@@ -2,13 +2,7 @@
 
 from attnserve.model.checkpoint import CheckpointError, load_checkpoint
 from attnserve.model.classifier import CrossEncoder
-from attnserve.model.config import (
-    DecoderConfig,
-    EncoderConfig,
-    EncoderShape,
-    HeadConfig,
-    ModernBertConfig,
-)
+from attnserve.model.config import DecoderConfig, EncoderConfig, EncoderShape, HeadConfig, ModernBertConfig
 from attnserve.model.decoder import Decoder
 from attnserve.model.encoder import Encoder, EncoderOutput
 from attnserve.model.families import AnyEncoder

@@ -75,14 +75,9 @@ class MultiHeadAttention(nn.Module):
         return x[:, :, None].expand(batch, kv_heads, group, seq, d_k).reshape(
             batch, kv_heads * group, seq, d_k)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        score_bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor | None = None,
+                score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Attend from `query` (batch, q_len, hidden) to `key`/`value` (batch, k_len, hidden).
 
         `mask` is 1 where a query may look and 0 where it may not, broadcastable to

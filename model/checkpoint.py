@@ -1,17 +1,14 @@
-"""Load a Hugging Face checkpoint directory onto the encoder of its family, onto a
-cross-encoder (model/classifier.py) for a sequence classifier, or, when asked, onto a
-masked language model (model/masked_lm.py) for an encoder saved under its masked-LM head.
+"""Load a Hugging Face checkpoint directory onto the encoder of its family
+(model/families.py; any other is refused before a weight is read), onto a cross-encoder
+(model/classifier.py) for a sequence classifier, or, when asked, onto a masked language
+model (model/masked_lm.py).
 
-config.json says which family it is (model/families.py); one this package does not
-implement is refused before any weight is read. Every tensor in the file must land
-somewhere (the language-model head of a checkpoint saved with one is left out knowingly,
-tied to the token embeddings or not, unless it is kept) and every parameter of the model
-must be filled, with the same shape: a checkpoint that does not fit is refused with an
-error that names the tensor, instead of serving half-initialised weights. A masked-LM
-head's decoder tied to the word embeddings is filled from them when the checkpoint saves
-it only once; a tensor saved twice (a decoder's bias, in two places) must agree. Buffers
-some checkpoints carry (position ids, RoPE's inverse frequencies) hold no weights: each
-must be what the model computes itself, and is then skipped.
+Every tensor in the file must land somewhere (a language-model head is left out knowingly
+unless it is kept) and every parameter be filled, with the same shape: a checkpoint that
+does not fit is refused naming the tensor, instead of serving half-initialised weights. A
+tied masked-LM decoder saved only once is filled from the word embeddings; a tensor saved
+twice (a decoder's bias) must agree. Saved buffers (position ids, RoPE's inverse
+frequencies) must be what the model computes itself, and are skipped.
 """
 
 import json
@@ -22,14 +19,7 @@ import torch
 from safetensors import safe_open
 
 from attnserve.model.classifier import CrossEncoder
-from attnserve.model.families import (
-    AnyEncoder,
-    Architecture,
-    Family,
-    architecture_of,
-    family_of,
-    head_names,
-)
+from attnserve.model.families import AnyEncoder, Architecture, Family, architecture_of, family_of, head_names
 from attnserve.model.masked_lm import MaskedLanguageModel
 from attnserve.model.positions import RotaryEmbedding
 
@@ -67,17 +57,16 @@ def read_family(directory: Path) -> tuple[dict, Family]:
         raise CheckpointError(f"{path}: {err}") from err
 
 
-def our_names(hf_name: str, family: Family,
-              head: dict[str, str] | None = None) -> tuple[str, ...] | None:
+def our_names(hf_name: str, family: Family, head: dict[str, str] | None = None) -> tuple[str, ...] | None:
     """A checkpoint tensor's name -> ours: the encoder's, or in a model with a head (`head`:
     its modules, the family's head_modules or vocabulary_modules) the head's (head.…) and
     the encoder's under it (encoder.…)."""
+    names = family.tensor_names(hf_name.removeprefix(family.prefix))
     if head is None:
-        return family.tensor_names(hf_name.removeprefix(family.prefix))
+        return names
     found = head_names(hf_name, head)
     if found is not None:
         return tuple(f"head.{name}" for name in found)
-    names = family.tensor_names(hf_name.removeprefix(family.prefix))
     return None if names is None else tuple(f"encoder.{name}" for name in names)
 
 
@@ -115,9 +104,7 @@ def _head_modules(directory: Path, family: Family, architecture: Architecture,
 def buffer_error(name: str, tensor: torch.Tensor, model: Model) -> str | None:
     """Why a saved buffer is not what `model` computes itself; None when it is."""
     if name == _POSITION_IDS:
-        if not torch.equal(tensor.flatten(), torch.arange(tensor.numel())):
-            return "is not 0..n-1"
-        return None
+        return None if torch.equal(tensor.flatten(), torch.arange(tensor.numel())) else "is not 0..n-1"
     computed = [m.inv_freq for m in model.modules() if isinstance(m, RotaryEmbedding)]
     if not any(tensor.shape == f.shape and torch.allclose(tensor.float(), f, rtol=1e-5)
                for f in computed):
@@ -131,15 +118,13 @@ def read_architecture(directory: Path) -> tuple[dict, Family, Architecture]:
     weight is read."""
     for required in REQUIRED_FILES:
         if not (directory / required).is_file():
-            raise CheckpointError(
-                f"{directory / required}: missing (a checkpoint needs {', '.join(REQUIRED_FILES)})"
-            )
+            raise CheckpointError(f"{directory / required}: missing (a checkpoint needs "
+                                  f"{', '.join(REQUIRED_FILES)})")
     hf, family = read_family(directory)
     return hf, family, architecture_of(hf, family)
 
 
-def load_checkpoint(directory: Path | str | None = None,
-                    keep_language_model_head: bool = False) -> Model:
+def load_checkpoint(directory: Path | str | None = None, keep_language_model_head: bool = False) -> Model:
     """Build the model that `directory` describes, an encoder or a cross-encoder (with
     `keep_language_model_head`, a masked language model, which its architectures must
     hold), and fill it with its weights."""
@@ -152,8 +137,7 @@ def load_checkpoint(directory: Path | str | None = None,
     filled: dict[str, torch.Tensor] = {}
     dropped = 0
     with safe_open(str(weights), framework="pt") as tensors:
-        model = build(directory, hf, family, list(tensors.keys()), architecture,
-                      keep_language_model_head)
+        model = build(directory, hf, family, list(tensors.keys()), architecture, keep_language_model_head)
         expected = model.state_dict()
         for hf_name in tensors.keys():
             if hf_name.startswith(dropped_heads):
@@ -172,10 +156,8 @@ def load_checkpoint(directory: Path | str | None = None,
             parts = [expected[name] for name in names]
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
             if tuple(tensor.shape) != shape:
-                raise CheckpointError(
-                    f"{weights}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {shape}"
-                )
+                raise CheckpointError(f"{weights}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                                      f"the model expects {shape}")
             for name, part in zip(names, tensor.split([p.shape[0] for p in parts]), strict=True):
                 part = part.to(expected[name].dtype)
                 if name in filled and not torch.equal(filled[name], part):

@@ -25,7 +25,7 @@ def _shape(hf: dict, eps_key: str, eps: float) -> dict:
                 model_type=hf["model_type"])
 
 
-def _activation(hf: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
+def _choice(hf: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
     name = hf.get(key, default)
     if name not in allowed:
         raise ValueError(f"{key} {name!r} is not supported ({', '.join(allowed)})")
@@ -56,9 +56,8 @@ class EncoderShape:
     def __post_init__(self) -> None:
         if not self.head_dim:
             if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-                )
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                                 f"{self.num_heads}")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if not self.num_kv_heads:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
@@ -103,33 +102,23 @@ class EncoderConfig(EncoderShape):
     def from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
         """Read a Hugging Face config.json of BERT, RoBERTa or XLM-RoBERTa; `pooler` says
         whether the weights carry BERT's pooler head (config.json does not say)."""
-        _activation(hf, "hidden_act", "gelu", ("gelu",))
-        if hf.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(
-                "position_embedding_type "
-                f"{hf['position_embedding_type']!r} is not supported (absolute)"
-            )
+        _choice(hf, "hidden_act", "gelu", ("gelu",))
+        _choice(hf, "position_embedding_type", "absolute", ("absolute",))
         after_padding = hf["model_type"] in _POSITIONS_AFTER_PADDING
         pad = hf.get("pad_token_id", 1 if after_padding else 0)
         table = hf["max_position_embeddings"]
         longest = table - (pad + 1 if after_padding else 0)
         if longest < 1:
-            raise ValueError(f"max_position_embeddings {table} leaves no position after the "
-                             f"padding id {pad}")
-        return cls(
-            **_shape(hf, "layer_norm_eps", 1e-12),
-            max_positions=longest,
-            type_vocab_size=hf.get("type_vocab_size", 2),
-            pad_token_id=pad,
-            positions_after_padding=after_padding,
-            pooler=pooler,
-        )
+            raise ValueError(f"max_position_embeddings {table} leaves no position after the padding id {pad}")
+        return cls(**_shape(hf, "layer_norm_eps", 1e-12), max_positions=longest,
+                   type_vocab_size=hf.get("type_vocab_size", 2), pad_token_id=pad,
+                   positions_after_padding=after_padding, pooler=pooler)
 
     @classmethod
     def mpnet_from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
         """MPNet: BERT's blocks, RoBERTa's positions (after id 1), no segments, and
         relative position buckets added to every layer's scores."""
-        activation = _activation(hf, "hidden_act", "gelu", ("gelu",))
+        activation = _choice(hf, "hidden_act", "gelu", ("gelu",))
         pad = hf.get("pad_token_id", _MPNET_PAD_ID)
         if pad != _MPNET_PAD_ID:
             raise ValueError(f"pad_token_id {pad}: MPNet numbers its positions after id "
@@ -138,34 +127,21 @@ class EncoderConfig(EncoderShape):
         if buckets != _MPNET_BUCKETS:
             raise ValueError(f"relative_attention_num_buckets {buckets} is not supported "
                              f"({_MPNET_BUCKETS}, the buckets MPNet computes)")
-        return cls(
-            **_shape(hf, "layer_norm_eps", 1e-12),
-            max_positions=hf["max_position_embeddings"] - pad - 1,
-            type_vocab_size=0,
-            pad_token_id=pad,
-            positions_after_padding=True,
-            relative_attention_buckets=buckets,
-            activation=activation,
-            pooler=pooler,
-        )
+        return cls(**_shape(hf, "layer_norm_eps", 1e-12),
+                   max_positions=hf["max_position_embeddings"] - pad - 1, type_vocab_size=0,
+                   pad_token_id=pad, positions_after_padding=True,
+                   relative_attention_buckets=buckets, activation=activation, pooler=pooler)
 
     @classmethod
     def distilbert_from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
         """DistilBERT: BERT's blocks without segments or pooler, under its own names."""
         if pooler:
             raise ValueError("DistilBERT has no pooler")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["dim"],
-            num_layers=hf["n_layers"],
-            num_heads=hf["n_heads"],
-            intermediate_size=hf["hidden_dim"],
-            max_positions=hf["max_position_embeddings"],
-            type_vocab_size=0,
-            pad_token_id=hf.get("pad_token_id", 0),
-            model_type=hf["model_type"],
-            activation=_activation(hf, "activation", "gelu", ("gelu", "relu")),
-        )
+        return cls(vocab_size=hf["vocab_size"], hidden_size=hf["dim"], num_layers=hf["n_layers"],
+                   num_heads=hf["n_heads"], intermediate_size=hf["hidden_dim"],
+                   max_positions=hf["max_position_embeddings"], type_vocab_size=0,
+                   pad_token_id=hf.get("pad_token_id", 0), model_type=hf["model_type"],
+                   activation=_choice(hf, "activation", "gelu", ("gelu", "relu")))
 
 
 def _rope_theta(parameters: dict, where: str, fallback: float) -> float:
@@ -232,26 +208,19 @@ class ModernBertConfig(EncoderShape):
         `global_rope_theta` and `local_rope_theta`."""
         if pooler:
             raise ValueError("ModernBERT has no pooler")
-        if hf.get("hidden_activation", "gelu") != "gelu":
-            raise ValueError(f"hidden_activation {hf['hidden_activation']!r} is not supported (gelu)")
+        _choice(hf, "hidden_activation", "gelu", ("gelu",))
         layers = hf["num_hidden_layers"]
         every = hf.get("global_attn_every_n_layers", 3)
         named = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
                                           for i in range(layers)]
         thetas = _rope_thetas(hf, {"full_attention": ("global_rope_theta", 160_000.0),
                                    "sliding_attention": ("local_rope_theta", 10_000.0)})
-        return cls(
-            **_shape(hf, "norm_eps", 1e-5),
-            max_positions=hf["max_position_embeddings"],
-            pad_token_id=hf.get("pad_token_id", 50283),
-            layer_types=_layer_kinds(named),
-            local_attention=hf.get("local_attention", 128),
-            global_rope_theta=thetas["full_attention"],
-            local_rope_theta=thetas["sliding_attention"],
-            norm_bias=hf.get("norm_bias", False),
-            attention_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False),
-        )
+        return cls(**_shape(hf, "norm_eps", 1e-5), max_positions=hf["max_position_embeddings"],
+                   pad_token_id=hf.get("pad_token_id", 50283), layer_types=_layer_kinds(named),
+                   local_attention=hf.get("local_attention", 128),
+                   global_rope_theta=thetas["full_attention"], local_rope_theta=thetas["sliding_attention"],
+                   norm_bias=hf.get("norm_bias", False), attention_bias=hf.get("attention_bias", False),
+                   mlp_bias=hf.get("mlp_bias", False))
 
 
 @dataclass(frozen=True)
@@ -313,11 +282,8 @@ class DecoderConfig(EncoderShape):
             # The server fills padding with it; any id does under the mask.
             pad_token_id=pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0,
             layer_types=_layer_kinds(hf.get("layer_types") or ["full_attention"] * layers),
-            global_rope_theta=theta,
-            causal=True,
-            activation=_activation(hf, "hidden_act", "silu", ("silu",)),
-            attention_bias=hf.get("attention_bias", False),
-        )
+            global_rope_theta=theta, causal=True, activation=_choice(hf, "hidden_act", "silu", ("silu",)),
+            attention_bias=hf.get("attention_bias", False))
 
     @classmethod
     def gemma3_from_hf(cls, hf: dict, pooler: bool) -> "DecoderConfig":
@@ -339,21 +305,13 @@ class DecoderConfig(EncoderShape):
                                           else "sliding_attention" for i in range(layers)]
         thetas = _rope_thetas(hf, {"full_attention": ("rope_theta", 1_000_000.0),
                                    "sliding_attention": ("rope_local_base_freq", 10_000.0)})
-        return cls(
-            **cls._shape(hf, head_dim=256, max_positions=131_072),
-            pad_token_id=hf.get("pad_token_id", 0),
-            layer_types=_layer_kinds(named),
-            window_radius=hf.get("sliding_window", 4096) // 2,
-            global_rope_theta=thetas["full_attention"],
-            local_rope_theta=thetas["sliding_attention"],
-            activation=_activation(hf, "hidden_activation", "gelu_pytorch_tanh",
-                                   ("gelu_pytorch_tanh",)),
-            attention_bias=hf.get("attention_bias", False),
-            norm_offset=1.0,
-            embedding_scale=True,
-            sandwich_norms=True,
-            query_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5,
-        )
+        return cls(**cls._shape(hf, head_dim=256, max_positions=131_072),
+                   pad_token_id=hf.get("pad_token_id", 0), layer_types=_layer_kinds(named),
+                   window_radius=hf.get("sliding_window", 4096) // 2,
+                   global_rope_theta=thetas["full_attention"], local_rope_theta=thetas["sliding_attention"],
+                   activation=_choice(hf, "hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
+                   attention_bias=hf.get("attention_bias", False), norm_offset=1.0, embedding_scale=True,
+                   sandwich_norms=True, query_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5)
 
 
 @dataclass(frozen=True)
@@ -381,11 +339,9 @@ class HeadConfig:
         if not self.labels:
             raise ValueError("a classifier has at least one label")
         if self.pooling not in ("cls", "mean", "last"):
-            raise ValueError(f"classifier pooling {self.pooling!r} is not supported "
-                             "(cls, mean, last)")
+            raise ValueError(f"classifier pooling {self.pooling!r} is not supported (cls, mean, last)")
         if self.activation not in ("tanh", "gelu", "relu"):
-            raise ValueError(f"classifier activation {self.activation!r} is not supported "
-                             "(tanh, gelu, relu)")
+            raise ValueError(f"classifier activation {self.activation!r} is not supported (tanh, gelu, relu)")
 
     @staticmethod
     def labels_of(hf: dict) -> tuple[str, ...]:

@@ -52,8 +52,7 @@ class DecoderBlock(nn.Module):
             key_norm=_norm(config, config.head_dim))
         self.post_attention_norm = _norm(config) if config.sandwich_norms else nn.Identity()
         self.feed_forward_norm = _norm(config)
-        self.feed_forward = GatedFeedForward(config.hidden_size, config.intermediate_size,
-                                             config.activation)
+        self.feed_forward = GatedFeedForward(config.hidden_size, config.intermediate_size, config.activation)
         self.post_feed_forward_norm = _norm(config) if config.sandwich_norms else nn.Identity()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,10 +30,8 @@ class Embeddings(nn.Module):
         if config.positions == "learned":
             self.position = nn.Embedding(config.position_table_size, config.hidden_size)
         elif config.positions == "sinusoidal":
-            self.register_buffer(
-                "sinusoid", sinusoidal_table(config.max_positions, config.hidden_size),
-                persistent=False,
-            )
+            self.register_buffer("sinusoid", sinusoidal_table(config.max_positions, config.hidden_size),
+                                 persistent=False)
         # RoPE adds nothing here: it rotates queries and keys inside attention.
         self.positions = config.positions
         self.after_padding = config.positions_after_padding
@@ -61,8 +59,7 @@ class EncoderBlock(nn.Module):
         self.attention = MultiHeadAttention(config.hidden_size, config.num_heads, rotary,
                                             causal=config.causal)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.feed_forward = FeedForward(config.hidden_size, config.intermediate_size,
-                                        config.activation)
+        self.feed_forward = FeedForward(config.hidden_size, config.intermediate_size, config.activation)
         self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor,
@@ -98,10 +95,8 @@ class Encoder(nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
         self.config = config
-        rotary = (
-            RotaryEmbedding(config.head_dim, config.max_positions)
-            if config.positions == "rope" else None
-        )
+        rotary = (RotaryEmbedding(config.head_dim, config.max_positions) if config.positions == "rope"
+                  else None)
         self.embeddings = Embeddings(config)
         # One table of relative-position biases, shared by every layer (MPNet).
         self.relative = (RelativePositionBias(config.num_heads, config.relative_attention_buckets)
@@ -116,13 +111,8 @@ class Encoder(nn.Module):
         batch, seq = attention_mask.shape
         return attention_mask[:, None, None, :].expand(batch, 1, seq, seq)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        output_attentions: bool = False,
-    ) -> EncoderOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, output_attentions: bool = False) -> EncoderOutput:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if token_type_ids is None:
@@ -134,8 +124,5 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x, probs = layer(x, mask, bias)
             attentions.append(probs)
-        return EncoderOutput(
-            last_hidden_state=x,
-            attentions=tuple(attentions) if output_attentions else None,
-            pooler_output=self.pooler(x) if self.pooler is not None else None,
-        )
+        return EncoderOutput(x, attentions=tuple(attentions) if output_attentions else None,
+                             pooler_output=self.pooler(x) if self.pooler is not None else None)

@@ -1,14 +1,7 @@
-"""Which Hugging Face checkpoints this package implements, told apart by config.json.
-
-Tensor names cannot tell the families apart: a RoBERTa or XLM-RoBERTa checkpoint names
-its tensors exactly as BERT does, and loaded as BERT it serves vectors that are off
-without a word (its positions start after the padding id). So a checkpoint is refused
-unless its `model_type` is a family written here and every one of its `architectures`
-holds that family's encoder as it is: the base model, the base model under its language
-model head (masked-LM for the encoders, causal-LM for the decoders), which is dropped at
-load unless the export asks for it (a SPLADE model's scores are its masked-LM head's:
-model/masked_lm.py), or the base model under its sequence-classification head, which is
-kept: a cross-encoder (model/classifier.py), served as a reranker or a classifier.
+"""Which Hugging Face checkpoints this package implements, told apart by config.json's
+`model_type` and `architectures` (docs/api.md lists them): tensor names cannot tell the
+families apart (RoBERTa's are BERT's, and loaded as BERT it serves vectors that are off
+without a word: its positions start after the padding id).
 """
 
 from collections.abc import Callable
@@ -77,7 +70,6 @@ class Family:
         return self.base.removesuffix("Model") + "ForSequenceClassification"
 
 
-
 def head_names(hf_name: str, modules: dict[str, str]) -> tuple[str, ...] | None:
     """A head tensor's name in the checkpoint -> ours, by `modules` (a Family's head_modules
     or vocabulary_modules); None for a tensor of no module there."""
@@ -86,53 +78,43 @@ def head_names(hf_name: str, modules: dict[str, str]) -> tuple[str, ...] | None:
     return None if ours is None else (f"{ours}.{kind}",)
 
 
-def _encoder_family(model_type: str, base: str, prefix: str, lm_head: tuple[str, ...],
-                    config: Callable, names: Callable, head_config: Callable,
-                    head_modules: dict[str, str], vocabulary_config: Callable,
-                    vocabulary_modules: dict[str, str], encoder: Callable = Encoder) -> Family:
-    return Family(model_type, base, prefix, base.removesuffix("Model") + "ForMaskedLM", lm_head,
-                  config, encoder, names, head_config, head_modules, vocabulary_config,
-                  vocabulary_modules)
-
-
 _ROBERTA_HEAD = {"classifier.dense": "dense", "classifier.out_proj": "out"}
 _ROBERTA_LM_HEAD = {"lm_head.dense": "dense", "lm_head.layer_norm": "norm",
                     "lm_head.decoder": "decoder", "lm_head": "decoder"}
 
+
+def _encoder_family(model_type: str, base: str, prefix: str, config: Callable, names: Callable,
+                    lm_head: tuple[str, ...] = ("lm_head.",), head_config: Callable = HeadConfig.bert_from_hf,
+                    head_modules: dict[str, str] = _ROBERTA_HEAD,
+                    vocabulary_config: Callable = VocabularyHeadConfig.bert_from_hf,
+                    vocabulary_modules: dict[str, str] = _ROBERTA_LM_HEAD,
+                    encoder: Callable = Encoder) -> Family:
+    """An encoder family, its heads RoBERTa's unless it names others."""
+    return Family(model_type, base, prefix, base.removesuffix("Model") + "ForMaskedLM", lm_head,
+                  config, encoder, names, head_config, head_modules, vocabulary_config, vocabulary_modules)
+
+
 FAMILIES = {family.model_type: family for family in (
-    _encoder_family("bert", "BertModel", "bert.", ("cls.predictions.",), EncoderConfig.from_hf,
-                    bert_names, HeadConfig.bert_from_hf,
-                    {"bert.pooler.dense": "dense", "classifier": "out"},
-                    VocabularyHeadConfig.bert_from_hf,
-                    {"cls.predictions.transform.dense": "dense",
-                     "cls.predictions.transform.LayerNorm": "norm",
-                     "cls.predictions.decoder": "decoder", "cls.predictions": "decoder"}),
-    _encoder_family("roberta", "RobertaModel", "roberta.", ("lm_head.",), EncoderConfig.from_hf,
-                    bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD,
-                    VocabularyHeadConfig.bert_from_hf, _ROBERTA_LM_HEAD),
-    _encoder_family("xlm-roberta", "XLMRobertaModel", "roberta.", ("lm_head.",),
-                    EncoderConfig.from_hf, bert_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD,
-                    VocabularyHeadConfig.bert_from_hf, _ROBERTA_LM_HEAD),
-    _encoder_family("modernbert", "ModernBertModel", "model.", ("head.", "decoder."),
-                    ModernBertConfig.from_hf, modernbert_names, HeadConfig.modernbert_from_hf,
+    _encoder_family("bert", "BertModel", "bert.", EncoderConfig.from_hf, bert_names,
+                    ("cls.predictions.",), head_modules={"bert.pooler.dense": "dense", "classifier": "out"},
+                    vocabulary_modules={"cls.predictions.transform.dense": "dense",
+                                        "cls.predictions.transform.LayerNorm": "norm",
+                                        "cls.predictions.decoder": "decoder", "cls.predictions": "decoder"}),
+    _encoder_family("roberta", "RobertaModel", "roberta.", EncoderConfig.from_hf, bert_names),
+    _encoder_family("xlm-roberta", "XLMRobertaModel", "roberta.", EncoderConfig.from_hf, bert_names),
+    _encoder_family("modernbert", "ModernBertModel", "model.", ModernBertConfig.from_hf, modernbert_names,
+                    ("head.", "decoder."), HeadConfig.modernbert_from_hf,
                     {"head.dense": "dense", "head.norm": "norm", "classifier": "out"},
                     VocabularyHeadConfig.modernbert_from_hf,
-                    {"head.dense": "dense", "head.norm": "norm", "decoder": "decoder"},
-                    ModernBertEncoder),
-    _encoder_family("mpnet", "MPNetModel", "mpnet.", ("lm_head.",), EncoderConfig.mpnet_from_hf,
-                    mpnet_names, HeadConfig.bert_from_hf, _ROBERTA_HEAD,
-                    VocabularyHeadConfig.bert_from_hf, _ROBERTA_LM_HEAD),
-    _encoder_family("distilbert", "DistilBertModel", "distilbert.",
-                    ("vocab_transform.", "vocab_layer_norm.", "vocab_projector."),
-                    EncoderConfig.distilbert_from_hf, distilbert_names,
-                    HeadConfig.distilbert_from_hf,
-                    {"pre_classifier": "dense", "classifier": "out"},
+                    {"head.dense": "dense", "head.norm": "norm", "decoder": "decoder"}, ModernBertEncoder),
+    _encoder_family("mpnet", "MPNetModel", "mpnet.", EncoderConfig.mpnet_from_hf, mpnet_names),
+    _encoder_family("distilbert", "DistilBertModel", "distilbert.", EncoderConfig.distilbert_from_hf,
+                    distilbert_names, ("vocab_transform.", "vocab_layer_norm.", "vocab_projector."),
+                    HeadConfig.distilbert_from_hf, {"pre_classifier": "dense", "classifier": "out"},
                     VocabularyHeadConfig.distilbert_from_hf,
-                    {"vocab_transform": "dense", "vocab_layer_norm": "norm",
-                     "vocab_projector": "decoder"}),
+                    {"vocab_transform": "dense", "vocab_layer_norm": "norm", "vocab_projector": "decoder"}),
     Family("qwen3", "Qwen3Model", "model.", "Qwen3ForCausalLM", ("lm_head.",),
-           DecoderConfig.qwen3_from_hf, Decoder, qwen3_names, HeadConfig.qwen3_from_hf,
-           {"score": "out"}),
+           DecoderConfig.qwen3_from_hf, Decoder, qwen3_names, HeadConfig.qwen3_from_hf, {"score": "out"}),
     Family("gemma3_text", "Gemma3TextModel", "model.", "Gemma3ForCausalLM", ("lm_head.",),
            DecoderConfig.gemma3_from_hf, Decoder, gemma3_names),
 )}
@@ -169,8 +151,7 @@ def architecture_of(hf: dict, family: Family) -> Architecture:
             raise ValueError(
                 f"architectures: {architecture!r} is not served; for model_type "
                 f"{hf['model_type']!r} attnserve exports {family.base}, {family.language_model} "
-                f"(its language-model head dropped: the encoder is the base model's)"
-                f"{reranker}")
+                f"(its language-model head dropped: the encoder is the base model's){reranker}")
         found.append(kinds[architecture])
     if "classifier" in found and len(set(found)) > 1:
         raise ValueError(f"architectures: {hf['architectures']} name a classifier beside another "

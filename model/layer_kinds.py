@@ -36,12 +36,8 @@ class LayerKindStack(nn.Module, ABC):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The family's token embeddings of `input_ids`, [batch, seq, hidden]."""
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        output_attentions: bool = False,
-    ) -> EncoderOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_attentions: bool = False) -> EncoderOutput:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         whole = key_mask(attention_mask)
@@ -52,7 +48,4 @@ class LayerKindStack(nn.Module, ABC):
         for layer in self.layers:
             x, probs = layer(x, window if layer.local else whole)
             attentions.append(probs)
-        return EncoderOutput(
-            last_hidden_state=self.final_norm(x),
-            attentions=tuple(attentions) if output_attentions else None,
-        )
+        return EncoderOutput(self.final_norm(x), attentions=tuple(attentions) if output_attentions else None)

@@ -38,7 +38,6 @@ class MaskedLanguageModel(nn.Module):
         self.config = encoder.config
         self.head = VocabularyHead(encoder.config.hidden_size, encoder.config.vocab_size, head)
 
-    def forward(self, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(batch, seq) -> (batch, seq, vocab) logits."""
         return self.head(self.encoder(input_ids, attention_mask).last_hidden_state)

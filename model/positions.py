@@ -10,9 +10,8 @@ from torch import nn
 def sinusoidal_table(max_positions: int, hidden_size: int) -> torch.Tensor:
     """The original Transformer's fixed encoding: sin on even dimensions, cos on odd."""
     position = torch.arange(max_positions, dtype=torch.float32)[:, None]
-    frequency = torch.exp(
-        torch.arange(0, hidden_size, 2, dtype=torch.float32) * (-math.log(10000.0) / hidden_size)
-    )
+    frequency = torch.exp(torch.arange(0, hidden_size, 2, dtype=torch.float32)
+                          * (-math.log(10000.0) / hidden_size))
     table = torch.zeros(max_positions, hidden_size)
     table[:, 0::2] = torch.sin(position * frequency)
     table[:, 1::2] = torch.cos(position * frequency[: hidden_size // 2])

@@ -1,17 +1,10 @@
 """sentence-transformers' modules, as a checkpoint's modules.json lists them in the order
-they run: what turns the encoder's token states into the vector
-`SentenceTransformer.encode` returns.
-
-    Transformer -> Pooling -> Dense … -> Normalize
-
-Pooling makes one vector a sequence (its mode is in its folder's config.json, read by
-export/serving.py); each Dense is a linear layer and an activation (its config.json, its
-weights in model.safetensors or pytorch_model.bin), optionally with the input added back
-(`use_residual`); Normalize scales the result to unit length; Dropout does nothing at
-inference. Any other module, or these in another order, would make the served vector
-something else than the model's, so the checkpoint is refused, naming modules.json and the
-module. A checkpoint without modules.json is a plain Hugging Face model: mean pooling, as
-sentence-transformers loads it.
+they run (Transformer -> Pooling -> Dense … -> Normalize): what turns the encoder's token
+states into the vector `SentenceTransformer.encode` returns. docs/api.md
+("sentence-transformers' modules") says what each exports as; any other module, or these in
+another order, is refused: it would serve another vector than the model's. A checkpoint
+without modules.json is a plain Hugging Face model: mean pooling, as sentence-transformers
+loads it.
 """
 
 import importlib
@@ -97,9 +90,8 @@ def _weights(folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         path = folder / name
         if path.is_file():
             try:
-                if name.endswith(".safetensors"):
-                    return path, load_file(path)
-                return path, torch.load(path, map_location="cpu", weights_only=True)
+                return path, (load_file(path) if name.endswith(".safetensors")
+                              else torch.load(path, map_location="cpu", weights_only=True))
             except Exception as err:  # a damaged file raises whatever its reader does
                 raise CheckpointError(f"{path}: cannot be read ({err})") from err
     raise CheckpointError(f"{folder}: a Dense module needs model.safetensors or pytorch_model.bin")
@@ -119,8 +111,7 @@ def _dense(folder: Path, in_features: int, on: str) -> Dense:
         raise CheckpointError(f"{path}: in_features {config.get('in_features')!r} and out_features "
                            f"{config.get('out_features')!r}; the vector coming in has {in_features}")
     dense = Dense(in_features, config["out_features"], bool(config.get("bias", True)),
-                  _activation(path, config.get("activation_function",
-                                               "torch.nn.modules.activation.Tanh")),
+                  _activation(path, config.get("activation_function", "torch.nn.modules.activation.Tanh")),
                   bool(config.get("use_residual", False)))
     weights_path, weights = _weights(folder)
     expected = dense.state_dict()
@@ -130,9 +121,8 @@ def _dense(folder: Path, in_features: int, on: str) -> Dense:
         if name not in weights:
             raise CheckpointError(f"{weights_path}: missing tensor {name}")
         if tuple(weights[name].shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{weights_path}: tensor {name} has shape "
-                               f"{tuple(weights[name].shape)}, the config says "
-                               f"{tuple(expected[name].shape)}")
+            raise CheckpointError(f"{weights_path}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                                  f"the config says {tuple(expected[name].shape)}")
     dense.load_state_dict({name: w.float() for name, w in weights.items()})
     return dense
 

@@ -34,6 +34,11 @@ class TensorNames:
         return None
 
 
+def _attention(q: str, k: str, v: str, o: str) -> dict[str, tuple[str, ...]]:
+    """A family's names of attention's four projections -> ours."""
+    return {q: ("attention.w_q",), k: ("attention.w_k",), v: ("attention.w_v",), o: ("attention.w_o",)}
+
+
 _EMBEDDINGS = {
     "embeddings.word_embeddings": ("embeddings.word",),
     "embeddings.position_embeddings": ("embeddings.position",),
@@ -46,42 +51,29 @@ _BERT_FEED_FORWARD = {
     "output.LayerNorm": ("output_norm",),
 }
 _ENCODER_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)$")
+_LAYERS = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 # BertModel (and RoBERTa's, XLM-RoBERTa's).
 bert_names = TensorNames(
-    _EMBEDDINGS | _POOLER | {"embeddings.token_type_embeddings": ("embeddings.token_type",)},
-    _ENCODER_LAYER,
-    {"attention.self.query": ("attention.w_q",),
-     "attention.self.key": ("attention.w_k",),
-     "attention.self.value": ("attention.w_v",),
-     "attention.output.dense": ("attention.w_o",),
-     "attention.output.LayerNorm": ("attention_norm",)} | _BERT_FEED_FORWARD,
+    _EMBEDDINGS | _POOLER | {"embeddings.token_type_embeddings": ("embeddings.token_type",)}, _ENCODER_LAYER,
+    _attention("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense")
+    | {"attention.output.LayerNorm": ("attention_norm",)} | _BERT_FEED_FORWARD,
 )
 
 # MPNetModel: BERT's, but no segments, attention under attn.{q,k,v,o}, and one table of
 # relative-position biases for all the layers.
 mpnet_names = TensorNames(
-    _EMBEDDINGS | _POOLER | {"encoder.relative_attention_bias": ("relative.bias",)},
-    _ENCODER_LAYER,
-    {"attention.attn.q": ("attention.w_q",),
-     "attention.attn.k": ("attention.w_k",),
-     "attention.attn.v": ("attention.w_v",),
-     "attention.attn.o": ("attention.w_o",),
-     "attention.LayerNorm": ("attention_norm",)} | _BERT_FEED_FORWARD,
+    _EMBEDDINGS | _POOLER | {"encoder.relative_attention_bias": ("relative.bias",)}, _ENCODER_LAYER,
+    _attention("attention.attn.q", "attention.attn.k", "attention.attn.v", "attention.attn.o")
+    | {"attention.LayerNorm": ("attention_norm",)} | _BERT_FEED_FORWARD,
 )
 
 # DistilBertModel: no segments, no pooler.
 distilbert_names = TensorNames(
-    _EMBEDDINGS,
-    re.compile(r"^transformer\.layer\.(\d+)\.(.+)$"),
-    {"attention.q_lin": ("attention.w_q",),
-     "attention.k_lin": ("attention.w_k",),
-     "attention.v_lin": ("attention.w_v",),
-     "attention.out_lin": ("attention.w_o",),
-     "sa_layer_norm": ("attention_norm",),
-     "ffn.lin1": ("feed_forward.up",),
-     "ffn.lin2": ("feed_forward.down",),
-     "output_layer_norm": ("output_norm",)},
+    _EMBEDDINGS, re.compile(r"^transformer\.layer\.(\d+)\.(.+)$"),
+    _attention("attention.q_lin", "attention.k_lin", "attention.v_lin", "attention.out_lin")
+    | {"sa_layer_norm": ("attention_norm",), "ffn.lin1": ("feed_forward.up",),
+       "ffn.lin2": ("feed_forward.down",), "output_layer_norm": ("output_norm",)},
 )
 
 # ModernBertModel: Q, K and V are one matrix (Wqkv), and so are the GeGLU's two input
@@ -90,7 +82,7 @@ modernbert_names = TensorNames(
     {"embeddings.tok_embeddings": ("embeddings.word",),
      "embeddings.norm": ("embeddings.norm",),
      "final_norm": ("final_norm",)},
-    re.compile(r"^layers\.(\d+)\.(.+)$"),
+    _LAYERS,
     {"attn_norm": ("attention_norm",),
      "attn.Wqkv": ("attention.w_q", "attention.w_k", "attention.w_v"),
      "attn.Wo": ("attention.w_o",),
@@ -100,13 +92,9 @@ modernbert_names = TensorNames(
 )
 
 _DECODER = {"embed_tokens": ("word",), "norm": ("final_norm",)}
-_DECODER_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _DECODER_PARTS = {
+    **_attention("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     "input_layernorm": ("attention_norm",),
-    "self_attn.q_proj": ("attention.w_q",),
-    "self_attn.k_proj": ("attention.w_k",),
-    "self_attn.v_proj": ("attention.w_v",),
-    "self_attn.o_proj": ("attention.w_o",),
     "self_attn.q_norm": ("attention.query_norm",),
     "self_attn.k_norm": ("attention.key_norm",),
     "mlp.gate_proj": ("feed_forward.gate",),
@@ -115,11 +103,11 @@ _DECODER_PARTS = {
 }
 
 # Qwen3Model: its post_attention_layernorm is the norm before the feed-forward.
-qwen3_names = TensorNames(_DECODER, _DECODER_LAYER,
+qwen3_names = TensorNames(_DECODER, _LAYERS,
                           _DECODER_PARTS | {"post_attention_layernorm": ("feed_forward_norm",)})
 
 # Gemma3TextModel: a norm on attention's output, and one before and after the feed-forward.
-gemma3_names = TensorNames(_DECODER, _DECODER_LAYER, _DECODER_PARTS | {
+gemma3_names = TensorNames(_DECODER, _LAYERS, _DECODER_PARTS | {
     "post_attention_layernorm": ("post_attention_norm",),
     "pre_feedforward_layernorm": ("feed_forward_norm",),
     "post_feedforward_layernorm": ("post_feed_forward_norm",),

@@ -46,16 +46,15 @@ class Server:
         self.metrics.live.serving = self.serving
         await self.ports.start(self.plane, offload.requests_pool)
         await runners.warm_up()
-        await self.ports.set_health(True)
         ports = self.ports
+        await ports.set_health(True)
         log.info("event=serving port=%d metrics_port=%d http_port=%d tls=%s mtls=%s api_keys=%d "
                  "models=%s budget_bytes=%d memory_model=%r time_model=%r", ports.port,
                  ports.metrics_port, ports.http_port, ports.credentials is not None,
                  config.tls_client_ca is not None, len(ports.keys.keys), ",".join(self.plane.models),
                  runners.limits.memory_budget_bytes, runners.memory_source(), runners.time_source())
         if config.ready_file is not None:
-            write_ready_file(config.ready_file, {"port": ports.port,
-                                                 "metrics_port": ports.metrics_port,
+            write_ready_file(config.ready_file, {"port": ports.port, "metrics_port": ports.metrics_port,
                                                  "http_port": ports.http_port})
 
     async def drain(self) -> None:
@@ -72,8 +71,7 @@ async def run(config: ServeConfig) -> None:
     server = Server(config)
     await server.start()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.drain()

@@ -1,20 +1,10 @@
 """What every call shares, whatever its door, written once: its record (in-flight gauge,
-latency and count by status), how an exception becomes the status a caller gets, the log
-line a refusal makes, the server's name and version, and what a call
-carries besides its request: its request id (the caller's X-Request-Id, or a new one),
-where its time went (server/engine/timings.py) and, with --otlp-endpoint, the trace it
-belongs to (server/tracing.py).
-
-The metrics' `code` label carries the gRPC status name for every door (OK,
-INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), so one alert rule and one dashboard panel read
-both protocols; an HTTP route is in the `rpc` label ("http:/v1/embeddings", ...), and the
-model a call was routed to in the `model` label.
-
-A door begins a call where the call comes in (the HTTP middleware, the gRPC interceptor),
-in the task that serves it; every log line of the call then ends with its request id
-(server/logs.py). Its answer carries the id and TEI's timing headers (`metadata`: HTTP
-headers, gRPC trailing metadata), and once it has gone, `finish_call` hands the call's
-spans to the tracing."""
+latency and count by status, the `code` label a gRPC status name for every door), how an
+exception becomes the status a caller gets, the server's name and version, and what a
+call carries besides its request: its request id, where its time went (engine/timings.py;
+TEI's timing headers) and, with --otlp-endpoint, its trace (tracing.py). A door begins a
+call in the task that serves it (the HTTP middleware, the gRPC interceptor); every log
+line of the call then ends with its request id (logs.py). docs/api.md lists the headers."""
 
 import logging
 import re
@@ -49,7 +39,7 @@ TOTAL_TIME, COMPUTE_TOKENS = "x-total-time", "x-compute-tokens"
 
 def request_id(given: str | None) -> str:
     """The caller's id when it can be echoed (1 to 128 printable ASCII characters), else a
-    new one: an id past that length, or with a control character, is replaced."""
+    new one."""
     if given and len(given) <= MAX_REQUEST_ID_CHARS and _ECHOED.fullmatch(given):
         return given
     return uuid.uuid4().hex
@@ -69,7 +59,7 @@ class Call:
     started: float = field(default_factory=time.monotonic)
     times: timings.CallTimes = field(default_factory=timings.CallTimes)
     code: str = "OK"
-    """the gRPC code name of its answer (front.CallRecord)"""
+    """the gRPC code name of its answer (CallRecord)"""
     model: str = ""
     """the model it was routed to, "" for none"""
 
@@ -85,11 +75,9 @@ class Call:
 _CALL: ContextVar[Call | None] = ContextVar("attnserve_call", default=None)
 
 
-def begin_call(name: str, given_id: str | None, traceparent: str | None,
-          tracing: Tracing | None) -> Call:
+def begin_call(name: str, given_id: str | None, traceparent: str | None, tracing: Tracing | None) -> Call:
     """The call the running task serves, from the caller's X-Request-Id and traceparent."""
-    call = Call(name, request_id(given_id),
-                None if tracing is None else tracing.parent(traceparent))
+    call = Call(name, request_id(given_id), None if tracing is None else tracing.parent(traceparent))
     _CALL.set(call)
     timings.begin(call.times)
     set_request_id(call.request_id)
@@ -113,6 +101,7 @@ def finish_call(call: Call, tracing: Tracing | None, attributes: dict) -> None:
                                  "attnserve.steps_dropped": call.times.dropped},
                    {"attnserve.model": call.model} if call.model else {})
 
+
 class CallRecord:
     """One call from its start to its answer: counted in flight meanwhile, then by
     status and latency. `refusal(err)` turns what the call raised into the error to
@@ -121,10 +110,7 @@ class CallRecord:
     traceback)."""
 
     def __init__(self, metrics: Metrics, rpc: str):
-        self.metrics = metrics
-        self.rpc = rpc
-        self.code = OK
-        self.started = time.perf_counter()
+        self.metrics, self.rpc, self.code, self.started = metrics, rpc, OK, time.perf_counter()
         self.model = call_model()
         """the model the call was routed to (metrics.routed_to), "" for none"""
         self.call = current_call()
@@ -135,8 +121,7 @@ class CallRecord:
             log.error("event=internal_error rpc=%s", self.rpc, exc_info=err)
             err = RequestError(f"internal error: {err.__class__.__name__}")
         else:
-            log.debug("event=refused rpc=%s code=%s message=%r", self.rpc, err.code.name,
-                      err.message)
+            log.debug("event=refused rpc=%s code=%s message=%r", self.rpc, err.code.name, err.message)
         self.code = err.code.name
         return err
 
@@ -144,5 +129,4 @@ class CallRecord:
         if self.call is not None:
             self.call.code, self.call.model = self.code, self.model[0] or self.call.model
         self.metrics.inflight.dec()
-        self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started,
-                              self.model[0])
+        self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started, self.model[0])

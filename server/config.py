@@ -127,19 +127,16 @@ class ServeConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"{getattr(self, name)!r} is not one of "
                                         f"{', '.join(allowed)}")
-        for name in ("max_batch_tokens", "max_batch_size", "max_queue_requests",
-                     "max_queue_tokens", "max_chunking_chars", "max_message_bytes",
-                     "http_max_body_bytes",
-                     "bucket_seq_multiple"):
+        for name in ("max_batch_tokens", "max_batch_size", "max_queue_requests", "max_queue_tokens",
+                     "max_chunking_chars", "max_message_bytes", "http_max_body_bytes", "bucket_seq_multiple"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
         for name in ("http_header_timeout_seconds", "http_body_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be more than 0")
         for name in ("max_wait_ms", "bulk_batch_ms", "priority_aging_ms", "interactive_window_ms",
-                     "memory_budget_bytes", "drain_seconds",
-                     "max_connection_age_seconds", "intra_op_threads", "metrics_port", "port",
-                     "http_port", "sessions"):
+                     "memory_budget_bytes", "drain_seconds", "max_connection_age_seconds",
+                     "intra_op_threads", "metrics_port", "port", "http_port", "sessions"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must not be negative")
         if self.workers != "auto" and not (self.workers.isascii() and self.workers.isdigit()
@@ -194,118 +191,106 @@ CHOICES = {
     "cuda_graphs": ("on", "off"),
 }
 _HELP = {
-    "artifact": "[NAME=]DIR: an artifact directory written by `attnserve export`, served as NAME "
-                "(default: its manifest's model name); repeat it to serve several models, the "
-                "first the default for requests that name none (required; in the environment "
-                "twin, several are separated by commas)",
+    "artifact": "[NAME=]DIR: an artifact directory written by `attnserve export`, served as NAME (default: "
+                "its manifest's model name); repeat it to serve several models, the first the default for "
+                "requests that name none (required; in the environment twin, several are separated by "
+                "commas)",
     "host": "address the gRPC port binds to",
-    "port": "gRPC port (EncoderService, Open Inference Protocol, health, reflection); "
-            "0: one the OS picks (see --ready-file)",
+    "port": "gRPC port (EncoderService, Open Inference Protocol, health, reflection); 0: one the OS picks "
+            "(see --ready-file)",
     "metrics_host": "address the Prometheus /metrics port binds to",
     "metrics_port": "Prometheus /metrics port (0 disables it)",
-    "http_port": "HTTP port on --host: OpenAI's, Infinity's and TEI's routes, KServe v2 REST "
-                 "(/v2/...), GET /health, /openapi.json and its page /docs (0 disables it)",
-    "http_max_body_bytes": "largest HTTP request body (413 past it); it bounds the time "
-                           "parsing one JSON body holds the interpreter (~7 ms per MiB of "
-                           "texts, ~45 ms per MiB of one-id lists)",
-    "http_header_timeout_seconds": "an HTTP connection closes when a request's headers are not "
-                                   "all in this long after it opened or after its last answer "
-                                   "(so an idle keep-alive connection closes after it too)",
-    "http_body_timeout_seconds": "an HTTP request whose body is not all in this long after its "
-                                 "headers gets 408 and its connection closes",
-    "device": "auto: CUDA when a GPU and the CUDA provider are usable, else CPU; "
-              "cuda: fail at start when CUDA cannot be used",
-    "precision": "auto: fp16 graphs on CUDA when the artifact has them, fp32 elsewhere; int8: "
-                 "the CPU's quantized graphs (export --int8)",
-    "max_batch_tokens": "cap on padded tokens in one batch (rows × length as run: batch × "
-                        "longest sequence, or the shape bucket's)",
+    "http_port": "HTTP port on --host: OpenAI's, Infinity's and TEI's routes, KServe v2 REST (/v2/...), GET "
+                 "/health, /openapi.json and its page /docs (0 disables it)",
+    "http_max_body_bytes": "largest HTTP request body (413 past it); it bounds the time parsing one JSON "
+                           "body holds the interpreter (~7 ms per MiB of texts, ~45 ms per MiB of one-id "
+                           "lists)",
+    "http_header_timeout_seconds": "an HTTP connection closes when a request's headers are not all in this "
+                                   "long after it opened or after its last answer (so an idle keep-alive "
+                                   "connection closes after it too)",
+    "http_body_timeout_seconds": "an HTTP request whose body is not all in this long after its headers gets "
+                                 "408 and its connection closes",
+    "device": "auto: CUDA when a GPU and the CUDA provider are usable, else CPU; cuda: fail at start when "
+              "CUDA cannot be used",
+    "precision": "auto: fp16 graphs on CUDA when the artifact has them, fp32 elsewhere; int8: the CPU's "
+                 "quantized graphs (export --int8)",
+    "max_batch_tokens": "cap on padded tokens in one batch (rows × length as run: batch × longest sequence, "
+                        "or the shape bucket's)",
     "max_batch_size": "cap on sequences in one batch",
-    "max_wait_ms": "how long an idle scheduler waits to gather a first batch; 0: run at "
-                   "once (batches still form from what queues while one runs)",
-    "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED (bulk "
-                          "ones past three quarters of it: the rest is kept for interactive "
-                          "calls)",
-    "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED (bulk "
-                        "ones past three quarters of it)",
-    "bulk_batch_ms": "while interactive work is arriving (--interactive-window-ms), a batch of "
-                     "bulk work holds only the sequences whose predicted time (the artifact's "
-                     "time model, else the batches run so far) stays within this, and at "
-                     "least one: an interactive batch runs beside it, and where none can "
-                     "(--cuda-graphs) waits at most about this long behind the batch running "
-                     "when it arrives; 0: bulk batches are never cut",
-    "priority_aging_ms": "bulk work counts as having arrived this much after the later of its "
-                         "arrival and the start of the last bulk batch when the next batch's "
-                         "class is chosen: interactive work goes first while bulk batches run, "
-                         "and waiting bulk work yields only to interactive work that arrived "
-                         "less than this after the last bulk batch started",
-    "interactive_window_ms": "interactive work counts as arriving while some waits and for this "
-                             "long after an interactive request last arrived or an interactive "
-                             "batch last started (bulk batches are cut meanwhile: "
-                             "--bulk-batch-ms)",
-    "max_chunking_chars": "longest text (in Unicode code points) a request with chunking may "
-                          "carry; a longer one gets INVALID_ARGUMENT naming it. A chunked text "
-                          "is tokenized whole and costs what its windows or chunks cost "
-                          "against --max-queue-tokens and the memory budget",
-    "default_prompt_name": "the prompt (one of a model's prompts, as GetModelInfo lists them) "
-                           "put before the texts of every request that names none, for "
-                           "every model that has a prompt of this name; a model without "
-                           "one keeps its own default prompt (its checkpoint's "
-                           "default_prompt_name), or none, and the start-up log says which",
-    "memory_budget_bytes": "peak memory the batches in flight and the requests and answers "
-                           "held may take together (on CUDA the batches alone: requests and "
-                           "answers get half the machine's free memory); 0: half the device's "
-                           "(CUDA) or machine's (CPU) memory free at start",
+    "max_wait_ms": "how long an idle scheduler waits to gather a first batch; 0: run at once (batches still "
+                   "form from what queues while one runs)",
+    "max_queue_requests": "queued requests past which new ones get RESOURCE_EXHAUSTED (bulk ones past three "
+                          "quarters of it: the rest is kept for interactive calls)",
+    "max_queue_tokens": "queued tokens past which new requests get RESOURCE_EXHAUSTED (bulk ones past three "
+                        "quarters of it)",
+    "bulk_batch_ms": "while interactive work is arriving (--interactive-window-ms), a batch of bulk work "
+                     "holds only the sequences whose predicted time (the artifact's time model, else the "
+                     "batches run so far) stays within this, and at least one: an interactive batch runs "
+                     "beside it, and where none can (--cuda-graphs) waits at most about this long behind "
+                     "the batch running when it arrives; 0: bulk batches are never cut",
+    "priority_aging_ms": "bulk work counts as having arrived this much after the later of its arrival and "
+                         "the start of the last bulk batch when the next batch's class is chosen: "
+                         "interactive work goes first while bulk batches run, and waiting bulk work yields "
+                         "only to interactive work that arrived less than this after the last bulk batch "
+                         "started",
+    "interactive_window_ms": "interactive work counts as arriving while some waits and for this long after "
+                             "an interactive request last arrived or an interactive batch last started "
+                             "(bulk batches are cut meanwhile: --bulk-batch-ms)",
+    "max_chunking_chars": "longest text (in Unicode code points) a request with chunking may carry; a "
+                          "longer one gets INVALID_ARGUMENT naming it. A chunked text is tokenized whole "
+                          "and costs what its windows or chunks cost against --max-queue-tokens and the "
+                          "memory budget",
+    "default_prompt_name": "the prompt (one of a model's prompts, as GetModelInfo lists them) put before "
+                           "the texts of every request that names none, for every model that has a prompt "
+                           "of this name; a model without one keeps its own default prompt (its "
+                           "checkpoint's default_prompt_name), or none, and the start-up log says which",
+    "memory_budget_bytes": "peak memory the batches in flight and the requests and answers held may take "
+                           "together (on CUDA the batches alone: requests and answers get half the "
+                           "machine's free memory); 0: half the device's (CUDA) or machine's (CPU) memory "
+                           "free at start",
     "drain_seconds": "on SIGTERM, how long accepted work may take to finish",
     "max_message_bytes": "largest gRPC message received or sent, and largest HTTP response",
-    "max_connection_age_seconds": "close client connections after this long (they reconnect at "
-                                  "once; calls in flight on them finish), so clients balancing "
-                                  "over a headless Service find new replicas; 0 keeps "
-                                  "connections forever",
-    "intra_op_threads": "onnxruntime intra-op threads; 0: one per core this process may use "
-                        "on the CPU, 1 on CUDA",
-    "shape_buckets": "pad every batch to a bounded set of shapes (rows to a power of two up "
-                     "to --max-batch-size, length to a multiple of --bucket-seq-multiple) and "
-                     "run each once before health says SERVING, so no caller meets a shape's "
-                     "first run (~55 ms on an H200); auto: on with CUDA, off on the CPU (where a "
-                     "padded token costs as much as a real one and a new shape nothing)",
+    "max_connection_age_seconds": "close client connections after this long (they reconnect at once; calls "
+                                  "in flight on them finish), so clients balancing over a headless Service "
+                                  "find new replicas; 0 keeps connections forever",
+    "intra_op_threads": "onnxruntime intra-op threads; 0: one per core this process may use on the CPU, 1 "
+                        "on CUDA",
+    "shape_buckets": "pad every batch to a bounded set of shapes (rows to a power of two up to "
+                     "--max-batch-size, length to a multiple of --bucket-seq-multiple) and run each once "
+                     "before health says SERVING, so no caller meets a shape's first run (~55 ms on an "
+                     "H200); auto: on with CUDA, off on the CPU (where a padded token costs as much as a "
+                     "real one and a new shape nothing)",
     "bucket_seq_multiple": "with shape buckets, lengths round up to a multiple of this",
-    "sessions": "onnxruntime sessions per graph, each running its own batch at the same "
-                "time on its own inference thread; 0: 2 with CUDA (the device overlaps one "
-                "batch's host work with another's kernels), 1 on the CPU (one batch already "
-                "uses every core)",
-    "workers": "front-end processes (each parsing, tokenizing and packing on its own event "
-               "loop, all on the same ports) around one engine process that owns the sessions, "
-               "the queue, the batch loop and the memory budget; 1: one process, no hop "
-               "between them; auto: 1 on the CPU, on a GPU one for every two cores this "
-               "process may use (its CPU limit counted), at most 8",
-    "cuda_graphs": "on: capture one CUDA graph per shape bucket (needs shape buckets) and "
-                   "replay it, with fixed input and output buffers (IO binding); on the CPU "
-                   "only the fixed buffers",
+    "sessions": "onnxruntime sessions per graph, each running its own batch at the same time on its own "
+                "inference thread; 0: 2 with CUDA (the device overlaps one batch's host work with another's "
+                "kernels), 1 on the CPU (one batch already uses every core)",
+    "workers": "front-end processes (each parsing, tokenizing and packing on its own event loop, all on the "
+               "same ports) around one engine process that owns the sessions, the queue, the batch loop and "
+               "the memory budget; 1: one process, no hop between them; auto: 1 on the CPU, on a GPU one "
+               "for every two cores this process may use (its CPU limit counted), at most 8",
+    "cuda_graphs": "on: capture one CUDA graph per shape bucket (needs shape buckets) and replay it, with "
+                   "fixed input and output buffers (IO binding); on the CPU only the fixed buffers",
     "tls_cert": "PEM certificate chain: serve TLS",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mTLS)",
-    "api_key": "require this key on every call but health checks, reflection and "
-               "/openapi.json: gRPC metadata "
-               "'authorization: Bearer KEY', HTTP header 'Authorization: Bearer KEY'",
-    "api_key_file": "file of API keys, one a line (a mounted Kubernetes Secret), taken as "
-                    "--api-key is; both may be given. A key may be followed by class=bulk "
-                    "(or interactive: every call made with it is of that priority class, "
-                    "whatever it names) and max_inflight=N (at most N of its calls handled "
-                    "at once across --workers; one more gets RESOURCE_EXHAUSTED / 429 with "
-                    "Retry-After)",
-    "cors_allow_origin": "let web pages of this origin (scheme://host[:port], or * for any) "
-                         "call the HTTP port from a browser: preflights answered, answers "
-                         "marked for it; repeat it or separate origins by commas. None by "
-                         "default",
+    "api_key": "require this key on every call but health checks, reflection and /openapi.json: gRPC "
+               "metadata 'authorization: Bearer KEY', HTTP header 'Authorization: Bearer KEY'",
+    "api_key_file": "file of API keys, one a line (a mounted Kubernetes Secret), taken as --api-key is; "
+                    "both may be given. A key may be followed by class=bulk (or interactive: every call "
+                    "made with it is of that priority class, whatever it names) and max_inflight=N (at most "
+                    "N of its calls handled at once across --workers; one more gets RESOURCE_EXHAUSTED / "
+                    "429 with Retry-After)",
+    "cors_allow_origin": "let web pages of this origin (scheme://host[:port], or * for any) call the HTTP "
+                         "port from a browser: preflights answered, answers marked for it; repeat it or "
+                         "separate origins by commas. None by default",
     "log_level": "the least severe log lines written",
-    "otlp_endpoint": "send one trace span per call (its tokenize, queue, inference and respond "
-                     "steps beneath it) to the OpenTelemetry collector at this OTLP/gRPC "
-                     "endpoint, http://HOST:PORT (https:// for TLS); a caller's W3C traceparent "
-                     "is continued. Needs the otlp extra (pip install 'attnserve[otlp]'); off "
-                     "by default, costing nothing then",
-    "ready_file": "once health is SERVING, write {\"port\", \"metrics_port\", \"http_port\", "
-                  "\"pid\"} as JSON to this file (whole: written beside it, then renamed), "
-                  "for whoever started the server and waits for it",
+    "otlp_endpoint": "send one trace span per call (its tokenize, queue, inference and respond steps "
+                     "beneath it) to the OpenTelemetry collector at this OTLP/gRPC endpoint, "
+                     "http://HOST:PORT (https:// for TLS); a caller's W3C traceparent is continued. Needs "
+                     "the otlp extra (pip install 'attnserve[otlp]'); off by default, costing nothing then",
+    "ready_file": "once health is SERVING, write {\"port\", \"metrics_port\", \"http_port\", \"pid\"} as "
+                  "JSON to this file (whole: written beside it, then renamed), for whoever started the "
+                  "server and waits for it",
 }
 _TYPE_NAMES = {int: "an integer", float: "a number"}
 # The flags that may be given more than once: how each value is read, and whether a flag's

@@ -25,11 +25,7 @@ def status_bytes(field: str, pid: int | str = "self") -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
-def resident_bytes() -> int:
-    return status_bytes("VmRSS")
-
-
-def resident_bytes_of(pid: int) -> int:
+def resident_bytes(pid: int | str = "self") -> int:
     return status_bytes("VmRSS", pid)
 
 
@@ -81,8 +77,6 @@ class _MallInfo2(ctypes.Structure):
 _MALLINFO2 = _libc_function("mallinfo2")
 if _MALLINFO2 is not None:
     _MALLINFO2.restype = _MallInfo2
-
-
 HAS_ALLOCATION_COUNT = _MALLINFO2 is not None
 
 
@@ -96,8 +90,6 @@ def allocated_bytes() -> int:
 _MALLOPT = _libc_function("mallopt")
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-
-
 # Blocks from this size up are mapped on their own and unmapped when freed (the
 # intermediate tensors of a batch past a few sequences); smaller ones come from the heap.
 MMAP_THRESHOLD = 4 << 20

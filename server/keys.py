@@ -1,19 +1,7 @@
-"""API keys: who may call, and what a key says of its calls.
-
-A caller presents a key as `Authorization: Bearer <key>` (on gRPC, the `authorization`
-metadata). --api-key gives one key; --api-key-file gives one a line (a mounted Kubernetes
-Secret), each optionally followed by its settings, separated by blanks:
-
-    <key> [class=interactive|bulk] [max_inflight=N]
-
-- `class`: every call made with the key is of that priority class (server/priority.py),
-  whatever the call names: an indexer's key marked `bulk` stays bulk.
-- `max_inflight`: at most N calls made with the key are handled at once, counted across
-  every front end of a --workers group; one more is refused at once (RESOURCE_EXHAUSTED,
-  HTTP 429) with a Retry-After of RETRY_AFTER_S.
-
-Keys are compared in constant time. With no key configured, every call is let through,
-of the class it names."""
+"""API keys: who may call, and what a key says of its calls (docs/configuration.md,
+"Security", gives the key file's format: `<key> [class=interactive|bulk] [max_inflight=N]`).
+Keys are compared in constant time; with no key configured every call is let through, of
+the class it names."""
 
 import hmac
 from collections import Counter
@@ -75,7 +63,7 @@ def _nothing() -> None:
 
 
 def read_key_file(path: Path) -> list[ApiKey]:
-    """The keys of a key file (the module's format), refused naming the line at fault."""
+    """The keys of a key file (docs/configuration.md's format), refused naming the line at fault."""
     keys, capped = [], 0
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -101,8 +89,7 @@ def read_key_file(path: Path) -> list[ApiKey]:
         if int(cap):
             slot, capped = capped, capped + 1
             if capped > MAX_CAPPED_KEYS:
-                raise ValueError(f"{where}: at most {MAX_CAPPED_KEYS} keys may carry "
-                                 f"{MAX_INFLIGHT}")
+                raise ValueError(f"{where}: at most {MAX_CAPPED_KEYS} keys may carry {MAX_INFLIGHT}")
         keys.append(ApiKey(secret.encode("utf-8", "surrogateescape"), priority, int(cap), slot))
     if not keys:
         raise ValueError(f"--api-key-file {path}: holds no key")
@@ -114,8 +101,7 @@ class ApiKeys:
     capped keys' calls are counted (LocalCounts in one process, the shared page's with
     --workers)."""
 
-    def __init__(self, key: str | None, key_file: Path | None,
-                 counts: InFlightCounts | None = None):
+    def __init__(self, key: str | None, key_file: Path | None, counts: InFlightCounts | None = None):
         self.keys = [ApiKey(key.encode("utf-8", "surrogateescape"))] if key else []
         if key_file is not None:
             self.keys += read_key_file(key_file)

@@ -37,8 +37,6 @@ class TensorMetadata(Struct):
 
 
 class ModelMetadata(Struct):
-    """The model's tensors."""
-
     name: str
     versions: list[str]
     platform: str
@@ -62,14 +60,10 @@ def model_metadata(model: ServedModel) -> ModelMetadata:
 
 def repository_index(plane: DataPlane, ready_only: bool) -> list[RepositoryModel]:
     """Every model (with `ready_only`, every model serving), with its state."""
-    index = []
-    for model in plane.models.values():
-        ready = model.serving()
-        if ready or not ready_only:
-            index.append(RepositoryModel(model.name, MODEL_VERSION,
-                                         "READY" if ready else "UNAVAILABLE",
-                                         "" if ready else "warming up or draining"))
-    return index
+    ready = {name: model.serving() for name, model in plane.models.items()}
+    return [RepositoryModel(name, MODEL_VERSION, "READY" if up else "UNAVAILABLE",
+                            "" if up else "warming up or draining")
+            for name, up in ready.items() if up or not ready_only]
 
 
 def input_tensor(index: int, name: str, datatype: str, shape: Sequence[int],

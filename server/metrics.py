@@ -1,20 +1,17 @@
-"""Prometheus metrics. Names follow the conventions: prefix attnserve_, base units in the
-name, counters end in _total, and label sets stay small (lengths go into buckets).
+"""Prometheus metrics (docs/operations.md lists them): prefix attnserve_, base units in the
+name, counters end in _total, small label sets (lengths go into buckets); series of work
+carry the priority class of the call it came from (priority.py).
 
 With --workers, each front end counts into prometheus-client's multiprocess files (the
 PROMETHEUS_MULTIPROC_DIR its supervisor set) and the engine process, which counts in its
 own memory (a batch's dozen observations stay cheap), serves its counts and theirs
-merged, so one scrape shows what one process would. The values read when a scrape is
-taken (queue depth, device memory, health, the model's info) come from `Live`, in the
-process that serves /metrics.
-
-Series of work carry its priority class (`priority`: server/priority.py), the class of the
-call it came from: latency and counts of calls, queue depth and wait, sequences dropped."""
+merged. Values read when a scrape is taken come from `Live`, in the process serving it."""
 
 import itertools
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -31,11 +28,7 @@ MEMORY_BUCKETS = tuple(float(1 << shift) for shift in range(20, 37, 2))  # 1 MiB
 
 def length_edges(max_positions: int) -> list[int]:
     """16, 32, ... up to the model's maximum."""
-    edges, edge = [], 16
-    while edge < max_positions:
-        edges.append(edge)
-        edge *= 2
-    return edges + [max_positions]
+    return [16 << i for i in range(max_positions.bit_length()) if 16 << i < max_positions] + [max_positions]
 
 
 def answered_by_code(families: Iterable[Metric]) -> str:
@@ -43,11 +36,9 @@ def answered_by_code(families: Iterable[Metric]) -> str:
     summed), from collected metric families: what callers must have received, to compare
     against their count."""
     counts: dict[str, int] = {}
-    for family in families:
-        for sample in family.samples:
-            if sample.name == "attnserve_requests_total":
-                code = sample.labels["code"]
-                counts[code] = counts.get(code, 0) + int(sample.value)
+    for sample in itertools.chain.from_iterable(family.samples for family in families):
+        if sample.name == "attnserve_requests_total":
+            counts[sample.labels["code"]] = counts.get(sample.labels["code"], 0) + int(sample.value)
     return ",".join(f"{code}:{n}" for code, n in sorted(counts.items())) or "none"
 
 
@@ -140,8 +131,7 @@ class Merged:
     a name, each sample summed over the processes (one that never counted adds 0)."""
 
     def __init__(self, own: CollectorRegistry, directory: str):
-        self.own = own
-        self.directory = Path(directory)
+        self.own, self.directory = own, Path(directory)
 
     def _files(self) -> list[str]:
         """The front ends' files with counts in them. A process creates its file empty and
@@ -182,74 +172,65 @@ class Metrics:
         self.registry = counted if front_ends_dir is None else CollectorRegistry()
         if front_ends_dir is not None:
             self.registry.register(Merged(counted, front_ends_dir))
-        registry = counted
+        histogram, counter = partial(Histogram, registry=counted), partial(Counter, registry=counted)
         self.edges = length_edges(max_positions)
-        self.request_duration = Histogram(
+        self.request_duration = histogram(
             "attnserve_request_duration_seconds", "Time from receiving a request to answering it, "
             "by RPC, status code, model and the call's priority class.",
-            ["rpc", "code", "model", "priority"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.requests = Counter(
+            ["rpc", "code", "model", "priority"], buckets=LATENCY_BUCKETS)
+        self.requests = counter(
             "attnserve_requests", "Requests answered, by RPC, status code, model (empty when "
             "the call named no model the server serves) and the call's priority class.",
-            ["rpc", "code", "model", "priority"], registry=registry)
-        self.stage_duration = Histogram(
+            ["rpc", "code", "model", "priority"])
+        self.stage_duration = histogram(
             "attnserve_stage_duration_seconds",
             "Time per stage: queue (waiting for a batch), tokenize, inference, respond.",
-            ["model", "stage"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.batch_size = Histogram(
-            "attnserve_batch_size", "Sequences per batch run.", ["model"],
-            buckets=tuple(float(1 << i) for i in range(0, 9)), registry=registry)
-        self.batch_tokens = Histogram(
-            "attnserve_batch_tokens",
-            "Tokens per batch run: real ones, and padded (batch × longest sequence).",
-            ["model", "kind"],
-            buckets=tuple(float(1 << i) for i in range(4, 18)), registry=registry)
-        self.sequence_length = Histogram(
-            "attnserve_sequence_length_tokens", "Tokens per sequence requested.", ["model"],
-            buckets=tuple(float(e) for e in self.edges), registry=registry)
-        self.inference_duration = Histogram(
+            ["model", "stage"], buckets=LATENCY_BUCKETS)
+        self.batch_size = histogram("attnserve_batch_size", "Sequences per batch run.", ["model"],
+                                    buckets=tuple(float(1 << i) for i in range(0, 9)))
+        self.batch_tokens = histogram(
+            "attnserve_batch_tokens", "Tokens per batch run: real ones, and padded (batch × longest "
+            "sequence).", ["model", "kind"], buckets=tuple(float(1 << i) for i in range(4, 18)))
+        self.sequence_length = histogram("attnserve_sequence_length_tokens", "Tokens per sequence requested.",
+                                         ["model"], buckets=tuple(float(e) for e in self.edges))
+        self.inference_duration = histogram(
             "attnserve_inference_duration_seconds",
             "Backend time per batch, by padded length bucket and attention maps returned.",
-            ["model", "seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.batch_peak_memory = Histogram(
+            ["model", "seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS)
+        self.batch_peak_memory = histogram(
             "attnserve_batch_peak_memory_bytes",
             "Peak memory a batch added over what was in use before it (see docs/memory.md).",
-            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
-        self.batch_predicted_memory = Histogram(
+            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS)
+        self.batch_predicted_memory = histogram(
             "attnserve_batch_predicted_memory_bytes",
             "The memory model's prediction for the same batches, to show drift.",
-            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS, registry=registry)
+            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS)
         self.inflight = InFlight(Gauge(
             "attnserve_inflight_requests", "Requests being handled now, by the model each was "
             "routed to (empty before a call names one, and for calls that name none).",
-            ["model"], registry=registry, multiprocess_mode="livesum"))
-        self.queue_wait = Histogram(
+            ["model"], registry=counted, multiprocess_mode="livesum"))
+        self.queue_wait = histogram(
             "attnserve_queue_wait_seconds", "Time a request waited in its model's queue, by "
             "priority class: from queued until its last sequence started running (or was "
-            "dropped).", ["model", "priority"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.dropped = Counter(
-            "attnserve_dropped_sequences",
-            "Sequences dropped unanswered, by reason: deadline (the caller's deadline passed "
-            "while it waited) or cancelled (the caller went away), both before inference; "
-            "failed (its batch raised in inference, or the batch loop failed); and by the "
-            "priority class of their call.",
-            ["model", "reason", "priority"],
-            registry=registry)
-        self.unseen_shape_runs = Counter(
+            "dropped).", ["model", "priority"], buckets=LATENCY_BUCKETS)
+        self.dropped = counter(
+            "attnserve_dropped_sequences", "Sequences dropped unanswered, by reason: deadline (the "
+            "caller's deadline passed while it waited) or cancelled (the caller went away), both before "
+            "inference; failed (its batch raised in inference, or the batch loop failed); and by the "
+            "priority class of their call.", ["model", "reason", "priority"])
+        self.unseen_shape_runs = counter(
             "attnserve_unseen_shape_runs",
             "Batches run at a (batch, seq) shape their graph's session had never run before "
             "(on an H200 such a run costs ~55 ms more); with shape buckets every embeddings "
             "shape ran in warm-up, so graph=\"embeddings\" stays 0 after it.",
-            ["model", "graph"], registry=registry)
-        self.memory_waits = Counter(
-            "attnserve_memory_waits",
-            "Times a model's next batch was held back because it would not fit in the memory "
-            "budget beside the batches in flight (its own model's or another's).", ["model"],
-            registry=registry)
-        self.worker_deaths = Counter(
+            ["model", "graph"])
+        self.memory_waits = counter(
+            "attnserve_memory_waits", "Times a model's next batch was held back because it would not "
+            "fit in the memory budget beside the batches in flight (its own model's or another's).",
+            ["model"])
+        self.worker_deaths = counter(
             "attnserve_worker_deaths",
-            "Front-end processes (--workers) that died without draining; each is started again.",
-            registry=registry)
+            "Front-end processes (--workers) that died without draining; each is started again.")
         self.live = Live()
         self.registry.register(self.live)
 

@@ -26,14 +26,10 @@ def metrics_app(metrics: Metrics) -> web.Application:
 
 
 class MetricsThread:
-    """The metrics port on a thread with its own event loop: collecting and encoding a
-    scrape never runs on the event loop that serves calls and health probes."""
-
     def __init__(self, metrics: Metrics, host: str, port: int):
         self.listener = Listener(metrics_app(metrics))
-        self.host, self.requested = host, port
+        self.host, self.requested, self.port = host, port, 0
         self.loop = asyncio.new_event_loop()
-        self.port = 0
 
     def start(self) -> int:
         started = threading.Event()
@@ -59,7 +55,6 @@ class MetricsThread:
         return self.port
 
     def stop(self) -> None:
-        future = asyncio.run_coroutine_threadsafe(self.listener.stop(), self.loop)
-        future.result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self.listener.stop(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)

@@ -16,8 +16,7 @@ from attnserve.server.tracing import tracing_for
 
 class Ports:
     def __init__(self, config: ServeConfig, metrics: Metrics, key_counts: InFlightCounts | None = None):
-        """`key_counts`: where capped API keys' calls are counted (this process's own by
-        default)."""
+        """`key_counts`: where capped API keys' calls are counted (default: in this process)."""
         self.config, self.metrics = config, metrics
         self.keys = ApiKeys(config.api_key, config.api_key_file, key_counts)
         self.tracing = tracing_for(config.otlp_endpoint)

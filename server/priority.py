@@ -1,23 +1,12 @@
-"""Priority classes: which waiting work each model's batch loop serves first.
-
-Two classes, highest first:
-
-- `interactive`: a caller waiting on each answer (a search query, a RAG lookup). The
-  class of every call that names none, so a server whose callers say nothing batches
-  as one queue, and an indexer marks itself (or its API key marks it) `bulk`.
-- `bulk`: work whose throughput counts, not each call's latency (indexing a corpus).
-
-How the batch loop orders them, and how it bounds an interactive call's wait behind
-bulk work, is server/engine/queue.py's `RequestQueue.first` and the batch loop's cut
-(server/engine/batch_loop.py); docs/operations.md states the rule.
+"""Priority classes: which waiting work each model's batch loop serves first
+(docs/operations.md, "Priority classes"): `interactive`, a caller waiting on each answer,
+the class of every call that names none; `bulk`, work whose throughput counts. The batch
+loop's order is server/engine/queue.py's `RequestQueue.first` and its cut batch_loop.py's.
 
 A call's class is the call's, not any one request's: its door sets it in the task that
-serves the call (server/keys.py's `ApiKeys.admit`): the default, or the class the caller
-names in the `x-priority` header (gRPC metadata), or attnserve.v1's `priority` request
-field where set (`asked`); an API key that carries a class fixes it whatever the caller
-names. The Submission made for the call's sequences takes it (`of_call`), and the metrics
-label the call's latency with it, as they find the call's timings
-(server/engine/timings.py) without a record handed through every signature."""
+serves the call (keys.py's `ApiKeys.admit`), and the Submission made for the call's
+sequences takes it (`of_call`), as the metrics do, without a record handed through every
+signature."""
 
 import enum
 from collections.abc import Callable
@@ -31,8 +20,7 @@ class Priority(enum.Enum):
     BULK = "bulk"
 
 
-CLASSES = tuple(Priority)
-"""highest first"""
+CLASSES = tuple(Priority)  # highest first
 DEFAULT = Priority.INTERACTIVE
 NAMES = ", ".join(p.value for p in CLASSES)
 HEADER = "x-priority"

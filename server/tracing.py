@@ -1,17 +1,8 @@
-"""Traces, with --otlp-endpoint: one span per call, sent to an OpenTelemetry collector over
-OTLP/gRPC.
-
-Each call's span has a child for every step it took (tokenize, queue, inference (one a
-batch, with the batch's size and padded shape), respond), each carrying the model. The
-spans are made once the call has been answered, from its timings (server/engine/
-timings.py): nothing on the call's own path waits for them, and with --workers the front
-end that took the call makes them from the timings the engine process sent back. A W3C
-`traceparent` from the caller (an HTTP header, gRPC metadata) makes the call's span a
-child of the caller's; a malformed one is ignored, and the call starts a trace of its own.
-Spans leave in batches, from a thread of the SDK's (OTEL_BSP_* tune it).
-
-Without --otlp-endpoint nothing here runs and OpenTelemetry is never imported: the doors
-hold None in place of a Tracing."""
+"""Traces, with --otlp-endpoint: one span per call, with a child for every step it took,
+sent to an OpenTelemetry collector over OTLP/gRPC (docs/operations.md, "Traces"). They are
+made once the call has been answered, from its timings (engine/timings.py), so nothing on
+the call's own path waits for them. Without --otlp-endpoint OpenTelemetry is never
+imported: the doors hold None in place of a Tracing."""
 
 import logging
 import time

@@ -2,29 +2,21 @@
 runs them at, runs them on the inference threads through the backend, and hands each
 sequence its slice of the output.
 
-Each batch grows from the sequence the queue's priority rule names (RequestQueue.first:
-the oldest of the highest class waiting, a lower class handicapped by the aging time) and
-groups sequences of its class of similar length (its sorted neighbours) so little padding
-is computed, under caps on sequences, padded tokens and predicted peak memory. While
-interactive work is arriving (RequestQueue.top_arriving), a batch of a lower class is also
-cut to the sequences whose predicted time (server/memory/batch_time.py) stays within
---bulk-batch-ms, so an interactive request never waits long behind the batch running
-when it arrives; and a formed batch of a lower class that has not started yet is put
-back in the queue when interactive work comes first, so it never waits behind that one
-too. Where the backend allows it (Backend.beside), an interactive batch does not wait
-for the bulk batch running either: it runs on a thread of its own beside it, the two
-sharing the cores for the few milliseconds it takes (one sequence of 256 tokens, the
-least a bulk batch can be cut to, takes MiniLM 45 ms on 2 cores: alone, a 16-token call
-takes 6; AMD EPYC, 2026-12-03). Up to the backend's `max_in_flight` batches are handed
-to the inference threads at once (one per thread runs, `backend.concurrency` of them):
-while they run, the next is formed, padded and queued behind them, so no inference thread
-waits on the event loop. The batches in flight hold their predicted memory together
-against the budget. A batch brings back from the backend only the outputs its requests
-need (the union of theirs): pooled vectors alone, unless someone asked for more. A
-request that names token spans of its sequences (late chunking, a vector that leaves out
-a prompt) gets each span's mean embedding, pooled on the inference thread, beside the
-outputs it asked for: the batch brings back the token embeddings for it, and the request
-keeps them only if it asked for them too.
+Each batch grows from the sequence the queue's priority rule names (RequestQueue.first)
+and groups sequences of its class of similar length (its sorted neighbours) so little
+padding is computed, under caps on sequences, padded tokens and predicted peak memory.
+How no interactive request waits long behind bulk work (a lower class's batch cut to
+--bulk-batch-ms while interactive work is arriving, RequestQueue.top_arriving; a formed one
+put back; an interactive batch run on a thread of its own beside the bulk batch running,
+where the backend allows it, Backend.beside) is docs/operations.md#priority-classes. Up to
+the backend's `max_in_flight` batches are handed to the inference threads at once: while
+they run, the next is formed, padded and queued behind them, so no inference thread waits
+on the event loop; the batches in flight hold their predicted memory together against the
+budget. A batch brings back from the backend only the outputs its requests need (the
+union of theirs). A request that names token spans of its sequences (late chunking, a
+vector that leaves out a prompt) gets each span's mean embedding, pooled on the inference
+thread: the batch brings back the token embeddings for it, and the request keeps them
+only if it asked for them too.
 """
 
 import asyncio
@@ -73,28 +65,21 @@ MEASURE_ALL_FROM_BYTES = 16 << 20
 SMALL_MEASURE_EVERY = 16
 
 
-def pad(items: list[Waiting], shape: Shape, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids, attention_mask) of `shape`, one sequence a row from the left, its first
-    `attended` tokens unmasked; rows past the sequences are all padding, masked out."""
+def pad(items: list[Waiting], shape: Shape,
+        pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(input_ids, attention_mask, token_type_ids) of `shape`, one sequence a row from the
+    left, its first `attended` tokens unmasked, token type 1 from its second segment to its
+    end (no token types when no sequence has a second segment); rows past the sequences
+    are all padding, masked out."""
     ids = np.full(shape, pad_id, dtype=np.int64)
     mask = np.zeros(shape, dtype=np.int64)
+    types = None if all(w.job.segments is None for w in items) else np.zeros(shape, dtype=np.int64)
     for row, w in enumerate(items):
         ids[row, :w.length] = w.sequence
         mask[row, :w.attended] = 1
-    return ids, mask
-
-
-def token_types(items: list[Waiting], shape: Shape) -> np.ndarray | None:
-    """int64 `shape`: 1 from each sequence's second segment to its end, 0 elsewhere (padding
-    included); None when no sequence has a second segment."""
-    if all(w.job.segments is None for w in items):
-        return None
-    types = np.zeros(shape, dtype=np.int64)
-    for row, w in enumerate(items):
-        start = w.segment
-        if start is not None:
+        if types is not None and (start := w.segment) is not None:
             types[row, start:w.length] = 1
-    return types
+    return ids, mask, types
 
 
 def span_means(hidden: np.ndarray, spans: np.ndarray) -> np.ndarray:
@@ -157,17 +142,9 @@ class BatchLoop:
                  memory: ModelMemory, times: BatchTimes, pad_id: int):
         """`inference`: the backend's inference threads; `beside`: the thread that runs
         the highest class's batches beside a lower class's (None: the backend has none)."""
-        self.model = model
-        self.queue = queue
-        self.backend = backend
-        self.inference = inference
-        self.beside = beside
-        self.metrics = metrics
-        self.probe = probe
-        self.limits = limits
-        self.memory = memory
-        self.times = times
-        self.pad_id = pad_id
+        self.model, self.queue, self.backend, self.pad_id = model, queue, backend, pad_id
+        self.inference, self.beside, self.metrics, self.probe = inference, beside, metrics, probe
+        self.limits, self.memory, self.times = limits, memory, times
         self.in_flight: dict[Batch, asyncio.Task] = {}
         self.trim_pending = False
         self.small_batches: dict[tuple[str, bool], itertools.count] = {}
@@ -250,12 +227,11 @@ class BatchLoop:
             return None
         self.queue.take(items)
         shape = self.backend.padded_shape(len(items), items[-1].length)
-        ids, mask = pad(items, shape, self.pad_id)
         jobs = {w.job for w in items}
         outputs = frozenset().union(*(job.outputs for job in jobs))
         if any(job.spans is not None for job in jobs):
             outputs |= {HIDDEN_OUTPUT}
-        return Batch(items, layers, outputs, ids, mask, token_types(items, shape), need,
+        return Batch(items, layers, outputs, *pad(items, shape, self.pad_id), need,
                      oldest.job.priority, self.queue.key(oldest))
 
     def _put_back_outranked(self) -> None:
@@ -263,11 +239,12 @@ class BatchLoop:
         would grow from a sequence of another class that counts as having arrived before
         the batch's own (interactive work arriving behind formed bulk work), which would
         otherwise wait for it as well as for the batch running."""
-        first = self.queue.first()
+        live = self._live()
+        first = self.queue.first() if live else None
         if first is None:
             return
         key, put_back = self.queue.key(first), False
-        for batch in self._live():
+        for batch in live:
             if (batch.priority is not first.job.priority and key < batch.key
                     and self.queue.put_back(batch.items)):
                 batch.holds, put_back = 0.0, True
@@ -287,8 +264,7 @@ class BatchLoop:
         ids, mask, types = batch.input_ids, batch.attention_mask, batch.token_type_ids
         if len(items) < len(batch.items):  # some callers left while it waited: run the rest
             shape = self.backend.padded_shape(len(items), items[-1].length)
-            ids, mask = pad(items, shape, self.pad_id)
-            types = token_types(items, shape)
+            ids, mask, types = pad(items, shape, self.pad_id)
         rows, seq = ids.shape
         predicted = self.memory.batch_bytes(rows, seq, len(batch.layers))
         # The probe measures one batch at a time: a batch beside another goes unmeasured

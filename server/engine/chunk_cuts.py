@@ -15,12 +15,8 @@ chunks lies only whitespace: chunk i is the text from its first token's start to
 next chunk's, whitespace stripped at both ends (the first begins at the text's first
 non-whitespace character, the last ends at its last).
 
-Windows (late chunking). The text's tokens run in windows of up to `width` tokens (the
-model's positions less its special tokens), each starting `width - overlap` tokens after
-the one before, the last ending with the text. A chunk's vector comes from the window
-that holds it whole with the most context on both sides: the largest min(left, right),
-then the largest left + right, then the earliest. With `overlap >= max_tokens - 1`
-every chunk lies whole in some window.
+Windows (late chunking): docs/api.md#long-documents-chunking; which window a chunk's
+vector comes from: `best_windows`.
 
 Everything here is numpy over the tokens, or one regular expression over the text that
 never backtracks across a run: a 1 MiB text is cut in well under a second.
@@ -164,8 +160,9 @@ def windows(n: int, width: int, overlap: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def best_windows(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """int64 [chunks]: the window each chunk is pooled from (see the module's docstring).
-    Every chunk must lie whole in some window."""
+    """int64 [chunks]: the window each chunk is pooled from, the one that holds it whole
+    with the most context on both sides: the largest min(left, right), then the largest
+    left + right, then the earliest. Every chunk must lie whole in some window."""
     first, last = bounds[:-1], bounds[1:]
     if not len(first):
         return np.zeros(0, dtype=np.int64)

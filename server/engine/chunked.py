@@ -78,10 +78,6 @@ class TextPlan:
         pooled_from = np.split(order, np.cumsum(counts)[:-1]) if len(used) else []
         return cls(tokens, chunks, np.column_stack((starts[used], ends[used])), pooled_from)
 
-    @classmethod
-    def isolated(cls, tokens: TextTokens, chunks: Chunks) -> "TextPlan":
-        return cls(tokens, chunks, None, [])
-
     def _ranges(self) -> np.ndarray:
         """int64 [sequences, 2]: the token range each sequence runs."""
         if self.windows is not None:
@@ -161,9 +157,8 @@ async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Promp
             Submission(sequences, lengths, deadline=deadline, outputs=outputs, spans=spans),
             lambda i: names.sequence(int(text_of[i])), size, holds, prompt, 0)
     chunked = await model.offload.request(
-        planning, _chunk_vectors, plans, list(map(len, per_text)), results,
-        pooled, request.normalize,
-        dimensions, model.manifest.embedding_size)
+        planning, _chunk_vectors, plans, list(map(len, per_text)), results, pooled,
+        request.normalize, dimensions, model.manifest.embedding_size)
     return Embedded([], lengths, [], chunked, size)
 
 
@@ -181,27 +176,19 @@ def _plan_chunks(model: ServedModel, texts: Sequence[str], chunking: Chunking, w
     # Before any cutting: each text has at least this many chunks.
     size.check(np.fromiter((-(-len(t.ids) // max_tokens) for t in tokens), np.int64,
                            len(tokens)), at_least=True)
-    plans = []
-    for text, text_tokens in zip(texts, tokens, strict=True):
-        chunks = cut(text, text_tokens, max_tokens)
-        plans.append(TextPlan.late(text_tokens, chunks, width, overlap)
-                     if chunking.mode is ChunkingMode.LATE
-                     else TextPlan.isolated(text_tokens, chunks))
-    return plans
+    chunks = [cut(text, t, max_tokens) for text, t in zip(texts, tokens, strict=True)]
+    if chunking.mode is ChunkingMode.ISOLATED:
+        return [TextPlan(t, c, None, []) for t, c in zip(tokens, chunks, strict=True)]
+    return [TextPlan.late(t, c, width, overlap) for t, c in zip(tokens, chunks, strict=True)]
 
 
 def _sequences(plans: list[TextPlan], late: bool, head: np.ndarray, tail: np.ndarray,
                holds: Holds) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Every plan's sequences, each between the ids `head` and `tail`, and, for windows
     (`late`), the chunks' token spans in each."""
-    sequences: list[np.ndarray] = []
-    spans: list[np.ndarray] = []
-    for plan in plans:
-        sequences += plan.sequences(head, tail)
-        if late:
-            spans += plan.spans(len(head))
+    sequences = [s for plan in plans for s in plan.sequences(head, tail)]
     holds.take(KEPT_BYTES_PER_ID * sum(map(len, sequences)), "token ids")
-    return sequences, spans if late else None
+    return sequences, [s for plan in plans for s in plan.spans(len(head))] if late else None
 
 
 def _chunk_vectors(plans: list[TextPlan], counts: list[int], results: list[SequenceResult],

@@ -105,7 +105,6 @@ def _read_ids(model: ServedModel, token_ids: Sequence[Sequence[int]], truncate: 
     ids are read."""
     limit = model.manifest.max_positions
     sequences = []
-    lengths = np.empty(len(token_ids), dtype=np.int64)
     for i, entry in enumerate(token_ids):
         count = len(entry)
         if count == 0:
@@ -114,10 +113,8 @@ def _read_ids(model: ServedModel, token_ids: Sequence[Sequence[int]], truncate: 
             raise InvalidArgument(
                 names.sequence(i), f"{count} tokens, longer than the model's {limit} "
                 "positions; set truncate=true to cut it")
-        ids = _vocabulary_ids(model, entry[:limit] if count > limit else entry, i, names)
-        sequences.append(ids)
-        lengths[i] = ids.size
-    return sequences, lengths
+        sequences.append(_vocabulary_ids(model, entry[:limit] if count > limit else entry, i, names))
+    return sequences, lengths_of(sequences)
 
 
 def _vocabulary_ids(model: ServedModel, entry: Sequence[int], index: int,

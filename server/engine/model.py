@@ -1,20 +1,11 @@
-"""One served model, protocol-neutral, and the steps every call to it shares.
-
-Typed requests in (server/engine/requests.py), typed results or typed errors out.
-What a request goes through between its door and the model's scheduler happens once, for
-every door: readiness, the cheap bounds before any work (entry counts, queue room, the
-response's size), tokenizing or reading ids, the memory budget and the call's holds, the
-deadline, and the choice of what runs inline and what on a pool
-(server/engine/offload.py). The model's jobs take it, each in a module of its own:
-embedding, tokenizing and decoding (embed.py), chunked embedding (chunked.py), pairs
-scored by a reranker or from an embedder's vectors (pairs.py), sparse vectors (sparse.py),
-a multi-vector head's vectors (multi_vector.py), labels (classify.py), and raw tensors run as
-sent (tensors.py). An embedder and a reranker each refuse the other's jobs, naming what
-they are.
-
-It hands sequences to its scheduler (the request queue and batch loop in this process,
-or the engine process's with `--workers`) and gets back each sequence's share of a
-batch's outputs. The doors find a model through the data plane (plane.py)."""
+"""One served model, protocol-neutral, and the steps every call to it shares: readiness,
+the cheap bounds before any work (entry counts, queue room, the response's size),
+tokenizing or reading ids, the memory budget and the call's holds, the deadline, and what
+runs inline or on a pool (offload.py). Each of the model's jobs is a module of its own
+(engine/__init__.py names them); a model asked for a job of another kind refuses it,
+naming what it is. It hands sequences to its scheduler (the request queue
+and batch loop in this process, or the engine process's with `--workers`) and gets back
+each sequence's share of a batch's outputs."""
 
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -76,22 +67,15 @@ class ServedModel:
                  scheduler: Scheduler, memory: ModelMemory, placement: Placement,
                  offload: Offload, metrics: Metrics, serving: Callable[[], bool],
                  max_chunking_chars: int, default_prompt: str | None = None):
-        """`serving() -> bool`: warm and not draining; `default_prompt`: the name of the
-        prompt a request that names none gets."""
-        self.name = name
-        """what callers name it by"""
-        self.artifact = artifact
-        self.manifest = m = artifact.manifest
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.memory = memory
-        self.offload = offload
-        self.metrics = metrics
-        self.placement = placement
-        self.serving = serving
-        self.max_chunking_chars = max_chunking_chars
-        """the longest text a chunked request may carry"""
+        """`name`: what callers name it by; `serving() -> bool`: warm and not draining;
+        `max_chunking_chars`: the longest text a chunked request may carry;
+        `default_prompt`: the name of the prompt a request that names none gets."""
+        self.name, self.artifact, self.manifest = name, artifact, artifact.manifest
+        self.tokenizer, self.scheduler, self.memory = tokenizer, scheduler, memory
+        self.offload, self.metrics, self.placement = offload, metrics, placement
+        self.serving, self.max_chunking_chars = serving, max_chunking_chars
         self.default_prompt = default_prompt
+        m = self.manifest
         self.kind = m.kind
         self.dimensions = sorted({m.embedding_size, *m.matryoshka_dims}, reverse=True)
         """the sizes a pooled vector may be cut to"""

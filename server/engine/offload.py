@@ -1,12 +1,10 @@
-"""Every thread pool of the server, and the one rule for which work leaves the event loop.
-
-The event loop only moves messages. Work that grows with a request's size (tokenizing,
-reading ids, parsing a big body, packing a response) runs inline only while its
-estimated time is under INLINE_S, and on a pool otherwise, so a long text, a big batch
-or a large response never stalls other calls (health checks included), while the many
-small calls skip the hop to a thread and back (~50 µs of the loop's time and a thread
-wake-up). Every door asks through `Offload`, with the cost of its work in the units
-below, measured with the default model on a 2-core AMD EPYC (Zen 3) on 2026-12-01.
+"""Every thread pool of the server, and the one rule for which work leaves the event loop:
+work that grows with a request's size (tokenizing, reading ids, parsing a big body, packing
+a response) runs inline only while its estimated time is under INLINE_S, else on a pool,
+so a big request never stalls other calls (health checks included), while the many small
+calls skip the hop to a thread and back (~50 µs of the loop's time and a thread wake-up).
+Costs are in the units below, measured with the default model on a 2-core AMD EPYC (Zen 3)
+on 2026-12-01.
 """
 
 import asyncio

@@ -4,7 +4,7 @@ one sequence batched with every other of its model, scored by its classifier
 of pooled vectors, MaxSim of token vectors: `score`). The scores, and the ranking every
 rerank route returns, are computed here from the outputs."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from attnserve.server.engine.requests import (
     check_cut,
     lengths_of,
 )
-from attnserve.server.engine.tokenize import Prompt, TooLong
+from attnserve.server.engine.tokenize import TooLong
 from attnserve.server.errors import InvalidArgument
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.runtime.backend import HIDDEN_ONLY
@@ -102,20 +102,43 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
     def field_of(index: int) -> str:
         return names.query if index == 0 else names.sequence(index - 1)
 
-    head = model.manifest.multi_vector
     if request.mode is ScoreMode.COSINE and not model.manifest.dense:
         raise InvalidArgument("mode", f"cosine scores pooled vectors, and {model.name!r} has "
                               f"none (its heads: {', '.join(model.manifest.heads)})")
-    if request.mode is ScoreMode.MAXSIM and head is not None:
-        return await _score_multi_vector(model, request, field_of, prompt, holds, deadline)
-    encoded = await model.tokenize([request.query, *request.texts], request.truncate, field_of,
-                                   holds, prompt=prompt,
-                                   left=model.left(request.truncation_direction))
-    ids = [e.ids for e in encoded]
-    lengths = lengths_of(ids)
+    # MAXSIM on a multi-vector head: the query tokenized as its checkpoint tokenizes a query,
+    # the texts as documents (or all alike, bge-m3's), scored by the head's similarity.
+    head = model.manifest.multi_vector if request.mode is ScoreMode.MAXSIM else None
+    query_side = None if head is None else multi_vector.side_of(model, "query", "mode")
+    attended, sides = None, [None, None]
+    if query_side is None:
+        encoded = await model.tokenize([request.query, *request.texts], request.truncate,
+                                       field_of, holds, prompt=prompt,
+                                       left=model.left(request.truncation_direction))
+        ids = [e.ids for e in encoded]
+        lengths = lengths_of(ids)
+    else:
+        sides = [query_side, head.document]
+        query = await multi_vector.tokenize(model, [request.query], "query", query_side,
+                                            field_of, holds)
+        texts = await multi_vector.tokenize(model, request.texts, "document", head.document,
+                                            lambda i: field_of(i + 1), holds)
+        ids = query.ids + texts.ids
+        lengths = np.concatenate([query.lengths, texts.lengths])
+        attended = np.concatenate([query.attended, texts.attended])
     size = request.size.check(lengths[1:])
-    hidden = model.manifest.hidden_size
-    if request.mode is ScoreMode.MAXSIM:
+    if head is not None:
+        results = await model.run(Submission(ids, lengths, deadline=deadline,
+                                             outputs=frozenset({MULTI_VECTOR_OUTPUT}),
+                                             attended=attended), field_of, size, holds,
+                                  kept_bytes=4 * head.dim * int(lengths.sum()))
+        multi_vector.keep(model, results[:1], ids[:1], sides[0])
+        multi_vector.keep(model, results[1:], ids[1:], sides[1])
+        vectors = [r.pooled[MULTI_VECTOR_OUTPUT] for r in results]
+        work = MAXSIM_S * head.dim * int(lengths[0]) * int(lengths[1:].sum())
+        scores = await model.offload.response(work, multi_vector.maxsim, vectors[0], vectors[1:],
+                                              head.similarity == "meanmaxsim")
+    elif request.mode is ScoreMode.MAXSIM:
+        hidden = model.manifest.hidden_size
         # Every token's vector (float32) is kept until the texts are scored.
         results = await model.run(Submission(ids, lengths, deadline=deadline,
                                              outputs=HIDDEN_ONLY), field_of, size, holds,
@@ -129,46 +152,8 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
                                                     outputs=frozenset({name})),
                                          field_of, size, holds, prompt, 0)
         scores = await model.offload.response(count * model.manifest.embedding_size * COPY_BYTE_S,
-                                              cosines,
-                                              results[0].pooled[name],
+                                              cosines, results[0].pooled[name],
                                               [r.pooled[name] for r in results[1:]])
-    return Scored(scores, int(lengths.sum()), size)
-
-
-async def _score_multi_vector(model: ServedModel, request: ScoreRequest,
-                              field_of: Callable[[int], str], prompt: Prompt | None,
-                              holds: Holds, deadline: float | None) -> Scored:
-    """MAXSIM on the model's multi-vector head: the query tokenized as its checkpoint
-    tokenizes a query, the texts as documents (or all alike, bge-m3's), scored by the
-    head's similarity (the sum of each query vector's best match, or their mean)."""
-    head = model.manifest.multi_vector
-    query_side = multi_vector.side_of(model, "query", "mode")
-    if query_side is None:
-        encoded = await model.tokenize([request.query, *request.texts], request.truncate,
-                                       field_of, holds, prompt=prompt,
-                                       left=model.left(request.truncation_direction))
-        ids = [e.ids for e in encoded]
-        lengths, attended, sides = lengths_of(ids), None, [None, None]
-    else:
-        sides = [query_side, head.document]
-        query = await multi_vector.tokenize(model, [request.query], "query", query_side,
-                                            field_of, holds)
-        texts = await multi_vector.tokenize(model, request.texts, "document", head.document,
-                                            lambda i: field_of(i + 1), holds)
-        ids = query.ids + texts.ids
-        lengths = np.concatenate([query.lengths, texts.lengths])
-        attended = np.concatenate([query.attended, texts.attended])
-    size = request.size.check(lengths[1:])
-    results = await model.run(Submission(ids, lengths, deadline=deadline,
-                                         outputs=frozenset({MULTI_VECTOR_OUTPUT}),
-                                         attended=attended), field_of, size, holds,
-                              kept_bytes=4 * head.dim * int(lengths.sum()))
-    multi_vector.keep(model, results[:1], ids[:1], sides[0])
-    multi_vector.keep(model, results[1:], ids[1:], sides[1])
-    vectors = [r.pooled[MULTI_VECTOR_OUTPUT] for r in results]
-    work = MAXSIM_S * head.dim * int(lengths[0]) * int(lengths[1:].sum())
-    scores = await model.offload.response(work, multi_vector.maxsim, vectors[0], vectors[1:],
-                                          head.similarity == "meanmaxsim")
     return Scored(scores, int(lengths.sum()), size)
 
 

@@ -1,14 +1,8 @@
 """The data plane: the registry of the models a server holds, and what every call shares,
-behind every door (as KServe's DataPlane over its ModelRepository).
-
-A door asks it for a model by the name a request gives (`model`), the first model served
-when the request names none (the first of the kind a call takes, for a call that only one
-kind serves: rerank, score), and gets NOT_FOUND naming the models served for any other
-name: no door checks names itself. Each model (model.py) has its own tokenizer,
-scheduler and memory model; the memory ledger, the pools and whether the server serves
-are the server's. `build_plane` assembles it, the same for a server of one process (its
-schedulers the request queues beside it), a front end of a server with --workers (the
-engine process's queues) and the tests."""
+behind every door (as KServe's DataPlane over its ModelRepository). A door asks it for a
+model by the name a request gives (`model`); no door checks names itself. `build_plane`
+assembles it, the same for a server of one process, a front end of a server with
+--workers (the engine process's queues) and the tests."""
 
 import asyncio
 from collections.abc import Callable
@@ -39,12 +33,8 @@ class DataPlane:
                  metrics: Metrics, serving: Callable[[], bool]):
         """`models` in the order named, the first the default; `serving() -> bool`: every
         model warm and the server not draining."""
-        self.models = {m.name: m for m in models}
-        self.default = models[0]
-        self.memory = memory
-        self.offload = offload
-        self.metrics = metrics
-        self.serving = serving
+        self.models, self.default = {m.name: m for m in models}, models[0]
+        self.memory, self.offload, self.metrics, self.serving = memory, offload, metrics, serving
 
     def model(self, name: str | None, field: str = "model", kind: str | None = None) -> ServedModel:
         """The model a request names (`field`, as the door calls it; empty: the default, or

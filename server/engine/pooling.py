@@ -1,13 +1,6 @@
-"""The pooled vector a request gets: the graph's, or one that leaves a prompt's tokens out,
-cut to a Matryoshka size.
-
-The graph pools every token. A model whose pooling leaves the prompt out
-(sentence-transformers' Pooling with `include_prompt` false) pools a span of each sequence
-instead (the scheduler's `spans`, averaged on the inference thread): for mean pooling the
-tokens past the prompt; for cls pooling the first of them, the token sentence-transformers
-takes once it has masked the prompt's out. Cut, a vector keeps its first values and is
-normalised again where it was normalised: sentence-transformers' `truncate_dim`, then
-`normalize_embeddings`."""
+"""The pooled vector a request gets: the graph's, or one that leaves a prompt's tokens out
+(a span of each sequence, averaged on the inference thread), cut to a Matryoshka size; as
+sentence-transformers pools and cuts them: docs/api.md#prompts, #matryoshka-sizes."""
 
 from collections.abc import Iterable
 

@@ -1,17 +1,8 @@
 """Embeddings in fewer bits, as a caller asks for them (Cohere's `embedding_types`), the
-same for every door.
-
-- `int8`, `uint8`: each dimension's range over the calibration texts (fitted at export,
-  artifact.EmbeddingRanges) cut into 256 levels, a value taking the level it falls in:
-  sentence-transformers' `quantize_embeddings(..., precision, ranges=...)`, operation for
-  operation in float32, so the two give the same bytes for the same vectors and ranges.
-  An artifact exported before the ranges were fitted serves neither.
-- `binary`, `ubinary`: one bit a dimension, set where the value is positive, 8 to a byte
-  with the first dimension in the high bit (numpy's packbits), as int8 (the byte less 128)
-  or as uint8; as sentence-transformers and Cohere pack them.
-
-A vector is quantized from the float32 vector the caller would get as `float` (normalised
-where the request says so), so the ranges used are those of the same pooled output."""
+same for every door (docs/api.md#output-types): quantized from the float32 vector the
+caller would get as `float`, over the ranges of the same pooled output. int8 and uint8 are
+sentence-transformers' `quantize_embeddings(..., precision, ranges=...)` operation for
+operation in float32, so the two give the same bytes for the same vectors and ranges."""
 
 import enum
 

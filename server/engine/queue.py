@@ -2,27 +2,18 @@
 length, which class the next batch comes from, and what leaves the queue (a batch
 starting, a deadline passing, a caller going away).
 
-Requests queue as sequences of token ids, in the lane of their call's class
-(server/priority.py). Admission refuses at once (RESOURCE_EXHAUSTED) what would not be
-served: past the bounds on queued requests or tokens of every class together (`admit`,
-also asked before a request's sequences are read, with a lower bound of its tokens); the
-engine has already checked the request against the memory budget (server/memory/
-budget.py) and holds its response in the ledger. The batch loop forms each batch around
-the sequence `first` names, from its lane's length index (`neighbours`), and `take`s them
-out of it; a taken sequence still waits, counted against the bounds and free to leave at
-once, until the inference thread `claim`s its batch to run it, and until then a batch of
-a class that `first` now ranks below another can be `put_back`.
+Admission refuses at once (RESOURCE_EXHAUSTED) what would not be served: past the bounds
+on queued requests or tokens of every class together (`admit`, also asked before a
+request's sequences are read, with a lower bound of its tokens); the engine has already
+checked the request against the memory budget. The batch loop forms each batch around the
+sequence `first` names, from its lane's length index (`neighbours`), and `take`s them out
+of it; a taken sequence still waits, counted against the bounds and free to leave at once,
+until the inference thread `claim`s its batch, and until then a batch of a class that
+`first` now ranks below another can be `put_back`.
 
-The rule between classes (`first`): each batch grows from the oldest sequence of the
-highest class waiting, except that a lower class counts its sequences as having arrived
---priority-aging-ms (a class's handicap) after the later of their arrival and its last
-batch's start: the batch grows from the sequence whose count is the earliest, the higher
-class on a tie. Interactive work arriving while bulk batches run goes first however long
-the bulk work has waited (a bulk backlog older than the aging time would otherwise rank
-before every new interactive request, which would wait for all of it); and waiting bulk
-work yields only to the interactive work that arrived less than the aging time after its
-last batch started, so however steady the interactive stream, the lower class is never
-starved.
+The rule between classes (`first`: a lower class's sequences count as having arrived
+--priority-aging-ms after the later of their arrival and its last batch's start), and why
+it starves neither class: docs/operations.md#priority-classes.
 """
 
 import asyncio
@@ -88,7 +79,6 @@ class Limits:
 
     @classmethod
     def of(cls, config: ServeConfig, budget: int) -> "Limits":
-        """The server's settings, with the memory budget it resolved (`budget`)."""
         return cls(config.max_batch_size, config.max_batch_tokens, config.max_queue_requests,
                    config.max_queue_tokens, budget, config.max_wait_ms / 1000,
                    config.priority_aging_ms / 1000, config.interactive_window_ms / 1000,
@@ -121,7 +111,8 @@ def check_room(limits: Limits, draining: bool, requests: int, waiting: int, toke
 
 @dataclass(eq=False)
 class Job:
-    """One request's sequences, answered together."""
+    """One request's sequences, answered together; the fields a Submission has mean what
+    they mean there."""
 
     sequences: list[np.ndarray]
     layers: tuple[int, ...]
@@ -141,26 +132,21 @@ class Job:
     queued: int = 0
     """how many of its sequences have been queued, or accounted for as never queued"""
     outputs: Outputs = HIDDEN_ONLY
-    """the graph outputs its response is built from"""
     dropping: bool = False
     """its caller left and its sequences are being taken out a slice at a time"""
     spans: list[np.ndarray] | None = None
-    """per sequence, the token spans whose mean embeddings its result carries (`submit`)"""
     times: timings.CallTimes | None = None
     """its call's record (server/engine/timings.py), told when its batches ran"""
     ran: tuple[float, float] | None = None
     """(the first of its batches' starts, the last of their ends), on the monotonic clock"""
     segments: np.ndarray | None = None
-    """per sequence, where its second segment starts (`submit`)"""
     priority: Priority = DEFAULT
     attended: np.ndarray | None = None
-    """per sequence, the tokens the encoder attends to (`submit`)"""
 
     def batch_ran(self, start: float, end: float, size: int, rows: int, seq: int) -> None:
         """One of its batches ran, from `start` to `end`: `size` sequences padded to
         [rows, seq]. Its call's record gets the batch, and once the job is answered its
-        queue time (until its first batch started) and inference time (from then until
-        its last batch ended)."""
+        queue and inference times."""
         first, last = self.ran or (start, end)
         self.ran = min(first, start), max(last, end)
         if self.times is None:
@@ -238,13 +224,9 @@ class Lane:
 
 class RequestQueue:
     def __init__(self, model: str, limits: Limits, memory: ModelMemory, metrics: Metrics):
-        """One model's queue."""
-        self.model = model
+        self.model, self.limits, self.memory, self.metrics = model, limits, memory, metrics
         self.watch: Callable[[int, int], None] | None = None
         """told the queued counts (requests, tokens) whenever they change"""
-        self.limits = limits
-        self.memory = memory
-        self.metrics = metrics
         self.lanes = {p: Lane(0.0 if rank == 0 else limits.aging_s)
                       for rank, p in enumerate(CLASSES)}
         """each class's, highest first"""
@@ -265,9 +247,8 @@ class RequestQueue:
     # --- admission -------------------------------------------------------------------
 
     def admit(self, tokens: int, at_least: bool = False, priority: Priority | None = None) -> None:
-        """The cheap bounds, checked before any work on a request's sequences: draining,
-        queued requests, queued tokens (`at_least`: `tokens` is a lower bound), within
-        what the request's class (None: the running call's) may fill (check_room)."""
+        """The cheap bounds (check_room), checked before any work on a request's sequences;
+        `priority` None: the running call's."""
         check_room(self.limits, self.draining, len(self.jobs), self.waiting_tokens, tokens,
                    at_least, priority)
 
@@ -350,14 +331,9 @@ class RequestQueue:
 
     def first(self) -> Waiting | None:
         """The sequence the next batch grows from: of each class's oldest, the one that
-        counts as having arrived the earliest (`key`), the higher class on a tie (the
-        module's docstring)."""
-        best, best_key = None, math.inf
-        for lane in self.lanes.values():
-            w = lane.oldest()
-            if w is not None and lane.key(w) < best_key:
-                best, best_key = w, lane.key(w)
-        return best
+        counts as having arrived the earliest (`key`), the higher class on a tie."""
+        oldest = (w for lane in self.lanes.values() if (w := lane.oldest()) is not None)
+        return min(oldest, key=self.key, default=None)
 
     def key(self, w: Waiting) -> float:
         """When `w` counts as having arrived, comparing classes: `first` takes the lowest."""
@@ -422,11 +398,10 @@ class RequestQueue:
                 w.state = State.QUEUED
         for w in sorted(taken, key=lambda w: (w.job.enqueued, w.index), reverse=True):
             lane = self.lanes[w.job.priority]
-            lane.index[w] = None
-            lane.index.move_to_end(w, last=False)
             same = lane.by_length.setdefault(w.job.layers, {}).setdefault(w.length, OrderedDict())
-            same[w] = None
-            same.move_to_end(w, last=False)
+            for index in (lane.index, same):
+                index[w] = None
+                index.move_to_end(w, last=False)
         return True
 
     def started(self, items: list[Waiting]) -> None:

@@ -30,7 +30,6 @@ class Fields:
     """a token's field, from its sequence's (`{sequence}`), the sequence's index
     (`{index}`) and its position (`{position}`)"""
     query: str = "query"
-    """the field holding the query a request scores its texts against"""
     top_n: str = "top_n"
     chunking: str = "chunking"
     pair_at: str = "{sequence}.text_pair"
@@ -73,7 +72,6 @@ class ResponseSize:
 
 
 def size_text(size: int) -> str:
-    """A size as a refusal says it: in MiB, or KiB under one MiB."""
     return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size / 1024:.1f} KiB"
 
 
@@ -85,8 +83,6 @@ class ChunkingMode(enum.Enum):
     """each chunk runs alone, with its own special tokens, pooled as the model pools a text"""
 
     def pooling(self, model_pooling: str) -> str:
-        """How a chunk's vector is pooled, for a model of `model_pooling`: a LATE chunk's
-        is its tokens' mean; an ISOLATED one's, the model's own."""
         return "mean" if self is ChunkingMode.LATE else model_pooling
 
 

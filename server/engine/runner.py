@@ -23,7 +23,7 @@ from attnserve.server.host import machine_available_bytes
 from attnserve.server.memory.batch_time import BatchTimes, load_time_model
 from attnserve.server.memory.budget import MemoryBudget, ModelMemory
 from attnserve.server.memory.ledger import Totals
-from attnserve.server.memory.model import MemoryModels, load_memory_model
+from attnserve.server.memory.model import load_memory_model
 from attnserve.server.memory.probe import MemoryProbe
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import Backend, Strategy, create_backend
@@ -41,7 +41,6 @@ class ModelRunner:
                  limits: Limits, metrics: Metrics, probe: MemoryProbe, times: BatchTimes):
         self.name, self.artifact, self.backend = name, artifact, backend
         self.memory, self.limits, self.metrics, self.times = memory, limits, metrics, times
-        self.inference_threads = backend.concurrency
         self.inference: ThreadPoolExecutor = inference_pool(name, backend.concurrency,
                                                             backend.bind_thread)
         beside = (inference_pool(f"{name}-beside", 1, functools.partial(backend.bind_thread,
@@ -63,7 +62,7 @@ class ModelRunner:
         """Warm only once both graphs have run, every shape bucket included, on every
         inference thread's sessions: the first caller must not pay for it."""
         shapes = self.backend.warm_up_shapes(self.limits.max_batch_tokens)
-        threads, started = self.inference_threads, time.perf_counter()
+        threads, started = self.backend.concurrency, time.perf_counter()
         log.info("event=warm_up_start model=%s shapes=%d threads=%d", self.name, len(shapes),
                  threads)
         await asyncio.gather(*map(asyncio.wrap_future, on_every_thread(
@@ -113,8 +112,11 @@ class Runners:
         for named, backend in zip(models, backends, strict=True):
             manifest = named.artifact.manifest
             try:
-                memory_model = _memory_model(named.artifact, backend)
-                times = _batch_times(named.artifact, backend)
+                memory_model = _fitted(named.artifact, backend, load_memory_model, "memory")
+                # Measured batch times where memory_model.json has no time model for them.
+                times = BatchTimes(_fitted(named.artifact, backend, load_time_model, "time"),
+                                   manifest.num_heads, f"{MEMORY_MODEL} has no time model for "
+                                   f"{backend.provider}/{backend.precision}")
             except ArtifactError as err:
                 raise ArtifactError(f"--artifact {named.source}: {err}") from err
             memory = self.budget.for_model(named.name, memory_model, manifest.num_heads,
@@ -147,8 +149,7 @@ class Runners:
 
     async def drain(self, seconds: float) -> bool:
         """Finish what every model accepted, within `seconds` in all."""
-        done = await asyncio.gather(*(m.queue.drain(seconds) for m in self.models))
-        return all(done)
+        return all(await asyncio.gather(*(m.queue.drain(seconds) for m in self.models)))
 
     def memory_source(self) -> str:
         return "; ".join(f"{m.name}: {m.memory.model.source}" for m in self.models)
@@ -157,23 +158,11 @@ class Runners:
         return "; ".join(f"{m.name}: {m.times.source}" for m in self.models)
 
 
-def _memory_model(artifact: Artifact, backend: Backend) -> MemoryModels:
+def _fitted(artifact: Artifact, backend: Backend, load: Callable, what: str):
+    """The artifact's fitted `what` model (memory, time) for the backend's provider and
+    precision, as `load` reads it from memory_model.json."""
     try:
-        return load_memory_model(artifact.directory, artifact.manifest, backend.provider,
-                                 backend.precision)
+        return load(artifact.directory, artifact.manifest, backend.provider, backend.precision)
     except (ValueError, TypeError) as err:
-        raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid memory model "
+        raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid {what} model "
                             f"({err})") from err
-
-
-def _batch_times(artifact: Artifact, backend: Backend) -> BatchTimes:
-    """The fitted time model, or measured batch times where memory_model.json has none for
-    the backend's provider and precision."""
-    try:
-        fitted = load_time_model(artifact.directory, artifact.manifest, backend.provider,
-                                 backend.precision)
-    except (ValueError, TypeError) as err:
-        raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid time model "
-                            f"({err})") from err
-    return BatchTimes(fitted, artifact.manifest.num_heads,
-                      f"{MEMORY_MODEL} has no time model for {backend.provider}/{backend.precision}")

@@ -12,6 +12,8 @@ How many entries a text has is known only once it has run, so the response's siz
 checked twice: before any work, exactly when `top_k` bounds it (at least, without); after
 the batch, exactly, and refused naming a top_k that would fit."""
 
+import bisect
+
 import numpy as np
 
 from attnserve.artifact import EMBEDDER, SPARSE_OUTPUT, TOKEN_WEIGHTS_OUTPUT
@@ -48,10 +50,8 @@ async def embed_sparse(model: ServedModel, request: SparseRequest, holds: Holds,
     # A text's entries: at most its vocabulary row's (SPLADE), or its tokens' (lexical).
     most = np.full(count, min(top_k or vocab, vocab if splade else manifest.max_positions))
     model.scheduler.admit(count * len(model.tokenizer.empty.ids), at_least=True)
-    if top_k is None:
-        request.size.check(np.zeros(count, dtype=np.int64), at_least=True)
-    else:
-        request.size.check(most)
+    request.size.check(np.zeros(count, dtype=np.int64) if top_k is None else most,
+                       at_least=top_k is None)
     prompt = model.prompt(request.prompt_name)
     encoded = await model.tokenize(request.texts, request.truncate, names.sequence, holds,
                                    prompt=prompt, left=model.left(request.truncation_direction))
@@ -123,11 +123,6 @@ def entries(rows: list, top_k: int | None) -> tuple[list[np.ndarray], list[np.nd
 
 def fitting_top_k(measure, counts: np.ndarray, limit: int) -> int:
     """The largest top_k under which texts of `counts` entries fit `limit` (0: none does)."""
-    low, high = 0, int(counts.max())
-    while low < high:
-        middle = (low + high + 1) // 2
-        if measure(np.minimum(counts, middle)) <= limit:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    fits = bisect.bisect_right(range(int(counts.max()) + 1), limit,
+                               key=lambda top_k: measure(np.minimum(counts, top_k)))
+    return max(fits - 1, 0)

@@ -4,23 +4,14 @@ A text never costs more than the tokens the model can take. It is tokenized once
 after max_positions + 1 tokens (the post-processor still closes it with [SEP] or </s>):
 one that comes back that long was longer than the model's positions, so it is refused,
 or cut to them keeping the closing special tokens. A long text is tokenized a prefix at a
-time: up to a point where nothing that follows can change the tokens before it, growing
-the prefix only while it holds too few tokens to decide. Which points those are depends
-on the pre-tokenizer: before whitespace (BERT's also before punctuation and CJK
-characters, which it always splits off); before a space only for a metaspace
-pre-tokenizer (XLM-RoBERTa's splits at spaces and nowhere else: a newline stays inside a
-word) and for a byte-level one that adds a space before a text (which it would add
-before a piece starting with a newline); none where the pre-tokenizer does not split.
-Tokenized whole, a 4 MiB text takes 6 s and 625 MiB at its peak; its first 4,096
-characters take a millisecond. A text with no such point (one 4 MiB word, or
-only whitespace) is still tokenized whole, its working memory held first.
-
-Cut at its start instead (left truncation), a text keeps its last tokens: it is tokenized
-a suffix at a time, from a cut point near its end (the tokens after a cut point are the
-whole text's, as a piece's are), growing the suffix while it has too few tokens to
-fill the model's positions. A prompt goes before the text as sentence-transformers puts
-it, as text; a text cut at its start keeps the prompt's tokens after the leading special
-tokens, then the text's last tokens.
+time: up to a cut point (`cut_points`), where nothing that follows can change the tokens
+before it, growing the prefix only while it holds too few tokens to decide. Tokenized
+whole, a 4 MiB text takes 6 s and 625 MiB at its peak; its first 4,096 characters take a
+millisecond. A text with no cut point (one 4 MiB word, or only whitespace) is still
+tokenized whole, its working memory held first. Cut at its start instead (left
+truncation, docs/api.md#truncation-side), a text keeps its last tokens: it is tokenized a
+suffix at a time from a cut point near its end (the tokens after a cut point are the
+whole text's), and a prompt keeps its tokens after the leading special tokens.
 
 All of it goes through `encode_batch`, which lets the interpreter go while it works
 (`encode` holds it: 1.27 s for a 2 MiB text), in slices of a few hundred texts, so the
@@ -30,17 +21,12 @@ ids, and tokens and offsets when asked for) stays held until the call ends.
 
 A reranker's (query, text) pairs (`encode_pairs`) are laid out as the tokenizer's
 post-processor lays out a pair ([CLS] query [SEP] text [SEP], <s> query </s></s> text
-</s>), the text's side its second segment where the template gives it one (BERT's). The
-query and the texts are tokenized without special tokens, each a prefix at a time as
-above, up to what the model's positions leave them: a pair that does not fit is refused
-naming its text, or with `truncate` its text is cut to fit, never the query, which must
-leave room for at least one token of text.
-
-Chunking needs a text whole, never truncated, with each token's place in it
-(`encode_whole`): it is tokenized a piece at a time, each piece ending at a cut point so
-that its tokens are the text's own, the pieces of a slice in one `encode_batch` (which
-runs them in parallel), and its offsets come back in code points, as Python indexes a
-str, each token's start past the space that byte-level and metaspace tokens carry
+</s>), the query and texts tokenized without special tokens, a prefix at a time: a pair
+that does not fit is refused naming its text, or with `truncate` its text is cut to fit,
+never the query, which must leave room for at least one token of text. Chunking needs a
+text whole, never truncated, with each token's place in it (`encode_whole`): it is
+tokenized a piece at a time, each piece ending at a cut point, its offsets in code
+points, each token's start past the space that byte-level and metaspace tokens carry
 before their word (Ġword, ▁word).
 """
 
@@ -99,8 +85,13 @@ _SPACES = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint
 
 def cut_points(pre_tokenizer: dict | None) -> re.Pattern:
     """Where a text may be cut with the tokens before the cut the same as the whole
-    text's, for a tokenizer.json's pre-tokenizer (see the module's docstring). Others
-    than these split at least at whitespace (Whitespace, WhitespaceSplit, Split on it)."""
+    text's, for a tokenizer.json's pre-tokenizer: before whitespace (BERT's also before
+    punctuation and CJK characters, which it always splits off); before a space only for a
+    metaspace pre-tokenizer (XLM-RoBERTa's splits at spaces and nowhere else: a newline
+    stays inside a word) and for a byte-level one that adds a space before a text (which it
+    would add before a piece starting with a newline); none where the pre-tokenizer does
+    not split. Others than these split at least at whitespace (Whitespace,
+    WhitespaceSplit, Split on it)."""
     kind = (pre_tokenizer or {}).get("type")
     if kind == "BertPreTokenizer":
         return re.compile(_BERT_CUT)
@@ -217,8 +208,7 @@ class TextTokenizer:
         """for a text cut at its start: its last tokens, the special tokens around them"""
         self.left.enable_truncation(max_positions + 1, direction="left")
         self.max_positions = max_positions
-        probe = self.tokenizer.encode("a")
-        mask = probe.special_tokens_mask
+        mask = self.tokenizer.encode("a").special_tokens_mask
         # The special tokens the post-processor puts after a text ([SEP], </s>): a cut
         # keeps them.
         self.tail = next((i for i, special in enumerate(reversed(mask)) if not special), len(mask))
@@ -238,7 +228,6 @@ class TextTokenizer:
 
         self.prompts = {name: self._prompt(name, text) for name, text in (prompts or {}).items()}
         """name -> Prompt; None for an empty text (sentence-transformers then adds none)"""
-
 
     def _prompt(self, name: str, text: str) -> Prompt | None:
         if not text:
@@ -288,14 +277,15 @@ class TextTokenizer:
         With `limit`: without special tokens, more than `limit` tokens deciding."""
         limit, tokenizer = ((self.max_positions, self.tokenizer) if limit is None
                             else (limit, self.whole))
-        sized = [self._prefix(text, self._first_prefix()) for text in texts]
-        encodings = self._tokenize([lead + prefix for prefix, _ in sized], holds, tokenizer,
+        cuts = [self._cut(text, 0, self._first_prefix()) for text in texts]
+        encodings = self._tokenize([lead + text[:end] for text, (end, _)
+                                    in zip(texts, cuts, strict=True)], holds, tokenizer,
                                    special_tokens)
         for i, text in enumerate(texts):
-            prefix, size = sized[i]
-            while len(prefix) < len(text) and len(encodings[i]) <= limit:
-                prefix, size = self._prefix(text, size * PREFIX_GROWTH)
-                encodings[i] = self._tokenize([lead + prefix], holds, tokenizer,
+            end, size = cuts[i]
+            while end < len(text) and len(encodings[i]) <= limit:
+                end, size = self._cut(text, 0, size * PREFIX_GROWTH)
+                encodings[i] = self._tokenize([lead + text[:end]], holds, tokenizer,
                                               special_tokens)[0]
         return encodings
 
@@ -330,24 +320,27 @@ class TextTokenizer:
                         f"with the query, more than {self.max_positions} tokens, longer than the "
                         f"model's {self.max_positions} positions; set truncate=true to cut the "
                         "text"))
-                kept = (self._last_tokens(texts[i], cap, holds) if left and len(ids) > cap
-                        else ids[:cap])
-                pairs.append(np.concatenate([head, np.asarray(kept, dtype=np.int64), pair.tail]))
+                if left and len(ids) > cap:
+                    _, suffix = self._from_end(texts[i], cap, holds, self.whole)
+                    ids = suffix.ids[len(suffix) - cap:]
+                pairs.append(np.concatenate([head, np.asarray(ids[:cap], dtype=np.int64), pair.tail]))
             del encodings
             holds.take(sum(KEPT_BYTES_PER_TEXT + KEPT_BYTES_PER_ID * len(p)
                            for p in pairs[start:]), "token ids")
         segments = np.full(len(pairs), len(head), dtype=np.int64) if pair.segments else None
         return pairs, segments
 
-    def _last_tokens(self, text: str, count: int, holds: Holds) -> list[int]:
-        """The last `count` tokens of a text that has more, special tokens aside: tokenized
-        a suffix at a time from a cut point near its end, as `_keep_end` does."""
+    def _from_end(self, text: str, count: int, holds: Holds, tokenizer: Tokenizer,
+                  special_tokens: bool = True) -> tuple[int, object]:
+        """(where its suffix starts, the suffix's encoding): a text tokenized a suffix at a
+        time from a cut point near its end, until it has more than `count` tokens or is
+        whole."""
         start, size = self._suffix(text, self._first_prefix())
-        (encoding,) = self._tokenize([text[start:]], holds, self.whole)
+        (encoding,) = self._tokenize([text[start:]], holds, tokenizer, special_tokens)
         while start > 0 and len(encoding) <= count:
             start, size = self._suffix(text, size * PREFIX_GROWTH)
-            (encoding,) = self._tokenize([text[start:]], holds, self.whole)
-        return encoding.ids[len(encoding) - count:]
+            (encoding,) = self._tokenize([text[start:]], holds, tokenizer, special_tokens)
+        return start, encoding
 
     def _tokenize(self, texts: list[str], holds: Holds, tokenizer: Tokenizer,
                   special_tokens: bool = True) -> list:
@@ -361,12 +354,6 @@ class TextTokenizer:
             holds.give_back(work)
             if work >= TRIM_AFTER_BYTES:
                 trim_heap()
-
-    def _prefix(self, text: str, size: int) -> tuple[str, int]:
-        """(text before its last cut point within `size` characters, the size looked
-        at); the whole text when it is that short."""
-        end, size = self._cut(text, 0, size)
-        return text[:end], size
 
     def _cut(self, text: str, start: int, size: int) -> tuple[int, int]:
         """(the last cut point past `start` within `size` characters of it, the size
@@ -405,27 +392,12 @@ class TextTokenizer:
         prompt's, the text's last tokens that fit, the closing special tokens."""
         heads, tails = (len(self.head_ids), self.tail) if special_tokens else (0, 0)
         room = self.max_positions - heads - tails - (len(prompt.ids) if prompt else 0)
-        start, size = self._suffix(text, self._first_prefix())
-        (encoding,) = self._tokenize([text[start:]], holds, self.left, special_tokens)
+        start, encoding = self._from_end(text, room + heads + tails, holds, self.left,
+                                         special_tokens)
         n = len(encoding)
-        while start > 0 and n - heads - tails <= room:
-            start, size = self._suffix(text, size * PREFIX_GROWTH)
-            (encoding,) = self._tokenize([text[start:]], holds, self.left, special_tokens)
-            n = len(encoding)
-        head, tail = slice(heads), slice(n - tails, n)
-        own = slice(max(heads, n - tails - room), n - tails)
-        lead = prompt.ids.tolist() if prompt else []
-        ids = encoding.ids
-        ids = np.asarray(ids[head] + lead + ids[own] + ids[tail], dtype=np.int64)
-        if not details:
-            return Encoded(ids, None, None)
-        shift = start + (len(prompt.text) if prompt else 0)
-        tokens, offsets, mask = encoding.tokens, encoding.offsets, encoding.special_tokens_mask
-        return Encoded(ids, tokens[head] + (prompt.tokens if prompt else []) + tokens[own] + tokens[tail],
-                       offsets[head] + (prompt.offsets if prompt else [])
-                       + [(a + shift, b + shift) for a, b in offsets[own]] + offsets[tail],
-                       [bool(m) for m in mask[head]] + [False] * len(lead)
-                       + [bool(m) for m in mask[own] + mask[tail]])
+        return _kept(encoding, slice(heads), slice(max(heads, n - tails - room), n - tails),
+                     slice(n - tails, n), details, prompt,
+                     start + (len(prompt.text) if prompt else 0))
 
     # --- whole texts, for chunking ------------------------------------------------------
 
@@ -455,19 +427,27 @@ class TextTokenizer:
     def _keep(self, index: int, encoding, truncate: bool, details: bool, closing: int) -> Encoded:
         """`closing`: the special tokens that end the encoding, which a cut keeps."""
         if len(encoding) <= self.max_positions:
-            head, tail = slice(None), slice(0)
-        elif not truncate:
+            return _kept(encoding, slice(0), slice(None), slice(0), details)
+        if not truncate:
             raise TooLong(index, self.max_positions)
-        else:
-            head = slice(self.max_positions - closing)
-            tail = slice(len(encoding) - closing, len(encoding))
-        ids = encoding.ids
-        ids = np.asarray(ids[head] + ids[tail], dtype=np.int64)
-        if not details:
-            return Encoded(ids, None, None)
-        tokens, offsets, mask = encoding.tokens, encoding.offsets, encoding.special_tokens_mask
-        return Encoded(ids, tokens[head] + tokens[tail], offsets[head] + offsets[tail],
-                       [bool(m) for m in mask[head] + mask[tail]])
+        return _kept(encoding, slice(0), slice(self.max_positions - closing),
+                     slice(len(encoding) - closing, len(encoding)), details)
+
+
+def _kept(encoding, head: slice, own: slice, tail: slice, details: bool,
+          prompt: Prompt | None = None, shift: int = 0) -> Encoded:
+    """The `head` of an encoding (its leading special tokens), the prompt's tokens, its
+    `own` (offsets moved by `shift`, into the prompt and the text) and its `tail`."""
+    ids, lead = encoding.ids, prompt.ids.tolist() if prompt else []
+    ids = np.asarray(ids[head] + lead + ids[own] + ids[tail], dtype=np.int64)
+    if not details:
+        return Encoded(ids, None, None)
+    tokens, offsets, mask = encoding.tokens, encoding.offsets, encoding.special_tokens_mask
+    offsets_own = [(a + shift, b + shift) for a, b in offsets[own]] if shift else offsets[own]
+    return Encoded(ids, tokens[head] + (prompt.tokens if prompt else []) + tokens[own] + tokens[tail],
+                   offsets[head] + (prompt.offsets if prompt else []) + offsets_own + offsets[tail],
+                   [bool(m) for m in mask[head]] + [False] * len(lead)
+                   + [bool(m) for m in mask[own] + mask[tail]])
 
 
 def _slices(sizes: list[int]) -> Iterator[tuple[int, int]]:

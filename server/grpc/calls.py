@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from contextvars import ContextVar
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 from google.protobuf import any_pb2
@@ -44,8 +44,6 @@ from attnserve.server.metrics import Metrics
 from attnserve.server.priority import HEADER, asked
 from attnserve.server.tracing import Tracing
 
-log = logging.getLogger("attnserve.calls")
-
 RETRY_AFTER = "retry-after"
 """trailing metadata: seconds to wait before retrying, as HTTP's Retry-After"""
 
@@ -53,10 +51,8 @@ RETRY_AFTER = "retry-after"
 UNTRACED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Methods answered without an API key: health and reflection, and the Open Inference
 # Protocol's own health calls.
-OPEN_METHODS = (*UNTRACED_METHODS,
-                "/inference.GRPCInferenceService/ServerLive",
-                "/inference.GRPCInferenceService/ServerReady",
-                "/inference.GRPCInferenceService/ModelReady")
+OPEN_METHODS = (*UNTRACED_METHODS, "/inference.GRPCInferenceService/ServerLive",
+                "/inference.GRPCInferenceService/ServerReady", "/inference.GRPCInferenceService/ModelReady")
 
 
 def status_of(err: RequestError) -> grpc.Status:
@@ -70,18 +66,18 @@ def status_of(err: RequestError) -> grpc.Status:
         detail.Pack(error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.reason)]))
         details.append(detail)
-    status = rpc_status.to_status(status_pb2.Status(code=code, message=err.message,
-                                                    details=details))
+    status = rpc_status.to_status(status_pb2.Status(code=code, message=err.message, details=details))
     if isinstance(err, RetryLater):
         status = status._replace(trailing_metadata=(*status.trailing_metadata,
                                                     (RETRY_AFTER, str(err.retry_after_s))))
     return status
 
 
-def trailers(status: grpc.Status) -> tuple:
-    """A refusal's trailing metadata: its details, and the call's id and timings."""
-    call = current_call()
-    return tuple(status.trailing_metadata) + (() if call is None else tuple(call.metadata()))
+async def abort(context: grpc.aio.ServicerContext, err: RequestError) -> None:
+    """End the call with `err`'s status, its trailing metadata the call's id and timings too."""
+    status, call = status_of(err), current_call()
+    await context.abort(status.code, status.details, tuple(status.trailing_metadata)
+                        + (() if call is None else tuple(call.metadata())))
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
@@ -115,8 +111,7 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
         if restore is not None:
             restore()
     # Sent once counted, so a caller that sees the refusal finds it in /metrics.
-    status = status_of(refusal)
-    await context.abort(status.code, status.details, trailers(status))
+    await abort(context, refusal)
 
 
 class Undecodable:
@@ -126,8 +121,7 @@ class Undecodable:
         self.reason = f"{error.__class__.__name__}: {error}"
 
 
-@dataclass(frozen=True)
-class Received:
+class Received(NamedTuple):
     """A request as gRPC hands it to the method, with its size on the wire."""
 
     message: object
@@ -146,8 +140,7 @@ class Undecoded:
         try:
             return decode_in_slices(cls, self.data, max_entries)
         except (TooManyEntries, NestedTooLarge) as err:
-            raise ResourceExhausted(f"request: {err}; send fewer or smaller entries per "
-                                    "request") from err
+            raise ResourceExhausted(f"request: {err}; send fewer or smaller entries per request") from err
         except (DecodeError, ValueError) as err:
             return Undecodable(err)
 
@@ -220,8 +213,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             call = current_call()
             if call is not None:
                 call.code = err.code.name
-            status = status_of(err)
-            await context.abort(status.code, status.details, trailers(status))
+            await abort(context, err)
 
         async def decoded(received: Received, context, holds: Holds):
             """The request parsed, or the call refused; returns (request, bytes held)."""
@@ -238,17 +230,6 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                                              f"({request.reason})"), context)
             return request, held
 
-        def start(context) -> Holds:
-            holds = self.plane.holds(context.peer())
-            _holds.set(holds)
-            loop = asyncio.get_running_loop()
-
-            def over(_) -> None:
-                self.plane.end_call(holds, loop)
-
-            context.add_done_callback(over)
-            return holds
-
         async def checked(requests, context, holds: Holds):
             async for request in requests:
                 request, held = await decoded(request, context, holds)
@@ -262,10 +243,9 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         tracing = None if method.startswith(UNTRACED_METHODS) else self.tracing
 
         def begin(context) -> Call:
-            metadata = dict(pair for pair in context.invocation_metadata() or ()
-                            if isinstance(pair[1], str))
-            return begin_call(method.lstrip("/"), metadata.get(REQUEST_ID),
-                                      metadata.get(TRACEPARENT), tracing)
+            metadata = dict(pair for pair in context.invocation_metadata() or () if isinstance(pair[1], str))
+            return begin_call(method.lstrip("/"), metadata.get(REQUEST_ID), metadata.get(TRACEPARENT),
+                              tracing)
 
         async def admitted(context) -> Callable[[], None]:
             """The call's class set and its place under its key's cap taken (ApiKeys.admit),
@@ -278,13 +258,15 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                 await refuse(err, context)
                 raise
 
-        def end(call: Call, context, answered: bool) -> None:
-            """`answered`: the call returned (a refusal has sent its trailers already)."""
+        def end(call: Call, context, answered: bool, release: Callable[[], None] | None) -> None:
+            """`answered`: the call returned (a refusal has sent its trailers already);
+            `release`: what gives its place under its key's cap back, once taken."""
+            if release is not None:
+                release()
             if answered:
                 context.set_trailing_metadata(tuple(call.metadata()))
             service, _, name = method.lstrip("/").rpartition("/")
-            finish_call(call, tracing, {"rpc.system": "grpc", "rpc.service": service,
-                                             "rpc.method": name})
+            finish_call(call, tracing, {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
 
         if refused is not None:
             async def unauthenticated(request, context):
@@ -292,11 +274,16 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                 try:
                     await refuse(refused, context)
                 finally:
-                    end(call, context, False)
-            return handler._replace(request_deserializer=lambda data: None,
-                                    **{kind: unauthenticated})
+                    end(call, context, False, None)
+            return handler._replace(request_deserializer=lambda data: None, **{kind: unauthenticated})
+
         async def received(request, context):
-            holds = start(context)
+            """The call's request (or requests) read, with its Holds, given back when gRPC
+            reports the call over."""
+            holds = self.plane.holds(context.peer())
+            _holds.set(holds)
+            loop = asyncio.get_running_loop()
+            context.add_done_callback(lambda _: self.plane.end_call(holds, loop))
             if handler.request_streaming:
                 return checked(request, context, holds)
             return (await decoded(request, context, holds))[0]
@@ -310,9 +297,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                         yield response
                     answered = True
                 finally:
-                    if release is not None:
-                        release()
-                    end(call, context, answered)
+                    end(call, context, answered, release)
         else:
             async def behaviour(request, context):
                 call, answered, release = begin(context), False, None
@@ -322,9 +307,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                     answered = True
                     return response
                 finally:
-                    if release is not None:
-                        release()
-                    end(call, context, answered)
+                    end(call, context, answered, release)
         return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
 
 

@@ -45,23 +45,31 @@ from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.errors import InvalidArgument
 from attnserve.server.grpc.calls import answer, call_holds, deadline_of
 from attnserve.server.grpc.encoder_pack import (
-    CHUNKED_ADVICE,
-    DTYPES,
-    EMBED_ADVICE,
-    EMBEDDING_TYPES,
     POOLING_NAMES,
+    SPARSE_ENTRY_BYTES,
     AttentionPlan,
     EmbedPlan,
     chunked_response_bytes,
     embed_response,
     embed_response_bytes,
+    head_bytes,
     outputs_for,
     pooled_name,
 )
-from attnserve.server.grpc.wire import field_bytes, varint_bytes
+from attnserve.server.grpc.wire import field_bytes
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 
+DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_FLOAT16: np.float16}
+EMBEDDING_TYPES = {pb.EMBEDDING_TYPE_UNSPECIFIED: EmbeddingType.FLOAT,
+                   pb.EMBEDDING_TYPE_FLOAT: EmbeddingType.FLOAT,
+                   pb.EMBEDDING_TYPE_INT8: EmbeddingType.INT8,
+                   pb.EMBEDDING_TYPE_UINT8: EmbeddingType.UINT8,
+                   pb.EMBEDDING_TYPE_BINARY: EmbeddingType.BINARY,
+                   pb.EMBEDDING_TYPE_UBINARY: EmbeddingType.UBINARY}
+EMBED_ADVICE = ("ask for fewer attention layers or heads, set average_heads, use "
+                "dtype=DTYPE_FLOAT16, or send fewer texts")
+CHUNKED_ADVICE = "raise chunking.max_tokens, use dtype=DTYPE_FLOAT16, or send less text"
 TOKENIZE_ADVICE = "send fewer texts per request"
 CHUNKING_MODES = {pb.CHUNKING_MODE_UNSPECIFIED: ChunkingMode.LATE,
                   pb.CHUNKING_MODE_LATE: ChunkingMode.LATE,
@@ -69,8 +77,6 @@ CHUNKING_MODES = {pb.CHUNKING_MODE_UNSPECIFIED: ChunkingMode.LATE,
 DIRECTIONS = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: TruncationDirection.RIGHT,
               pb.TRUNCATION_DIRECTION_RIGHT: TruncationDirection.RIGHT,
               pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT}
-
-
 TEXTS = Fields("texts", token_at="{sequence}")
 IDS = Fields("token_ids", token_at="{sequence}.ids[{position}]")
 SCORE_MODES = {pb.SCORE_MODE_COSINE: ScoreMode.COSINE, pb.SCORE_MODE_MAXSIM: ScoreMode.MAXSIM}
@@ -80,9 +86,8 @@ CLASSIFY = Fields("inputs", token_at="{sequence}.text", pair_at="{sequence}.text
 CLASSIFY_ADVICE = "set top_k, or send fewer inputs"
 SPARSE_ADVICE = "set top_k, or send fewer texts"
 # A SparseVector's entry (its length prefix) and its two packed fields' tags and lengths,
-# at the largest; each of its entries: an id (a uint32 varint) and a float.
+# at the largest.
 SPARSE_VECTOR_BYTES = (1 + 5) + 2 * (1 + 5)
-SPARSE_ENTRY_BYTES = 5 + 4
 # One label's score: its id (a uint32), its score (a float) and its label's length prefix,
 # each with its tag, in a Classification's length-prefixed entry.
 LABEL_BYTES = field_bytes((1 + 5) + (1 + 4) + (1 + 5))
@@ -114,9 +119,8 @@ def _indexes(values, count: int, field: str, what: str) -> tuple[int, ...]:
     resolved = []
     for i, value in enumerate(values):
         if not -count <= value < count:
-            raise InvalidArgument(
-                f"{field}[{i}]", f"{what} {value} does not exist: the model has {count} {what}s "
-                f"(0..{count - 1}, or -1..-{count} from the end)")
+            raise InvalidArgument(f"{field}[{i}]", f"{what} {value} does not exist: the model has {count} "
+                                  f"{what}s (0..{count - 1}, or -1..-{count} from the end)")
         index = value % count
         if index in resolved:
             raise InvalidArgument(f"{field}[{i}]", f"{what} {value} is listed twice")
@@ -164,9 +168,8 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
         heads = _indexes(options.heads, manifest.num_heads, "attention.heads", "head")
         attention = AttentionPlan(layers or tuple(range(manifest.num_layers)), heads or None,
                                   options.average_heads)
-    plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings,
-                     DTYPES[request.dtype], attention, _chunking(request, manifest),
-                     **_heads(request, manifest, model))
+    plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings, DTYPES[request.dtype],
+                     attention, _chunking(request, manifest), **_heads(request, manifest, model))
     kind = EMBEDDING_TYPES[request.embedding_type]
     if kind is EmbeddingType.FLOAT:
         return plan
@@ -175,9 +178,8 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
     if source is None:
         raise InvalidArgument("embedding_type", "sets what the pooled vector is sent as, and "
                               "pooling is POOLING_NONE: ask for a pooling")
-    return dataclasses.replace(plan, embedding_type=kind,
-                               ranges=ranges_of(manifest, model, source, kind, "embedding_type",
-                                                         request.dimensions))
+    ranges = ranges_of(manifest, model, source, kind, "embedding_type", request.dimensions)
+    return dataclasses.replace(plan, embedding_type=kind, ranges=ranges)
 
 
 def _heads(request: pb.EmbedRequest, manifest: Manifest, model: str) -> dict:
@@ -200,8 +202,7 @@ def _heads(request: pb.EmbedRequest, manifest: Manifest, model: str) -> dict:
         plan["multi_vector"] = (manifest.multi_vector.dim, manifest.multi_vector.skip_leading)
     if request.return_sparse:
         plan["sparse"] = SPARSE_OUTPUT if manifest.sparse else TOKEN_WEIGHTS_OUTPUT
-        plan["dropped_ids"] = tuple(manifest.lexical.dropped_token_ids if manifest.lexical
-                                    else ())
+        plan["dropped_ids"] = tuple(manifest.lexical.dropped_token_ids if manifest.lexical else ())
     return plan
 
 
@@ -238,7 +239,7 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
                                    for name, m in plane.models.items()}
 
     async def _embed(self, request: pb.EmbedRequest, holds: Holds,
-                    deadline: float | None) -> pb.EmbedResponse:
+                     deadline: float | None) -> pb.EmbedResponse:
         model = self.plane.model(request.model)
         manifest = model.manifest
         plan = plan_embed(request, manifest, model.name)
@@ -250,19 +251,16 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             names=TEXTS if request.texts else IDS, size=size, texts=request.texts,
             token_ids=IdLists(request.token_ids), truncate=request.truncate,
             truncation_direction=direction(request.truncation_direction),
-            prompt_name=request.prompt_name, outputs=outputs_for(plan),
-            dimensions=request.dimensions,
+            prompt_name=request.prompt_name, outputs=outputs_for(plan), dimensions=request.dimensions,
             layers=plan.attention.graph_layers if plan.attention else (),
             chunking=plan.chunking, normalize=plan.normalize), holds, deadline)
         results = int(embedded.chunk_counts.sum()) if plan.chunking else len(embedded.ids)
-        return await model.pack(
-            results * RESULT_S + embedded.response_bytes * COPY_BYTE_S,
-            embed_response, embedded, plan, model.name)
+        return await model.pack(results * RESULT_S + embedded.response_bytes * COPY_BYTE_S,
+                                embed_response, embedded, plan, model.name)
 
     async def Embed(self, request, context):
-        return await answer(self.metrics, "Embed", context,
-                            lambda: self._embed(request, call_holds(), deadline_of(context)),
-                            request.priority)
+        return await answer(self.metrics, "Embed", context, lambda: self._embed(
+            request, call_holds(), deadline_of(context)), request.priority)
 
     async def EmbedStream(self, request_iterator, context):
         holds = call_holds()
@@ -281,14 +279,12 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         async def handle():
             model = self.plane.model(request.model)
             count, least = len(request.texts), self.least_tokenization[model.name]
-            size = ResponseSize(lambda _: count * field_bytes(least), self.max_message_bytes,
-                                TOKENIZE_ADVICE)
-            size.check(None, at_least=True)
+            ResponseSize(lambda _: count * field_bytes(least), self.max_message_bytes,
+                         TOKENIZE_ADVICE).check(None, at_least=True)
             holds = call_holds()
-            encoded = await embed.tokenize(model,
-                TokenizeRequest(TEXTS, request.texts, request.truncate,
-                                direction(request.truncation_direction), request.prompt_name),
-                holds)
+            encoded = await embed.tokenize(model, TokenizeRequest(
+                TEXTS, request.texts, request.truncate, direction(request.truncation_direction),
+                request.prompt_name), holds)
             tokens = sum(len(e.ids) for e in encoded)
             return await model.pack(count * RESULT_S + tokens * TOKEN_S,
                                     self._tokenize_response, model, encoded, holds)
@@ -310,19 +306,16 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
 
     async def ListModels(self, request, context):
         async def handle():
-            return pb.ListModelsResponse(
-                models=[await self._info(m) for m in self.plane.models.values()],
-                default_model=self.plane.default.name)
+            return pb.ListModelsResponse(models=[await self._info(m) for m in self.plane.models.values()],
+                                         default_model=self.plane.default.name)
         return await answer(self.metrics, "ListModels", context, handle)
 
     async def Rerank(self, request, context):
         async def handle():
             model = self.plane.model(request.model, kind=RERANKER)
-            reranked = await pairs.rerank(model, _rerank_request(request, model.name,
-                                                           self.max_message_bytes),
-                                    call_holds(), deadline_of(context))
-            return await model.pack(len(reranked.order) * RESULT_S
-                                    + reranked.response_bytes * COPY_BYTE_S,
+            reranked = await pairs.rerank(model, _rerank_request(request, model.name, self.max_message_bytes),
+                                          call_holds(), deadline_of(context))
+            return await model.pack(len(reranked.order) * RESULT_S + reranked.response_bytes * COPY_BYTE_S,
                                     _rerank_response, reranked, request, model.name)
         return await answer(self.metrics, "Rerank", context, handle, request.priority)
 
@@ -330,17 +323,15 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         async def handle():
             model = self.plane.model(request.model, kind=EMBEDDER)
             scored = await pairs.score(model, _score_request(request, model.name, self.max_message_bytes),
-                                 call_holds(), deadline_of(context))
-            return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored,
-                                    model.name)
+                                       call_holds(), deadline_of(context))
+            return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored, model.name)
         return await answer(self.metrics, "Score", context, handle, request.priority)
 
     async def Classify(self, request, context):
         async def handle():
             model = self.plane.model(request.model, kind=CLASSIFIER)
-            classified = await classify.classify(
-                model, _classify_request(request, model, self.max_message_bytes),
-                call_holds(), deadline_of(context))
+            classified = await classify.classify(model, _classify_request(
+                request, model, self.max_message_bytes), call_holds(), deadline_of(context))
             top_k = request.top_k if request.HasField("top_k") else None
             return await model.pack(classified.scores.size * RESULT_S, _classify_response,
                                     classified, top_k, model)
@@ -349,12 +340,11 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
     async def EmbedSparse(self, request, context):
         async def handle():
             model = self.plane.model(request.model)
-            head = _head_bytes(model.name)
+            head = head_bytes(model.name)
+            size = ResponseSize(lambda counts: head + len(counts) * SPARSE_VECTOR_BYTES + SPARSE_ENTRY_BYTES
+                                * int(counts.sum()), self.max_message_bytes, SPARSE_ADVICE)
             embedded = await sparse.embed_sparse(model, SparseRequest(
-                TEXTS, ResponseSize(lambda counts: head + len(counts) * SPARSE_VECTOR_BYTES
-                                    + SPARSE_ENTRY_BYTES * int(counts.sum()),
-                                    self.max_message_bytes, SPARSE_ADVICE),
-                request.texts, request.truncate, direction(request.truncation_direction),
+                TEXTS, size, request.texts, request.truncate, direction(request.truncation_direction),
                 request.prompt_name, request.top_k if request.HasField("top_k") else None),
                 call_holds(), deadline_of(context))
             return await model.pack(embedded.response_bytes * COPY_BYTE_S, _sparse_response,
@@ -366,35 +356,25 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         return pb.GetModelInfoResponse(
             model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
             num_heads=info.num_heads, max_positions=info.max_positions, vocab_size=info.vocab_size,
-            default_pooling=POOLING_NAMES[info.default_pooling],
-            execution_provider=info.provider, precision=info.precision,
-            artifact_sha256=info.artifact_sha256, platform=info.platform, family=info.family,
-            kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
+            default_pooling=POOLING_NAMES[info.default_pooling], execution_provider=info.provider,
+            precision=info.precision, artifact_sha256=info.artifact_sha256, platform=info.platform,
+            family=info.family, kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
             prompts=info.prompts, default_prompt_name=info.default_prompt_name or "",
             matryoshka_dims=info.matryoshka_dims, embedding_size=info.embedding_size)
-
-
-def _head_bytes(model: str) -> int:
-    """model and total_tokens, at the largest"""
-    return field_bytes(len(model.encode())) + 1 + varint_bytes((1 << 63) - 1)
 
 
 def _classify_request(request: pb.ClassifyRequest, model: ServedModel,
                       limit: int) -> ClassifyRequest:
     inputs = request.inputs
-    top_k = request.top_k if request.HasField("top_k") else None
-    labels = model.manifest.labels
     # Every label's name at its longest, as each input's answer may carry them all.
-    per_input = field_bytes(sum(LABEL_BYTES + UTF8_MAX * len(label) for label in labels))
-
-    def measure(counts: np.ndarray) -> int:
-        return _head_bytes(model.name) + len(counts) * per_input
-
-    return ClassifyRequest(CLASSIFY, ResponseSize(measure, limit, CLASSIFY_ADVICE),
-                           [i.text for i in inputs],
+    per_input = field_bytes(sum(LABEL_BYTES + UTF8_MAX * len(label) for label in model.manifest.labels))
+    head = head_bytes(model.name)
+    size = ResponseSize(lambda counts: head + len(counts) * per_input, limit, CLASSIFY_ADVICE)
+    return ClassifyRequest(CLASSIFY, size, [i.text for i in inputs],
                            [i.text_pair if i.HasField("text_pair") else None for i in inputs],
                            "none" if request.raw_scores else None, request.truncate,
-                           direction(request.truncation_direction), top_k)
+                           direction(request.truncation_direction),
+                           request.top_k if request.HasField("top_k") else None)
 
 
 def _classify_response(classified: Classified, top_k: int | None,
@@ -409,17 +389,16 @@ def _classify_response(classified: Classified, top_k: int | None,
 
 
 def _sparse_response(embedded: SparseEmbedded, model: str) -> pb.EmbedSparseResponse:
-    return pb.EmbedSparseResponse(
-        vectors=[pb.SparseVector(indices=i.tolist(), values=v.tolist())
-                 for i, v in zip(embedded.indices, embedded.values, strict=True)],
-        model=model, total_tokens=embedded.total_tokens)
+    return pb.EmbedSparseResponse(vectors=[pb.SparseVector(indices=i.tolist(), values=v.tolist()) for i, v
+                                           in zip(embedded.indices, embedded.values, strict=True)],
+                                  model=model, total_tokens=embedded.total_tokens)
 
 
 def _rerank_request(request: pb.RerankRequest, model: str, limit: int) -> RerankRequest:
     texts = request.texts
 
     def measure(indexes: np.ndarray) -> int:
-        total = _head_bytes(model) + len(indexes) * field_bytes(RESULT_BYTES)
+        total = head_bytes(model) + len(indexes) * field_bytes(RESULT_BYTES)
         if request.return_texts:
             total += UTF8_MAX * sum(len(texts[i]) for i in indexes.tolist())
         return total
@@ -443,12 +422,11 @@ def _score_request(request: pb.ScoreRequest, model: str, limit: int) -> ScoreReq
         what = (pb.ScoreMode.Name(request.mode) if request.mode in pb.ScoreMode.values()
                 else f"unknown value {request.mode}")
         raise InvalidArgument("mode", f"{what}; name one: SCORE_MODE_COSINE or SCORE_MODE_MAXSIM")
-    size = ResponseSize(lambda lengths: _head_bytes(model) + field_bytes(4 * len(lengths)),
+    size = ResponseSize(lambda lengths: head_bytes(model) + field_bytes(4 * len(lengths)),
                         limit, SCORE_ADVICE)
     return ScoreRequest(TEXTS, size, request.query, request.texts, SCORE_MODES[request.mode],
                         request.truncate)
 
 
 def _score_response(scored: Scored, model: str) -> pb.ScoreResponse:
-    return pb.ScoreResponse(scores=scored.scores.tolist(), model=model,
-                            total_tokens=scored.total_tokens)
+    return pb.ScoreResponse(scores=scored.scores.tolist(), model=model, total_tokens=scored.total_tokens)

@@ -7,13 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnserve.artifact import (
-    HIDDEN_OUTPUT,
-    MULTI_VECTOR_OUTPUT,
-    SPARSE_OUTPUT,
-    Manifest,
-    pooled_output,
-)
+from attnserve.artifact import HIDDEN_OUTPUT, MULTI_VECTOR_OUTPUT, SPARSE_OUTPUT, Manifest, pooled_output
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server.engine.quantize import EmbeddingType, quantize
 from attnserve.server.engine.requests import ChunkedText, Chunking, Embedded
@@ -23,15 +17,7 @@ from attnserve.server.runtime.backend import Outputs, SequenceResult
 
 POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "lasttoken": pb.POOLING_LAST_TOKEN}
 POOLINGS = {code: name for name, code in POOLING_NAMES.items()}
-DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32,
-          pb.DTYPE_FLOAT16: np.float16}
 _WIRE = {np.float32: (pb.DTYPE_FLOAT32, "<f4"), np.float16: (pb.DTYPE_FLOAT16, "<f2")}
-EMBEDDING_TYPES = {pb.EMBEDDING_TYPE_UNSPECIFIED: EmbeddingType.FLOAT,
-                   pb.EMBEDDING_TYPE_FLOAT: EmbeddingType.FLOAT,
-                   pb.EMBEDDING_TYPE_INT8: EmbeddingType.INT8,
-                   pb.EMBEDDING_TYPE_UINT8: EmbeddingType.UINT8,
-                   pb.EMBEDDING_TYPE_BINARY: EmbeddingType.BINARY,
-                   pb.EMBEDDING_TYPE_UBINARY: EmbeddingType.UBINARY}
 QUANTIZED_DTYPES = {EmbeddingType.INT8: pb.DTYPE_INT8, EmbeddingType.UINT8: pb.DTYPE_UINT8,
                     EmbeddingType.BINARY: pb.DTYPE_BINARY, EmbeddingType.UBINARY: pb.DTYPE_UBINARY}
 
@@ -117,8 +103,7 @@ def outputs_for(plan: EmbedPlan) -> Outputs:
 
 def sparse_vector(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.SparseVector:
     row = result.pooled[plan.sparse]
-    rows = ([row] if plan.sparse == SPARSE_OUTPUT
-            else lexical_rows([ids], [row], list(plan.dropped_ids)))
+    rows = ([row] if plan.sparse == SPARSE_OUTPUT else lexical_rows([ids], [row], list(plan.dropped_ids)))
     (indices,), (values,) = entries(rows, None)
     return pb.SparseVector(indices=indices.tolist(), values=values.tolist())
 
@@ -157,8 +142,7 @@ def chunked_embedding(text: ChunkedText, plan: EmbedPlan) -> pb.Embedding:
     out = pb.Embedding(num_tokens=text.num_tokens)
     for (start, end), count, vector in zip(text.spans.tolist(), text.token_counts.tolist(),
                                            text.vectors, strict=True):
-        out.chunks.append(pb.Chunk(start=start, end=end, num_tokens=count,
-                                   pooled=plan.pooled_tensor(vector)))
+        out.chunks.append(pb.Chunk(start=start, end=end, num_tokens=count, pooled=plan.pooled_tensor(vector)))
     return out
 
 
@@ -210,10 +194,11 @@ def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, vector: int, head
 
 SPARSE_ENTRY_BYTES = 5 + 4
 """a sparse entry: its id a uint32 varint at the largest, its weight a packed float"""
+INT64_MAX = (1 << 63) - 1
 
 
-def _response_head_bytes(model: str, tokens: int) -> int:
-    """model and total_tokens"""
+def head_bytes(model: str, tokens: int = INT64_MAX) -> int:
+    """A response's model and total_tokens (at the largest, unless known)."""
     return field_bytes(len(model.encode())) + 1 + varint_bytes(tokens)
 
 
@@ -222,20 +207,18 @@ def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifes
     """The EmbedResponse of `model` for sequences of `lengths` tokens, in bytes."""
     value_bytes = np.dtype(plan.dtype).itemsize
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
-    total = _response_head_bytes(model, int(lengths.sum()))
+    total = head_bytes(model, int(lengths.sum()))
     for length in np.flatnonzero(counts).tolist():
         one = embedding_bytes(length, plan, manifest.hidden_size, manifest.embedding_size,
-                              manifest.num_heads,
-                              manifest.vocab_size, value_bytes)
+                              manifest.num_heads, manifest.vocab_size, value_bytes)
         total += int(counts[length]) * field_bytes(one)
     return total
 
 
 # A chunk's start, end and num_tokens: a one-byte tag and a uint32 varint each, at the
-# largest; a chunked text's num_tokens likewise, and total_tokens at the largest int64.
+# largest; a chunked text's num_tokens likewise.
 CHUNK_FIELDS_BYTES = 3 * (1 + 5)
 UINT32_FIELD_BYTES = 1 + 5
-INT64_MAX = (1 << 63) - 1
 
 
 def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manifest,
@@ -246,9 +229,5 @@ def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manife
     values, repeats = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
     embeddings = sum(times * field_bytes(UINT32_FIELD_BYTES + n * chunk)
                      for n, times in zip(values.tolist(), repeats.tolist(), strict=True))
-    return _response_head_bytes(model, INT64_MAX) + embeddings
+    return head_bytes(model) + embeddings
 
-
-EMBED_ADVICE = ("ask for fewer attention layers or heads, set average_heads, use "
-                "dtype=DTYPE_FLOAT16, or send fewer texts")
-CHUNKED_ADVICE = "raise chunking.max_tokens, use dtype=DTYPE_FLOAT16, or send less text"

@@ -1,13 +1,6 @@
 """inference.GRPCInferenceService: the Open Inference Protocol (KServe v2) over gRPC, so
-tritonclient and KServe tooling work unchanged; the tensors go to the data plane's `infer`.
-
-Inputs: input_ids and attention_mask, INT64 [batch, seq]; each row's mask must be ones
-then zeros (a BERT reranker's graph takes token_type_ids too, each row zeros then ones).
-Outputs: last_hidden_state (FP32 [batch, seq, hidden]), and on request `attentions`
-(every layer stacked, [layers, batch, heads, seq, seq]) or `attentions.K` ([batch, heads,
-seq, seq]); a reranker's: logits ([batch, labels]). Positions past a row's length are
-zeros: no computed padding reaches the caller.
-"""
+tritonclient and KServe tooling work unchanged; the tensors go to the data plane's `infer`
+(inputs and outputs: docs/api.md, "gRPC: the Open Inference Protocol")."""
 
 import msgspec
 import numpy as np
@@ -22,13 +15,7 @@ from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRe
 from attnserve.server.errors import InvalidArgument
 from attnserve.server.grpc.calls import answer, call_holds, deadline_of
 from attnserve.server.grpc.wire import field_bytes
-from attnserve.server.kserve import (
-    MODEL_VERSION,
-    find_model,
-    input_tensor,
-    model_metadata,
-    repository_index,
-)
+from attnserve.server.kserve import MODEL_VERSION, find_model, input_tensor, model_metadata, repository_index
 from attnserve.server.metrics import Metrics
 
 INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"
@@ -39,9 +26,6 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         self.plane = plane
         self.metrics = metrics
         self.max_message_bytes = max_message_bytes
-
-    def _model(self, name: str, version: str):
-        return find_model(self.plane, name, version, "model_name", "model_version")
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -60,8 +44,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         async def handle():
-            meta = model_metadata(find_model(self.plane, request.name, request.version, "name",
-                                             "version"))
+            meta = model_metadata(find_model(self.plane, request.name, request.version, "name", "version"))
             return pb.ModelMetadataResponse(**msgspec.to_builtins(meta))
         return await answer(self.metrics, "ModelMetadata", context, handle)
 
@@ -69,47 +52,42 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         async def handle():
             entry = pb.RepositoryIndexResponse.ModelIndex
             return pb.RepositoryIndexResponse(models=[
-                entry(**msgspec.structs.asdict(e))
-                for e in repository_index(self.plane, request.ready)])
+                entry(**msgspec.structs.asdict(e)) for e in repository_index(self.plane, request.ready)])
         return await answer(self.metrics, "RepositoryIndex", context, handle)
 
     def _size(self, request: pb.ModelInferRequest, model: str) -> ResponseSize:
         """The response's size, exactly: its fields but the output data, sized by protobuf
         itself, and the data's length-prefixed bytes."""
         def measure(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
-            skeleton = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION,
-                                             id=request.id)
+            skeleton = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request.id)
             data = 0
             for name, shape in shapes:
                 skeleton.outputs.add(name=name, datatype="FP32", shape=shape)
                 data += field_bytes(int(np.prod(shape, dtype=np.int64)) * 4)
             return skeleton.ByteSize() + data
-        return lambda shapes: ResponseSize(lambda _: measure(shapes), self.max_message_bytes,
-                                           INFER_ADVICE)
+        return lambda shapes: ResponseSize(lambda _: measure(shapes), self.max_message_bytes, INFER_ADVICE)
 
     def _inputs(self, request: pb.ModelInferRequest) -> list[InputTensor]:
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
             raise InvalidArgument("raw_input_contents", f"{len(raw)} entries for "
                                   f"{len(request.inputs)} inputs")
-        return [input_tensor(i, t.name, t.datatype, t.shape,
-                             raw[i] if raw else t.contents.int64_contents)
+        return [input_tensor(i, t.name, t.datatype, t.shape, raw[i] if raw else t.contents.int64_contents)
                 for i, t in enumerate(request.inputs)]
 
     async def ModelInfer(self, request, context):
         async def handle():
-            model = self._model(request.model_name, request.model_version)
+            model = find_model(self.plane, request.model_name, request.model_version, "model_name",
+                               "model_version")
             outputs = await tensors.run(model, TensorRequest(
                 self._inputs(request), [o.name for o in request.outputs],
                 self._size(request, model.name)), call_holds(), deadline_of(context))
             nbytes = sum(array.nbytes for _, array in outputs)
-            return await model.pack(nbytes * COPY_BYTE_S, self._response, model.name, request.id,
-                                    outputs)
+            return await model.pack(nbytes * COPY_BYTE_S, self._response, model.name, request.id, outputs)
         return await answer(self.metrics, "ModelInfer", context, handle)
 
     def _response(self, model: str, request_id: str, outputs) -> pb.ModelInferResponse:
-        response = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION,
-                                         id=request_id)
+        response = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request_id)
         for name, array in outputs:
             response.outputs.add(name=name, datatype="FP32", shape=array.shape)
             response.raw_output_contents.append(array.tobytes())

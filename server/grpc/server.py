@@ -19,10 +19,8 @@ from attnserve.server.metrics import Metrics
 from attnserve.server.startup import PortInUse
 from attnserve.server.tracing import Tracing
 
-SERVICES = (
-    encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
-    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-)
+SERVICES = (encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
+            grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name)
 MAX_CONCURRENT_STREAMS = 1000
 
 
@@ -41,15 +39,12 @@ def credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
 
 
 class GrpcServer:
-    def __init__(self, config: ServeConfig, metrics: Metrics, keys: ApiKeys,
-                 tracing: Tracing | None):
+    def __init__(self, config: ServeConfig, metrics: Metrics, keys: ApiKeys, tracing: Tracing | None):
         self.config, self.metrics, self.keys, self.tracing = config, metrics, keys, tracing
         self.credentials = credentials(config)
         self.health = health.aio.HealthServicer()
-        self.port = 0
 
-    async def start(self, plane: DataPlane, requests_pool, max_entries: int,
-                    shared_port: bool) -> int:
+    async def start(self, plane: DataPlane, requests_pool, max_entries: int, shared_port: bool) -> int:
         """Bind the port (`shared_port`: shared with the other front ends of one server,
         SO_REUSEPORT; otherwise one in use fails the start) and serve it NOT_SERVING."""
         config = self.config
@@ -71,8 +66,7 @@ class GrpcServer:
             # minutes on a small CPU), so a stream the client holds open keeps its
             # connection until the client closes it.
             options += [("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000))]
-        decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries, self.keys,
-                                self.tracing)
+        decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries, self.keys, self.tracing)
         self.server = grpc.aio.server(interceptors=[decode], options=options)
         logging.getLogger("grpc._cython.cygrpc").addFilter(QuietHungUpCalls())
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
@@ -80,17 +74,17 @@ class GrpcServer:
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             KServeService(plane, self.metrics, config.max_message_bytes), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.server)
         await self.set_health(False)
         address = f"{config.host}:{config.port}"
         try:
-            self.port = (self.server.add_secure_port(address, self.credentials)
-                         if self.credentials else self.server.add_insecure_port(address))
+            port = (self.server.add_secure_port(address, self.credentials)
+                    if self.credentials else self.server.add_insecure_port(address))
         except RuntimeError as err:  # grpc: "Failed to bind to address ..."
             raise PortInUse("--port", address) from err
         await self.server.start()
-        return self.port
+        return port
 
     async def set_health(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving

@@ -12,7 +12,6 @@ nested message (one sequence of ids, the attention options) is bounded on its ow
 """
 
 import itertools
-from dataclasses import dataclass, field
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
@@ -42,18 +41,6 @@ class NestedTooLarge(ValueError):
                          "limit on one nested message")
 
 
-@dataclass
-class Layout:
-    """Where a payload's top-level fields may be cut, and what it holds."""
-
-    cuts: list[int]
-    """slice boundaries, from 0 to the payload's length"""
-    counts: dict[int, int] = field(default_factory=dict)
-    """field number -> entries"""
-    longest: dict[int, int] = field(default_factory=dict)
-    """field number -> its longest length-delimited entry (those of 128 bytes or more)"""
-
-
 def _varint(data: bytes, i: int) -> tuple[int, int]:
     value = shift = 0
     while True:
@@ -75,11 +62,13 @@ def _check_counts(counts: list[int], others: dict[int, int], limit: int, name) -
             raise TooManyEntries(name(number), count, limit)
 
 
-def layout(data: bytes, max_entries: int, name=str, slice_bytes: int = SLICE_BYTES) -> Layout:
-    """Walk `data`'s top-level fields; raises TooManyEntries as soon as one field has more than
-    `max_entries` entries (checked at each cut, so at most a slice past it), DecodeError
-    for bytes that are not a message. `name(number)` names a field in errors."""
-    n, i, mark = len(data), 0, slice_bytes
+def layout(data: bytes, max_entries: int, name=str) -> tuple[list[int], dict[int, int]]:
+    """Walk `data`'s top-level fields: where it may be cut (slice boundaries, from 0 to its
+    length), and each field number's longest length-delimited entry (of those of 128 bytes
+    or more). Raises TooManyEntries as soon as one field has more than `max_entries` entries
+    (checked at each cut, so at most a slice past it), DecodeError for bytes that are not a
+    message. `name(number)` names a field in errors."""
+    n, i, mark = len(data), 0, SLICE_BYTES
     cuts = [0]
     counts = [0] * 16  # fields 1-15, the ones with a one-byte tag
     others: dict[int, int] = {}
@@ -114,14 +103,13 @@ def layout(data: bytes, max_entries: int, name=str, slice_bytes: int = SLICE_BYT
         if i >= mark:
             _check_counts(counts, others, max_entries, name)
             cuts.append(min(i, n))
-            mark = i + slice_bytes
+            mark = i + SLICE_BYTES
     if i > n:
         raise DecodeError("the last field runs past the end of the message")
     _check_counts(counts, others, max_entries, name)
     if cuts[-1] != n:
         cuts.append(n)
-    found = {k: v for k, v in enumerate(counts) if v} | others
-    return Layout(cuts, found, longest)
+    return cuts, longest
 
 
 def decode_in_slices(cls: type[Message], data: bytes, max_entries: int) -> Message:
@@ -133,15 +121,15 @@ def decode_in_slices(cls: type[Message], data: bytes, max_entries: int) -> Messa
     def name(number: int) -> str:
         return fields[number].name if number in fields else f"field {number}"
 
-    shape = layout(data, max_entries, name)
-    for number, length in shape.longest.items():
+    cuts, longest = layout(data, max_entries, name)
+    for number, length in longest.items():
         nested = fields.get(number)
         if (nested is not None and nested.type == FieldDescriptor.TYPE_MESSAGE
                 and length > MAX_NESTED_BYTES):
             raise NestedTooLarge(name(number), length, MAX_NESTED_BYTES)
     message = cls()
     view = memoryview(data)
-    for start, end in itertools.pairwise(shape.cuts):
+    for start, end in itertools.pairwise(cuts):
         message.MergeFromString(view[start:end])
     return message
 

@@ -1,16 +1,9 @@
-"""What every HTTP route shares: its call record and status (server/call.py), the
-body read within its limits and time and held in the memory ledger only as its bytes
+"""What every HTTP route shares: its call record, status and X-Request-Id (server/call.py),
+the body read within its limits and time and held in the memory ledger only as its bytes
 arrive, JSON counted before it is decoded and decoded off the event loop (as its schema,
 server/http/schemas.py), and errors turned into HTTP statuses in the route's own error
-shape.
-
-The cheap limits come first: the content type and encoding and the declared length are
-checked before any byte of the body is read, and a JSON body's entries are counted
-before it is parsed.
-
-Every request is a call (server/call.py) from the moment it reaches the app:
-every answer, refusals and unmatched routes included, carries its X-Request-Id and TEI's
-timing headers, and with --otlp-endpoint the call is traced."""
+shape. The cheap limits come first: the content type, encoding and declared length before
+any byte of the body is read, a JSON body's entries before it is parsed."""
 
 import asyncio
 import re
@@ -19,23 +12,10 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from attnserve.server.call import (
-    CANCELLED,
-    REQUEST_ID,
-    TRACEPARENT,
-    CallRecord,
-    begin_call,
-    finish_call,
-)
+from attnserve.server.call import CANCELLED, REQUEST_ID, TRACEPARENT, CallRecord, begin_call, finish_call
 from attnserve.server.engine.offload import JSON_BYTE_S
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.errors import (
-    Code,
-    InvalidArgument,
-    RequestError,
-    RetryLater,
-    TooLarge,
-)
+from attnserve.server.errors import Code, InvalidArgument, RequestError, RetryLater, TooLarge
 from attnserve.server.http.listener import MalformedBody
 from attnserve.server.http.schemas import decode
 from attnserve.server.keys import ApiKeys
@@ -47,15 +27,9 @@ from attnserve.server.tracing import Tracing
 S = TypeVar("S")
 T = TypeVar("T")
 
-HTTP_STATUS = {
-    Code.INVALID_ARGUMENT: 400,
-    Code.UNAUTHENTICATED: 401,
-    Code.NOT_FOUND: 404,
-    Code.RESOURCE_EXHAUSTED: 429,
-    Code.INTERNAL: 500,
-    Code.UNAVAILABLE: 503,
-    Code.DEADLINE_EXCEEDED: 504,
-}
+HTTP_STATUS = {Code.INVALID_ARGUMENT: 400, Code.UNAUTHENTICATED: 401, Code.NOT_FOUND: 404,
+               Code.RESOURCE_EXHAUSTED: 429, Code.INTERNAL: 500, Code.UNAVAILABLE: 503,
+               Code.DEADLINE_EXCEEDED: 504}
 # The entries a JSON body may carry beyond twice the entries one request may queue (ids
 # and the lists holding them; the tensors of both KServe inputs): its objects' members.
 JSON_ENTRY_SLACK = 1024
@@ -71,9 +45,9 @@ JSON_CHAR_BYTES = 6
 # Routes of probes and tools, never traced.
 UNTRACED_PATHS = ("/health", "/v2/health/", "/openapi.json")
 _CALL = "attnserve.call"
+"""the request's key for its Call"""
 API_KEY = "attnserve.api_key"
 """the request's ApiKey, once the API keys have let it in"""
-"""the request's key for its Call"""
 
 
 class UnsupportedMediaType(RequestError):
@@ -137,9 +111,8 @@ class HttpCalls:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         tracing = None if request.path.startswith(UNTRACED_PATHS) else self.tracing
-        call = begin_call(f"{request.method} {route}",
-                                  request.headers.get(REQUEST_ID),
-                                  request.headers.get(TRACEPARENT), tracing)
+        call = begin_call(f"{request.method} {route}", request.headers.get(REQUEST_ID),
+                          request.headers.get(TRACEPARENT), tracing)
         request[_CALL] = call
         status = None
         try:
@@ -147,9 +120,8 @@ class HttpCalls:
             status = response.status
             return response
         finally:
-            finish_call(call, tracing, {"http.request.method": request.method,
-                                             "http.route": route}
-                             | ({} if status is None else {"http.response.status_code": status}))
+            finish_call(call, tracing, {"http.request.method": request.method, "http.route": route}
+                        | ({} if status is None else {"http.response.status_code": status}))
 
     @staticmethod
     async def call_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -159,16 +131,12 @@ class HttpCalls:
         if call is not None:
             response.headers.update(call.metadata())
 
-    def check_type(self, request: web.Request, accepted: tuple[str, ...],
-                   optional: bool = False) -> None:
+    def check_type(self, request: web.Request, accepted: tuple[str, ...], optional: bool = False) -> None:
         """Refuse (415) a body of another content type (none given is accepted with
         `optional`), or compressed: a body is never inflated here."""
         kind = request.content_type if request.headers.get("Content-Type") else None
-        if kind is None and optional:
-            pass
-        elif kind not in accepted or kind in CROSS_SITE_TYPES:
-            raise UnsupportedMediaType(
-                f"Content-Type: {kind or 'missing'}; send {' or '.join(accepted)}")
+        if (kind is not None or not optional) and (kind not in accepted or kind in CROSS_SITE_TYPES):
+            raise UnsupportedMediaType(f"Content-Type: {kind or 'missing'}; send {' or '.join(accepted)}")
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding != "identity":
             raise UnsupportedMediaType(f"Content-Encoding: {encoding[:32]!r}; bodies are taken "
@@ -178,9 +146,8 @@ class HttpCalls:
         """The whole body: refused (413) past the limit before it is read when the client
         declares its length, and as soon as it passes the limit when it does not; ended
         (408) past --http-body-timeout-seconds, and (400) as soon as its chunked encoding
-        breaks. Its bytes are held in the ledger (as
-        received, parsed and converted) as they arrive, until the answer has been sent:
-        never for bytes not yet sent."""
+        breaks. Its bytes are held in the ledger (as received, parsed and converted) as they
+        arrive, until the answer has been sent: never for bytes not yet sent."""
         limit, length = self.max_body_bytes, request.content_length
         if length is not None and length > limit:
             raise TooLarge(f"body: {length} bytes, over the server's {limit}-byte limit "
@@ -191,8 +158,7 @@ class HttpCalls:
                 while chunk := await request.content.readany():
                     received += len(chunk)
                     if received > limit:
-                        raise TooLarge(f"body: over the server's {limit}-byte limit "
-                                       "(--http-max-body-bytes)")
+                        raise TooLarge(f"body: over the server's {limit}-byte limit (--http-max-body-bytes)")
                     held = self.plane.hold_request(holds, received, held)
                     chunks.append(chunk)
                 # A broken chunked framing ends the body and may wake the last read as its
@@ -200,9 +166,8 @@ class HttpCalls:
                 if (broken := request.content.exception()) is not None:
                     raise broken
         except TimeoutError as err:
-            raise RequestTimeout(f"body: {received} bytes arrived in "
-                                 f"{self.body_timeout_s:g} s (--http-body-timeout-seconds); "
-                                 "send the whole body at once") from err
+            raise RequestTimeout(f"body: {received} bytes arrived in {self.body_timeout_s:g} s "
+                                 "(--http-body-timeout-seconds); send the whole body at once") from err
         except MalformedBody as err:
             raise InvalidArgument("body", err.message) from err
         return b"".join(chunks)
@@ -244,8 +209,7 @@ class HttpCalls:
         stalled, release = False, None
         try:
             try:
-                release = self.keys.admit(request.get(API_KEY), request.headers.get(HEADER),
-                                          HEADER)
+                release = self.keys.admit(request.get(API_KEY), request.headers.get(HEADER), HEADER)
                 response = await handler(holds)
             except asyncio.CancelledError:
                 raise

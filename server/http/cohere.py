@@ -1,17 +1,7 @@
 """The rerank API of Cohere and Jina, through the data plane: POST /v1/rerank (Cohere's v1,
 Jina's) and POST /v2/rerank (Cohere's v2), which LangChain's, LlamaIndex's and Haystack's
-rerank integrations call. A reranker scores each (query, document) pair; the answer is
-`{id, model, results: [{index, relevance_score, document?}], usage: {total_tokens}}`,
-highest score first, relevance_score the classifier's sigmoid (in [0, 1], as theirs).
-Errors come in Cohere's shape, {"message": "..."}; a field the route does not know is
-refused, as Cohere's API refuses it.
-
-`documents`: strings, or objects whose `text` is ranked (Cohere's and Jina's); `top_n`:
-the best top_n only; `return_documents` (v1, default false): each result carries its
-document as {"text": ...}; `max_tokens_per_doc` (v2): each document cut to at most that
-many tokens. `model` names a reranker; omitted, the server's first reranker answers.
-Beyond their fields, `truncate` (default false) cuts a pair's document (never its
-query) where the pair is longer than the model's positions, instead of refusing it."""
+rerank integrations call, in their bodies, answers and error shape (docs/api.md, "HTTP:
+Cohere and Jina"); relevance_score is the classifier's sigmoid, in [0, 1] as theirs."""
 
 import uuid
 
@@ -20,10 +10,10 @@ from aiohttp import web
 from attnserve.artifact import RERANKER
 from attnserve.server.engine import pairs
 from attnserve.server.engine.offload import RESULT_S
-from attnserve.server.engine.requests import Fields, RerankRequest, ResponseSize
+from attnserve.server.engine.requests import Fields, RerankRequest
 from attnserve.server.errors import RequestError
 from attnserve.server.http.calls import JSON_CHAR_BYTES
-from attnserve.server.http.door import Door, encode, json_response
+from attnserve.server.http.door import Door, encode, json_response, packed
 from attnserve.server.http.schemas import (
     CohereError,
     CohereRanking,
@@ -42,8 +32,7 @@ NAMES = Fields("documents")
 
 class CohereDoor(Door):
     def routes(self) -> list[web.RouteDef]:
-        return [self.route("POST", "/v1/rerank", self.rerank),
-                self.route("POST", "/v2/rerank", self.rerank)]
+        return [self.route("POST", "/v1/rerank", self.rerank), self.route("POST", "/v2/rerank", self.rerank)]
 
     @staticmethod
     def refusal(err: RequestError, status: int) -> web.Response:
@@ -60,17 +49,13 @@ class CohereDoor(Door):
                 + JSON_CHAR_BYTES * text
 
         reranked = await pairs.rerank(model, RerankRequest(
-            NAMES, ResponseSize(measure, self.max_response_bytes, ADVICE), body.query, texts,
-            body.top_n, truncate=bool(body.truncate), max_text_tokens=body.max_tokens_per_doc),
-            holds, None)
+            NAMES, self.size(measure, ADVICE), body.query, texts, body.top_n,
+            truncate=bool(body.truncate), max_text_tokens=body.max_tokens_per_doc), holds, None)
 
         def answer() -> bytes:
-            results = [CohereResult(i, score, *((Document(texts[i]),) if body.return_documents
-                                                  else ()))
-                       for i, score in zip(reranked.order.tolist(), reranked.scores.tolist(),
-                                           strict=True)]
+            results = [CohereResult(i, score, *((Document(texts[i]),) if body.return_documents else ()))
+                       for i, score in zip(reranked.order.tolist(), reranked.scores.tolist(), strict=True)]
             return encode(CohereRanking(str(uuid.uuid4()), model.name, results,
                                         CohereUsage(reranked.total_tokens)))
 
-        payload = await model.pack(len(reranked.order) * RESULT_S, answer)
-        return web.Response(body=payload, content_type="application/json")
+        return await packed(model, len(reranked.order) * RESULT_S, answer)

@@ -10,7 +10,9 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.plane import DataPlane
+from attnserve.server.engine.requests import ResponseSize
 from attnserve.server.errors import RequestError
 from attnserve.server.http.calls import HttpCalls
 from attnserve.server.http.schemas import KServeError
@@ -23,6 +25,11 @@ encode = msgspec.json.Encoder().encode
 def json_response(body: object, status: int = 200) -> web.Response:
     """An answer of JSON: a schema's Struct, or a list of them (or of plain values)."""
     return web.Response(body=encode(body), status=status, content_type="application/json")
+
+
+async def packed(model: ServedModel, seconds: float, build: Callable[..., bytes], *args) -> web.Response:
+    """An answer of the JSON `build(*args)` writes, built as ServedModel.pack builds it."""
+    return web.Response(body=await model.pack(seconds, build, *args), content_type="application/json")
 
 
 def numbers(array: np.ndarray) -> msgspec.Raw:
@@ -47,12 +54,15 @@ class Door(ABC):
     def refusal(err: RequestError, status: int) -> web.Response:
         return json_response(KServeError(err.message), status)
 
+    def size(self, measure: Callable, advice: str) -> ResponseSize:
+        """An answer's size by `measure`, refused past the door's limit with `advice`."""
+        return ResponseSize(measure, self.max_response_bytes, advice)
+
     def route(self, method: str, path: str, handler: Handler, rpc: str | None = None) -> web.RouteDef:
         """`handler(request, holds)` on `path`, answered as the call `rpc` (the metrics' rpc
         label; default `http:` and the path)."""
         name = rpc or f"http:{path}"
 
         async def answer(request: web.Request) -> web.StreamResponse:
-            return await self.calls.answer(name, request, lambda holds: handler(request, holds),
-                                           self.refusal)
+            return await self.calls.answer(name, request, lambda holds: handler(request, holds), self.refusal)
         return web.route(method, path, answer)

@@ -1,13 +1,7 @@
 """The Open Inference Protocol (KServe v2) over HTTP/REST, through the data plane: an infer
-request's JSON (and binary data, Triton's binary tensor extension, which
-tritonclient.http uses by default) becomes the data plane's tensors, and its outputs become
-JSON tensors or binary data, as asked.
-
-Every route is served with and without the model version (`/v2/models/{name}` and
-`/v2/models/{name}/versions/1`). Health answers {"live": bool} and {"ready": bool}, with
-200 for true and 400 for false; model readiness {"name", "ready"}. Errors are
-{"error": "<message>"}. A field the protocol's models do not declare is ignored, as
-KServe's own server ignores it."""
+request's JSON (and binary data, Triton's binary tensor extension, which tritonclient.http
+uses by default) becomes the data plane's tensors, and its outputs JSON tensors or binary
+data, as asked (docs/api.md, "HTTP: KServe v2 REST")."""
 
 import re
 import time
@@ -21,7 +15,7 @@ from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
 from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRequest
 from attnserve.server.errors import InvalidArgument, quote
-from attnserve.server.http.calls import JSON_FLOAT_BYTES
+from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
 from attnserve.server.http.door import Door, encode, json_response, numbers
 from attnserve.server.http.schemas import (
     Infer,
@@ -34,13 +28,7 @@ from attnserve.server.http.schemas import (
     RepositoryIndex,
     ServerMetadata,
 )
-from attnserve.server.kserve import (
-    MODEL_VERSION,
-    find_model,
-    input_tensor,
-    model_metadata,
-    repository_index,
-)
+from attnserve.server.kserve import MODEL_VERSION, find_model, input_tensor, model_metadata, repository_index
 from attnserve.server.memory.ledger import Holds
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -69,9 +57,8 @@ def _values(data, shape: list[int], field: str) -> list:
     choice), or nested exactly as `shape`. Nested data is walked one level at a time, never
     by recursion, so data nested deeper than its shape is refused at the level below the
     shape's last, whatever its depth, and no value is read before the nesting is checked."""
-    values = data
-    if any(isinstance(value, list) for value in values):
-        level = [values]
+    if any(isinstance(value, list) for value in data):
+        level = [data]
         for depth, size in enumerate(shape):
             for i, item in enumerate(level):
                 if not isinstance(item, list) or len(item) != size:
@@ -80,14 +67,14 @@ def _values(data, shape: list[int], field: str) -> list:
                     raise InvalidArgument(field, f"{where + ' is ' if where else ''}{found} where "
                                           f"shape {shape} needs a list of {size}")
             level = [value for item in level for value in item]
-        values = level
-    for i, value in enumerate(values):
+        data = level
+    for i, value in enumerate(data):
         if type(value) is not int:  # bool is an int to Python, not to JSON
             if isinstance(value, list):
                 raise InvalidArgument(field, f"nested deeper than shape {shape}: "
                                       f"{_at(i, shape)} is a list")
             raise InvalidArgument(field, f"{quote(value)} is not an INT64 value")
-    return values
+    return data
 
 
 class InferCall:
@@ -120,8 +107,7 @@ class InferCall:
             else:
                 if offset + size > len(binary):
                     raise InvalidArgument(f"{field}.parameters.binary_data_size",
-                                          f"{quote(size)}; {len(binary) - offset} binary bytes "
-                                          "are left")
+                                          f"{quote(size)}; {len(binary) - offset} binary bytes are left")
                 data, offset = binary[offset:offset + size], offset + size
             tensors.append(input_tensor(i, tensor.name, tensor.datatype, tensor.shape, data))
         if offset != len(binary):
@@ -136,7 +122,7 @@ class InferCall:
         """The response's size for the data plane's (name, shape) outputs: raw bytes for
         binary outputs, JSON text for the rest."""
         def for_outputs(shapes: list[tuple[str, tuple[int, ...]]]) -> ResponseSize:
-            total = 256 + len(self.id or "") * 6
+            total = 256 + len(self.id or "") * JSON_CHAR_BYTES
             for name, shape in shapes:
                 values = int(np.prod(shape, dtype=np.int64))
                 total += 128 + values * (4 if self.travels_binary(name) else JSON_FLOAT_BYTES)
@@ -155,8 +141,7 @@ class InferCall:
             else:
                 entry.data = numbers(array.ravel())
             entries.append(entry)
-        header = encode(Inferred(model, MODEL_VERSION, entries, *(() if self.id is None
-                                                                  else (self.id,))))
+        header = encode(Inferred(model, MODEL_VERSION, entries, *(() if self.id is None else (self.id,))))
         if not chunks:
             return header, None
         return b"".join([header, *chunks]), len(header)
@@ -165,8 +150,8 @@ class InferCall:
 class KServeDoor(Door):
     def routes(self) -> list[web.RouteDef]:
         routes = [web.get("/v2/health/live", self.live), web.get("/v2/health/ready", self.ready),
-                  web.get("/v2", self.server_metadata),
-                  self.route("POST", "/v2/repository/index", self.repository_index)]
+                  web.get("/v2", self.server_metadata), self.route("POST", "/v2/repository/index",
+                                                                   self.repository_index)]
         for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
             routes += [self.route("GET", model, self.model_metadata, "http:/v2/metadata"),
                        self.route("GET", model + "/ready", self.model_ready, "http:/v2/ready"),
@@ -205,27 +190,23 @@ class KServeDoor(Door):
     async def infer(self, request: web.Request, holds: Holds) -> web.Response:
         self.plane.check_serving()
         model = self._model(request)
-        self.calls.check_type(request, ("application/json", "application/octet-stream"),
-                              optional=True)
+        self.calls.check_type(request, ("application/json", "application/octet-stream"), optional=True)
         length = request.headers.get(HEADER_LENGTH)
         if length is not None and not _DIGITS.fullmatch(length):
             raise InvalidArgument(HEADER_LENGTH, f"{quote(length[:32])}; expected the JSON "
                                   "header's length in bytes")
         body = await self.calls.body(request, holds)
-        if length is None:
-            header, binary = body, b""
-        else:
-            if int(length) > len(body):
-                raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
-            header, binary = body[:int(length)], body[int(length):]
+        if length is not None and int(length) > len(body):
+            raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
+        split = len(body) if length is None else int(length)
+        header, binary = body[:split], body[split:]
         call = await self.calls.json(header, Infer, lambda parsed: InferCall(parsed, binary))
         outputs = await tensors.run(model, TensorRequest(
             call.inputs, call.outputs, call.size(self.max_response_bytes)), holds, call.deadline)
         values = sum(array.size for _, array in outputs)
         binary_only = all(call.travels_binary(name) for name, _ in outputs)
         payload, header_length = await model.pack(
-            values * (4 * COPY_BYTE_S if binary_only else FLOAT_TEXT_S), call.respond,
-            model.name, outputs)
+            values * (4 * COPY_BYTE_S if binary_only else FLOAT_TEXT_S), call.respond, model.name, outputs)
         if header_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, content_type="application/octet-stream",

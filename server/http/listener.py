@@ -1,8 +1,6 @@
-"""One aiohttp application on one port, with the limits every port of the server keeps:
-a connection has a header timeout (from its opening, or from its last answer: an idle
-keep-alive connection closes after it too), a request line and header of at most 8 KiB,
-bodies never inflated, a deep listen backlog so a burst of connections queues in the
-kernel instead of being dropped, and a body whose chunked framing breaks ended at once.
+"""One aiohttp application on one port, with the limits every port of the server keeps: a
+header timeout, a request line and header of at most 8 KiB, bodies never inflated, a deep
+listen backlog, and a body whose chunked framing breaks ended at once.
 
 A request body that breaks HTTP/1.1's framing (a chunk size that is not hex or does not
 fit in 64 bits, a malformed chunk extension, trailer or chunk end) ends that request's
@@ -75,8 +73,6 @@ class FramedParser:
 
 
 class FramedHandler(web.RequestHandler):
-    """aiohttp's handler of one connection, with a FramedParser."""
-
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._parser = FramedParser(self._parser, self._body_broken)
@@ -92,8 +88,7 @@ class FramedHandler(web.RequestHandler):
             data = data[split:]
         super().data_received(data)
 
-    def _body_broken(self, message: RawRequestMessage, body: StreamReader,
-                     err: HttpProcessingError) -> None:
+    def _body_broken(self, message: RawRequestMessage, body: StreamReader, err: HttpProcessingError) -> None:
         reason = reason_of(err)
         log.info("event=malformed_request method=%s path=%r error=%r", message.method[:16],
                  message.path[:64], reason)
@@ -106,15 +101,11 @@ class FramedHandler(web.RequestHandler):
 
 
 class FramedServer(web.Server):
-    """aiohttp's connection factory, making FramedHandlers."""
-
     def __call__(self) -> FramedHandler:
         return FramedHandler(self, loop=self._loop, **self._kwargs)
 
 
 class FramedAppRunner(web.AppRunner):
-    """aiohttp's application runner, serving its connections with FramedHandlers."""
-
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()
         return FramedServer(made.request_handler, request_factory=made.request_factory,
@@ -127,19 +118,15 @@ MAX_LINE_BYTES = 8190
 
 
 class Listener:
-    """One aiohttp application on one port."""
-
     def __init__(self, app: web.Application, header_timeout_s: float = 75.0):
         # handler_cancellation: a caller that hangs up cancels its handler, which frees its
         # place in the queue as a cancelled gRPC call does. No access log: one line per
         # request is the metrics' job. aiohttp's keep-alive timer runs from a connection's
         # opening and from each answer, until the next request's headers are in: the
         # header timeout.
-        self.runner = FramedAppRunner(app, handler_cancellation=True, access_log=None,
-                                      shutdown_timeout=SEND_GRACE_S, auto_decompress=False,
-                                      keepalive_timeout=header_timeout_s,
+        self.runner = FramedAppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False,
+                                      shutdown_timeout=SEND_GRACE_S, keepalive_timeout=header_timeout_s,
                                       max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES)
-        self.port = 0
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
                     reuse_port: bool = False) -> int:
@@ -147,8 +134,7 @@ class Listener:
         site = web.TCPSite(self.runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=ssl_context,
                            reuse_port=reuse_port)
         await site.start()
-        self.port = self.runner.addresses[0][1]
-        return self.port
+        return self.runner.addresses[0][1]
 
     async def stop(self) -> None:
         """Stop listening, let answers in progress finish within SEND_GRACE_S, close."""

@@ -1,31 +1,12 @@
-"""POST /v1/embeddings as OpenAI defines it, through the data plane: the JSON body becomes an
-EmbedRequest for vectors of the model's pooling, normalised (as OpenAI's are), and the result
-becomes OpenAI's list of embeddings (floats, or base64 of little-endian float32); errors
-come back in OpenAI's shape {"error": {"message", "type", "param", "code"}}, and a field the
-route does not know is refused, as OpenAI's API refuses it. `model` names one of the
-server's models, as GET /v1/models lists them; without it, the server's default (its
-first) answers, as TEI's, Infinity's and vLLM's do. Infinity serves the same API without
-/v1 (POST /embeddings, GET /models), with a few fields of its own both ways and, as its
-pydantic models, no refusal of fields it does not know: those routes are here too, on the
-same code.
-
-Token-id inputs are the model's own vocabulary (not OpenAI's tiktoken ids), special tokens
-included, as gRPC's token_ids are. `dimensions` cuts the vectors to one of the model's
-Matryoshka sizes. Beyond OpenAI's fields, `truncate` (default false) cuts texts longer than
-the model's positions instead of refusing them, at their end or, with
-`truncation_direction` "left", at their start; `prompt_name` names one of the model's
-prompts to put before every text (default: the server's default prompt); and `chunking`
-({"max_tokens": N, "mode": "late" or "isolated", "window_overlap": N}, as attnserve.v1's
-Chunking) embeds each text as chunks: `data` then holds one item per chunk, in order,
-each with OpenAI's fields and `input_index` (the text it is a chunk of), `start` and `end`
-(code points into that text, end exclusive) and `num_tokens`. The `openai` client keeps
-fields it does not know (`model_extra`) and sends this one as `extra_body`. `usage`
-counts the tokens run through the model, every window's or chunk's. `embedding_types`
-(Cohere's) and `embedding_dtype` choose how the vectors are written
-(server/http/vectors.py)."""
+"""OpenAI's POST /v1/embeddings, and Infinity's (OpenAI's without /v1) and vLLM's /classify,
+through the data plane, in their bodies, answers and error shapes, with attnserve's fields
+beside OpenAI's (docs/api.md, "HTTP: OpenAI", "HTTP: Infinity" and "Classification"). `model` names one of
+the server's models; without it, the default (the first) answers, as TEI's, Infinity's and
+vLLM's do. How the vectors are written: server/http/vectors.py."""
 
 import time
 import uuid
+from functools import partial
 
 import msgspec
 import numpy as np
@@ -42,14 +23,12 @@ from attnserve.server.engine.requests import (
     ClassifyRequest,
     Embedded,
     EmbedRequest,
-    ResponseSize,
-    SparseEmbedded,
     SparseRequest,
     TruncationDirection,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
-from attnserve.server.http.door import Door, encode, json_response, numbers
+from attnserve.server.http.door import Door, encode, json_response, numbers, packed
 from attnserve.server.http.schemas import (
     Classification,
     Classify,
@@ -85,18 +64,12 @@ CLASS_BYTES = 160
 """{"index":N,"label":"","probs":[],"num_classes":N} around an input's scores, and its label"""
 CHUNKED_ADVICE = "raise chunking.max_tokens, use encoding_format=base64, or send less text"
 # HTTP status -> OpenAI's error `type` and `code`.
-ERROR_KINDS = {
-    400: ("invalid_request_error", None),
-    401: ("invalid_request_error", "invalid_api_key"),
-    404: ("invalid_request_error", "model_not_found"),
-    408: ("invalid_request_error", "timeout"),
-    413: ("invalid_request_error", "request_too_large"),
-    415: ("invalid_request_error", "unsupported_media_type"),
-    429: ("requests", "rate_limit_exceeded"),
-    500: ("server_error", None),
-    503: ("server_error", "service_unavailable"),
-    504: ("server_error", "timeout"),
-}
+ERROR_KINDS = {400: ("invalid_request_error", None), 401: ("invalid_request_error", "invalid_api_key"),
+               404: ("invalid_request_error", "model_not_found"), 408: ("invalid_request_error", "timeout"),
+               413: ("invalid_request_error", "request_too_large"),
+               415: ("invalid_request_error", "unsupported_media_type"),
+               429: ("requests", "rate_limit_exceeded"), 500: ("server_error", None),
+               503: ("server_error", "service_unavailable"), 504: ("server_error", "timeout")}
 
 
 class OpenAIDoor(Door):
@@ -113,38 +86,32 @@ class OpenAIDoor(Door):
     def routes(self) -> list[web.RouteDef]:
         return [self.route("POST", "/v1/embeddings", self.embeddings),
                 self.route("GET", "/v1/models", self.list_models),
-                self.route("GET", "/v1/models/{model:.+}", self.get_model,
-                           "http:/v1/models/{model}"),
-                self.route("POST", "/embeddings", self.infinity_embeddings),
+                self.route("GET", "/v1/models/{model:.+}", self.get_model, "http:/v1/models/{model}"),
+                self.route("POST", "/embeddings", partial(self.embeddings, schema=InfinityEmbeddings)),
                 self.route("POST", "/classify", self.classify),
-                self.route("GET", "/models", self.infinity_models)]
+                self.route("GET", "/models", partial(self.list_models, infinity=True))]
 
     @staticmethod
     def refusal(err: RequestError, status: int) -> web.Response:
         kind, code = ERROR_KINDS.get(status, ("server_error", None))
-        return json_response(OpenAIError(OpenAIErrorDetail(err.message, kind, err.field, code)),
-                             status)
+        return json_response(OpenAIError(OpenAIErrorDetail(err.message, kind, err.field, code)), status)
 
     def _request(self, body: Embeddings, model: ServedModel, vectors: VectorFormat) -> EmbedRequest:
         """The model's request for a body: the response's size depends on the model."""
         item = ITEM_BYTES + vectors.vector_bytes(model.manifest.embedding_size)
         head = head_bytes(model)
         if body.chunking is None:
-            size = ResponseSize(lambda lengths: head + len(lengths) * item,
-                                self.max_response_bytes, ADVICE)
+            size = self.size(lambda lengths: head + len(lengths) * item, ADVICE)
             chunking = None
         else:
-            size = ResponseSize(lambda counts: head + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
-                                self.max_response_bytes, CHUNKED_ADVICE)
+            size = self.size(lambda counts: head + int(counts.sum()) * (item + CHUNK_ITEM_BYTES),
+                             CHUNKED_ADVICE)
             chunking = Chunking(body.chunking.max_tokens, ChunkingMode(body.chunking.mode),
                                 body.chunking.window_overlap)
         inputs, names = sequences(body.input, "input")
-        return EmbedRequest(names=names, size=size, truncate=body.truncate,
-                            truncation_direction=TruncationDirection(
-                                (body.truncation_direction or "right").lower()),
-                            prompt_name=body.prompt_name, outputs=frozenset({pooled(model)}),
-                            dimensions=body.dimensions or 0, chunking=chunking, normalize=True,
-                            **inputs)
+        return EmbedRequest(names=names, size=size, truncate=body.truncate, prompt_name=body.prompt_name,
+                            truncation_direction=direction(body), outputs=frozenset({pooled(model)}),
+                            dimensions=body.dimensions or 0, chunking=chunking, normalize=True, **inputs)
 
     def _answer(self, model: ServedModel, embedded: Embedded, vectors: VectorFormat,
                 ranges: dict, infinity: bool) -> bytes:
@@ -152,17 +119,12 @@ class OpenAIDoor(Door):
         pooled_vectors = [result.pooled[name] for result in embedded.results]
         pooled_vectors += [vector for text in embedded.chunked for vector in text.vectors]
         fields = iter(vectors.fields(np.stack(pooled_vectors), ranges) if pooled_vectors else ())
-        data = [Embedding("embedding", index, *next(fields))
-                for index in range(len(embedded.results))]
+        data = [Embedding("embedding", index, *next(fields)) for index in range(len(embedded.results))]
         for text_index, text in enumerate(embedded.chunked):
             for (start, end), count in zip(text.spans.tolist(), text.token_counts.tolist(),
                                            strict=True):
-                data.append(Embedding("embedding", len(data), *next(fields), text_index, start, end,
-                                      count))
-        tokens = embedded.total_tokens
-        return encode(EmbeddingList(
-            "list", data, model.name, Usage(tokens, tokens),
-            *((f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
+                data.append(Embedding("embedding", len(data), *next(fields), text_index, start, end, count))
+        return embedding_list(model, data, embedded.total_tokens, infinity)
 
     async def embeddings(self, request: web.Request, holds: Holds,
                          schema: type[Embeddings] = Embeddings) -> web.Response:
@@ -170,8 +132,7 @@ class OpenAIDoor(Door):
         infinity = schema is InfinityEmbeddings
         if infinity:
             if body.modality != "text":
-                raise InvalidArgument("modality", f"{quote(body.modality)}; this server embeds "
-                                      "text only")
+                raise InvalidArgument("modality", f"{quote(body.modality)}; this server embeds text only")
             body.model = None if body.model == INFINITY_DEFAULT_MODEL else body.model
         model = self.plane.model(body.model)
         if "sparse" in (body.embedding_types or ()):
@@ -182,11 +143,9 @@ class OpenAIDoor(Door):
         vectors = VectorFormat.of(body)
         embedded = await embed.embed(model, self._request(body, model, vectors), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
-        size = model.manifest.embedding_size
         ranges = vectors.ranges(model.manifest, model.name, pooled(model), body.dimensions or 0)
-        payload = await model.pack(count * (RESULT_S + size * FLOAT_TEXT_S), self._answer,
-                                   model, embedded, vectors, ranges, infinity)
-        return web.Response(body=payload, content_type="application/json")
+        return await packed(model, count * (RESULT_S + model.manifest.embedding_size * FLOAT_TEXT_S),
+                            self._answer, model, embedded, vectors, ranges, infinity)
 
     async def classify(self, request: web.Request, holds: Holds) -> web.Response:
         """vLLM's /classify: each text's score of every label, by label id, and its best
@@ -201,16 +160,14 @@ class OpenAIDoor(Door):
         model = self.plane.model(body.model, kind=CLASSIFIER)
         inputs, names = sequences(body.input, "input", ids=False)
         labels = model.manifest.labels
-        item = CLASS_BYTES + max(map(len, labels), default=0) * 6 + len(labels) * JSON_FLOAT_BYTES
+        item = (CLASS_BYTES + max(map(len, labels), default=0) * JSON_CHAR_BYTES
+                + len(labels) * JSON_FLOAT_BYTES)
         head = head_bytes(model)
         classified = await classify.classify(model, ClassifyRequest(
-            names, ResponseSize(
-                lambda counts: head + len(counts) * item, self.max_response_bytes,
-                "send fewer inputs per request"),
+            names, self.size(lambda counts: head + len(counts) * item, "send fewer inputs per request"),
             inputs["texts"], activation="none" if body.use_activation is False else None,
             truncate=body.truncate_prompt_tokens == -1,
-            truncation_direction=TruncationDirection(body.truncation_side or "right")),
-            holds, None)
+            truncation_direction=TruncationDirection(body.truncation_side or "right")), holds, None)
 
         def answer() -> bytes:
             tokens = classified.total_tokens
@@ -219,8 +176,7 @@ class OpenAIDoor(Door):
                 [ClassifyData(i, labels[int(row.argmax())], row.tolist(), len(labels))
                  for i, row in enumerate(classified.scores)], ClassifyUsage(tokens, tokens)))
 
-        return web.Response(body=await model.pack(classified.scores.size * RESULT_S, answer),
-                            content_type="application/json")
+        return await packed(model, classified.scores.size * RESULT_S, answer)
 
     async def _sparse(self, body: Embeddings, model: ServedModel, holds: Holds,
                       infinity: bool) -> web.Response:
@@ -234,31 +190,20 @@ class OpenAIDoor(Door):
                 raise InvalidArgument(name, "applies to dense vectors, not sparse ones")
         inputs, names = sequences(body.input, "input", ids=False)
         head = head_bytes(model)
+        size = self.size(lambda counts: head + len(counts) * ITEM_BYTES
+                         + int(counts.sum()) * SPARSE_ENTRY_BYTES, "set sparse_top_k, or send fewer inputs")
         embedded = await sparse.embed_sparse(model, SparseRequest(
-            names, ResponseSize(lambda counts: head + len(counts) * ITEM_BYTES
-                                + int(counts.sum()) * SPARSE_ENTRY_BYTES,
-                                self.max_response_bytes, "set sparse_top_k, or send fewer inputs"),
-            inputs["texts"], body.truncate, TruncationDirection(
-                (body.truncation_direction or "right").lower()), body.prompt_name,
+            names, size, inputs["texts"], body.truncate, direction(body), body.prompt_name,
             body.sparse_top_k), holds, None)
-        payload = await model.pack(embedded.response_bytes * COPY_BYTE_S, self._sparse_answer,
-                                   model, embedded, infinity)
-        return web.Response(body=payload, content_type="application/json")
 
-    @staticmethod
-    def _sparse_answer(model: ServedModel, embedded: SparseEmbedded, infinity: bool) -> bytes:
-        empty = numbers(np.zeros(0, np.float32))
-        data = [Embedding("embedding", i, empty, {"sparse": msgspec.Raw(orjson.dumps(
-            {"indices": indices, "values": values}, option=orjson.OPT_SERIALIZE_NUMPY))})
-            for i, (indices, values) in enumerate(zip(embedded.indices, embedded.values,
-                                                      strict=True))]
-        tokens = embedded.total_tokens
-        return encode(EmbeddingList(
-            "list", data, model.name, Usage(tokens, tokens),
-            *((f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
+        def answer() -> bytes:
+            empty = numbers(np.zeros(0, np.float32))
+            data = [Embedding("embedding", i, empty, {"sparse": msgspec.Raw(orjson.dumps(
+                {"indices": indices, "values": values}, option=orjson.OPT_SERIALIZE_NUMPY))})
+                for i, (indices, values) in enumerate(zip(embedded.indices, embedded.values, strict=True))]
+            return embedding_list(model, data, embedded.total_tokens, infinity)
 
-    async def infinity_embeddings(self, request: web.Request, holds: Holds) -> web.Response:
-        return await self.embeddings(request, holds, InfinityEmbeddings)
+        return await packed(model, embedded.response_bytes * COPY_BYTE_S, answer)
 
     def _model(self, model: ServedModel, infinity: bool = False) -> Model:
         if not infinity:
@@ -271,11 +216,19 @@ class OpenAIDoor(Door):
         return json_response(ModelList("list", [self._model(m, infinity)
                                                 for m in self.plane.models.values()]))
 
-    async def infinity_models(self, request: web.Request, holds: Holds) -> web.Response:
-        return await self.list_models(request, holds, infinity=True)
-
     async def get_model(self, request: web.Request, holds: Holds) -> web.Response:
         return json_response(self._model(self.plane.model(request.match_info["model"])))
+
+
+def embedding_list(model: ServedModel, data: list[Embedding], tokens: int, infinity: bool) -> bytes:
+    """The answer of /v1/embeddings, or with Infinity's `id` and `created`, /embeddings."""
+    return encode(EmbeddingList("list", data, model.name, Usage(tokens, tokens), *(
+        (f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
+
+
+def direction(body: Embeddings) -> TruncationDirection:
+    """OpenAI's door takes TEI's "Right" and "Left" too."""
+    return TruncationDirection((body.truncation_direction or "right").lower())
 
 
 def head_bytes(model: ServedModel) -> int:
@@ -287,4 +240,3 @@ def head_bytes(model: ServedModel) -> int:
 def pooled(model: ServedModel) -> str:
     """The vector OpenAI's door answers with: the model's own pooling, normalised."""
     return pooled_output(model.manifest.default_pooling, True)
-

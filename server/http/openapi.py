@@ -5,8 +5,7 @@ statuses its protocol answers with) and the bodies' schemas, generated from thei
 that every route the port serves is in it, and the running server against it
 (schemathesis)."""
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import orjson
@@ -84,8 +83,7 @@ ROUTES = [
     Route("GET", "/openapi.json", ATTNSERVE, "This document", dict, statuses=()),
     Route("GET", "/docs", ATTNSERVE, "This document as a page (Swagger UI)", content=("text/html",),
           statuses=()),
-    Route("GET", "/docs/start.js", ATTNSERVE, "The page's script", content=("text/javascript",),
-          statuses=()),
+    Route("GET", "/docs/start.js", ATTNSERVE, "The page's script", content=("text/javascript",), statuses=()),
     Route("GET", "/docs/{file}", ATTNSERVE, "Swagger UI's files, from the swagger-ui-bundle package",
           content=tuple(dict.fromkeys(FILES.values())), statuses=(404,)),
     Route("POST", "/v1/embeddings", OPENAI, "Embeddings (the model's pooling, normalised), one "
@@ -101,16 +99,14 @@ ROUTES = [
     Route("GET", "/models", INFINITY, "The models served, as Infinity lists them", s.ModelList,
           statuses=(401,)),
     Route("POST", "/", TEI, "TEI's root: an embedder's is /embed", s.TeiVectors, s.TeiEmbed),
-    Route("POST", "/embed", TEI, "One vector per input, the model's pooling", s.TeiVectors,
-          s.TeiEmbed),
+    Route("POST", "/embed", TEI, "One vector per input, the model's pooling", s.TeiVectors, s.TeiEmbed),
     Route("POST", "/embed_all", TEI, "Every token's vector of each input, special tokens included",
           s.TeiTokenVectors, s.TeiEmbedAll),
     Route("POST", "/tokenize", TEI, "Each text's tokens", list[list[s.TeiToken]], s.TeiTokenize,
           statuses=(400, 401, 408, 413, 415, 422, 429, 503)),
     Route("POST", "/decode", TEI, "Token ids back to text", s.TeiTexts, s.TeiDecode,
           statuses=(400, 401, 408, 413, 415, 422, 429, 503)),
-    Route("GET", "/info", TEI, "The model served and the server's limits", s.TeiInfo,
-          statuses=(401,)),
+    Route("GET", "/info", TEI, "The model served and the server's limits", s.TeiInfo, statuses=(401,)),
     Route("POST", "/rerank", TEI, "A reranker's score of each (query, text) pair, highest first",
           list[s.TeiRank], s.TeiRerank, (*TEI_RUNS, 404)),
     Route("POST", "/embed_sparse", TEI, "A SPLADE model's sparse vector of each input: its "
@@ -186,8 +182,7 @@ def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
                 "name": "Inference-Header-Content-Length", "in": "header", "required": False,
                 "schema": {"type": "integer", "minimum": 0},
                 "description": "with binary tensor data: the JSON header's length in bytes"})
-        operation["requestBody"] = {"required": route.path != "/v2/repository/index",
-                                    "content": content}
+        operation["requestBody"] = {"required": route.path != "/v2/repository/index", "content": content}
         parameters.append({"$ref": "#/components/parameters/priority"})
     if parameters:
         operation["parameters"] = parameters
@@ -209,13 +204,11 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
     if kind in ROOTS:  # TEI routes its root by the model's kind
         path = ROOTS[kind]
         served = next(r for r in ROUTES if r.path == path)
-        routes = [dataclasses.replace(served, path="/", summary=f"TEI's root: a {kind} model's is "
-                                      f"{path}") if (r.method, r.path) == ("POST", "/") else r
-                  for r in ROUTES]
+        root = replace(served, path="/", summary=f"TEI's root: a {kind} model's is {path}")
+        routes = [root if (r.method, r.path) == ("POST", "/") else r for r in ROUTES]
     types = list(dict.fromkeys(t for route in routes for t in (
         route.answer, route.body, route.error or route.protocol.error) if t not in (None, dict)))
-    generated, components = msgspec.json.schema_components(
-        types, ref_template="#/components/schemas/{name}")
+    generated, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     schema = dict(zip(types, _nullable(generated), strict=True)) | {dict: {"type": "object"},
                                                                     None: {"type": "string"}}
     example = {"input": ["attention is all you need"], "model": infos[0].model}

@@ -2,10 +2,9 @@
 a request is decoded and validated from its bytes in one pass (`decode`), an answer
 encoded from them, and /openapi.json's components are generated from them (openapi.py).
 
-Each protocol keeps its peer's rule for a field it does not know: OpenAI's API and
-Cohere's refuse one (400 naming it), Infinity's pydantic models, TEI's serde types and
-KServe's pydantic models ignore it (docs/api.md). A fault is refused naming the field in
-the caller's terms (`chunking.max_tokens`, `input[2]`), in the door's error shape.
+Each protocol keeps its peer's rule for a field it does not know (docs/api.md, "Fields a
+route does not know"). A fault is refused naming the field in the caller's terms
+(`chunking.max_tokens`, `input[2]`), in the door's error shape.
 
 A field that holds texts or token ids (`input`, `inputs`, `ids`) is declared as what JSON
 can hold (a string, or a list of strings, ids or id lists) and checked for one kind of
@@ -37,6 +36,8 @@ Sequences = str | list[str | int | list[int]]
 Side = Literal["right", "left", "Right", "Left"]
 """which end a cut keeps: a text's start (right) or its end (left), in TEI's names"""
 Nested = Annotated[list, Meta(description="the values, flat (row-major) or nested as `shape`")]
+PromptName = Annotated[str | None, Meta(description=(
+    "one of the model's prompts, put before each text; omitted or null: its default prompt"))]
 
 
 # --- OpenAI and Infinity: /v1/embeddings, /embeddings ------------------------------------
@@ -60,8 +61,8 @@ class Embeddings(Struct, forbid_unknown_fields=True):
     input: Annotated[Sequences, Meta(description=(
         "texts, or the model's own token ids (special tokens included)"),
         extra_json_schema={"example": ["attention is all you need"]})]
-    model: Annotated[str | None, Meta(description="one of GET /v1/models; omitted: the server's "
-                                                  "default")] = None
+    model: Annotated[str | None, Meta(
+        description="one of GET /v1/models; omitted: the server's default")] = None
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[Positive | None, Meta(description=(
         "the model's size, or one of its Matryoshka sizes"))] = None
@@ -69,8 +70,7 @@ class Embeddings(Struct, forbid_unknown_fields=True):
     truncate: Annotated[bool, Meta(description="cut texts longer than the model's positions "
                                                "instead of refusing them")] = False
     truncation_direction: Side | None = None
-    prompt_name: Annotated[str | None, Meta(description=(
-        "one of the model's prompts, put before every text; omitted: its default prompt"))] = None
+    prompt_name: PromptName = None
     chunking: Chunking | None = None
     embedding_types: Annotated[
         list[Literal["float", "int8", "uint8", "binary", "ubinary", "sparse"]],
@@ -161,9 +161,7 @@ class ClassifyData(Struct):
     num_classes: int
 
 
-class ClassifyUsage(Struct):
-    prompt_tokens: int
-    total_tokens: int
+class ClassifyUsage(Usage):
     completion_tokens: int = 0
     prompt_tokens_details: None = None
 
@@ -196,8 +194,7 @@ class TeiEmbedAll(Struct):
         "cut inputs longer than the model's positions instead of refusing them (auto_truncate "
         "is false)"))] = None
     truncation_direction: Side = "Right"
-    prompt_name: Annotated[str | None, Meta(description=(
-        "one of the model's prompts, put before each text; null: its default prompt"))] = None
+    prompt_name: PromptName = None
 
 
 class TeiEmbed(TeiEmbedAll):
@@ -220,10 +217,9 @@ TeiSparseVectors = list[list[TeiSparseValue]]
 
 
 class TeiTokenize(Struct):
-    inputs: Annotated[str | list[str], Meta(extra_json_schema={
-        "example": "attention is all you need"})]
+    inputs: Annotated[str | list[str], Meta(extra_json_schema={"example": "attention is all you need"})]
     add_special_tokens: bool = True
-    prompt_name: str | None = None
+    prompt_name: PromptName = None
     truncate: Annotated[bool | None, Meta(description="an extension: cut texts longer than the "
                                                       "model's positions")] = None
 
@@ -241,8 +237,7 @@ class TeiRerank(Struct):
     truncation_direction: Side = "Right"
     raw_scores: bool = False
     return_text: bool = False
-    model: Annotated[str | None, Meta(description="an extension: a reranker; omitted: the "
-                                                  "first")] = None
+    model: Annotated[str | None, Meta(description="an extension: a reranker; omitted: the first")] = None
 
 
 class ClassificationParameters(Struct):
@@ -262,8 +257,7 @@ class TeiPredict(Struct):
     truncation_direction: Side = "Right"
     raw_scores: Annotated[bool, Meta(description="the logits instead of the model's softmax "
                                                  "or sigmoid")] = False
-    model: Annotated[str | None, Meta(description="an extension: a classifier; omitted: the "
-                                                  "first")] = None
+    model: Annotated[str | None, Meta(description="an extension: a classifier; omitted: the first")] = None
     parameters: ClassificationParameters | None = None
 
 
@@ -283,7 +277,7 @@ class SimilarityInputs(Struct):
 class SimilarityParameters(Struct):
     truncate: bool | None = None
     truncation_direction: Side = "Right"
-    prompt_name: str | None = None
+    prompt_name: PromptName = None
 
 
 class TeiSimilarity(Struct):
@@ -516,18 +510,20 @@ def _refusal(message: str, schema: type) -> InvalidArgument:
         path = f"{path}.{missing.group(2)}" if path else missing.group(2)
         if missing.group(1) == "missing required":
             return InvalidArgument(path, "required")
-        return InvalidArgument(path[:64], f"unknown field; known: {', '.join(_known(schema, path))}")
+        parent = _type_at(schema, path.rpartition(".")[0], msgspec.inspect.StructType)
+        known = ", ".join(f.encode_name for f in getattr(parent, "fields", ()))
+        return InvalidArgument(path[:64], f"unknown field; known: {known}")
     enum = re.match(r"Invalid enum value (.*)$", reason)
     if enum:
-        return InvalidArgument(path, f"{enum.group(1)}; expected one of "
-                               f"{', '.join(map(quote, _values_at(schema, path)))}")
-    reason = _NAMED.sub(lambda m: " or ".join(_TYPES.get(t, t) for t in m.group(1).split(" | ")),
-                        reason)
+        values = getattr(_type_at(schema, path, msgspec.inspect.LiteralType), "values", ())
+        return InvalidArgument(path, f"{enum.group(1)}; expected one of {', '.join(map(quote, values))}")
+    reason = _NAMED.sub(lambda m: " or ".join(_TYPES.get(t, t) for t in m.group(1).split(" | ")), reason)
     return InvalidArgument(path or "body", reason[0].lower() + reason[1:])
 
 
-def _type_at(schema: type, path: str):
-    """msgspec's type info of the field at `path` (`a.b[0].c`), through lists and unions."""
+def _type_at(schema: type, path: str, kind: type):
+    """msgspec's type info of the field at `path` (`a.b[0].c`), through lists and unions: its
+    member of type `kind` where it is a union."""
     inspect = msgspec.inspect
     info = inspect.type_info(schema)
     for token in re.findall(r"[^.\[\]]+", path):
@@ -536,7 +532,7 @@ def _type_at(schema: type, path: str):
             info = info.item_type
         elif isinstance(info, inspect.StructType):
             info = next((f.type for f in info.fields if f.encode_name == token), info)
-    return info
+    return _plain(info, kind)
 
 
 def _plain(info, kind: type):
@@ -547,16 +543,6 @@ def _plain(info, kind: type):
     if isinstance(info, msgspec.inspect.UnionType):
         info = next((bare(t) for t in info.types if isinstance(bare(t), kind)), info)
     return info
-
-
-def _known(schema: type, path: str) -> list[str]:
-    parent = _plain(_type_at(schema, path.rpartition(".")[0]), msgspec.inspect.StructType)
-    return [f.encode_name for f in getattr(parent, "fields", ())]
-
-
-def _values_at(schema: type, path: str) -> list:
-    info = _plain(_type_at(schema, path), msgspec.inspect.LiteralType)
-    return list(getattr(info, "values", ()))
 
 
 def sequences(value: Sequences, field: str, empty: type[InvalidArgument] = InvalidArgument,

@@ -1,16 +1,9 @@
-"""The HTTP side of the server, on aiohttp: the HTTP port (OpenAI /v1/embeddings and
-Infinity's routes, KServe v2 REST, TEI's routes, Cohere's and Jina's /v1/rerank, GET
-/health for load balancers, /openapi.json and its page /docs, CORS) on the gRPC server's
-own event loop, and the metrics port (GET /metrics) on a thread and event loop of its own, so a burst of
-scrapes never delays a health probe or a call.
-
-What the port takes is bounded before any route runs: a connection has
---http-header-timeout-seconds to send a request's headers (from its opening, or from its
-last answer: an idle keep-alive connection closes after it too), a request line and
-header of at most 8 KiB, a body never inflated (Content-Encoding is refused, see
-calls.py). Unmatched routes and methods answer in the protocol's error shape, and a
-malformed request is logged at INFO, not as a traceback at ERROR. Each port listens with
-a deep backlog, so a burst of connections queues in the kernel instead of being dropped."""
+"""The HTTP side of the server, on aiohttp: the HTTP port (every door's routes, GET /health
+for load balancers, /openapi.json and its page /docs, CORS, API keys) on the gRPC server's
+own event loop, with the limits every port keeps (listener.py), and the metrics port (GET
+/metrics) on a thread and event loop of its own, so a burst of scrapes never delays a
+health probe or a call. Unmatched routes and methods answer in the protocol's error
+shape, and a malformed request is logged at INFO, not as a traceback at ERROR."""
 
 import asyncio
 import logging
@@ -75,8 +68,7 @@ class QuietMalformedRequests(logging.Filter):
 
 def _open(request: web.Request) -> bool:
     """Answered without an API key: OPEN_PATHS, and GET / (TEI's health, as its probes ask)."""
-    return request.path.startswith(OPEN_PATHS) or (
-        request.path == "/" and request.method in ("GET", "HEAD"))
+    return request.path.startswith(OPEN_PATHS) or (request.path == "/" and request.method in ("GET", "HEAD"))
 
 
 def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, doors: list[Door], cors: Cors,
@@ -126,9 +118,8 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, doors: list[Door]
     app = web.Application(middlewares=[calls.calls, cors.preflight, front])
     app.on_response_prepare.append(calls.call_headers)
     app.on_response_prepare.append(cors.mark)
-    app.add_routes([web.get("/health", health), web.get("/", health),
-                    web.get("/openapi.json", openapi), *DocsPage().routes(),
-                    *(route for _, route in routes)])
+    app.add_routes([web.get("/health", health), web.get("/", health), web.get("/openapi.json", openapi),
+                    *DocsPage().routes(), *(route for _, route in routes)])
     return app
 
 
@@ -144,8 +135,7 @@ class HttpServers:
         limits = {"max_concurrent_requests": config.max_queue_requests,
                   "max_batch_tokens": config.max_batch_tokens,
                   "max_batch_requests": config.max_batch_size, "max_client_batch_size": max_entries}
-        doors = [OpenAIDoor(*door), TeiDoor(*door, limits=limits), CohereDoor(*door),
-                 KServeDoor(*door)]
+        doors = [OpenAIDoor(*door), TeiDoor(*door, limits=limits), CohereDoor(*door), KServeDoor(*door)]
         self.document = openapi_document([m.model_info() for m in plane.models.values()])
         self.api = Listener(api_app(self.calls, plane, keys, doors, Cors(config.cors_allow_origin),
                                     self.document), config.http_header_timeout_seconds)

@@ -1,33 +1,8 @@
 """Text Embeddings Inference's HTTP API (TEI 1.9, its router/src/http) through the data
-plane: POST /embed, POST / (TEI routes its root by the model's kind: an embedder's is
-/embed, a reranker's /rerank), POST /embed_all, POST /tokenize, POST /decode, GET /info,
-POST /rerank and POST /similarity. TEI serves one model and has no field or header that
-names one: the embedding routes serve the server's default model; /rerank and /similarity
-the first model of the kind they take, or, beyond TEI's fields, the one `model` names.
-
-Bodies and answers are TEI's, and so is its rule for a field it does not know: ignored,
-as serde ignores it. `inputs` is a string, a list of token ids (the model's vocabulary,
-special tokens included), or a list of either (of one kind in one request here); /embed
-answers a list of vectors (the model's pooling, normalised unless `normalize` is false),
-/embed_all each input's token vectors ([CLS] and [SEP] included), /tokenize each text's
-tokens {id, text, special, start, stop} (start and stop: UTF-8 byte offsets into the
-text, none for a special token), /decode a list of texts, /rerank `[{index, score,
-text?}]` highest score first, /similarity `[score, ...]` (the cosine of the source
-sentence's pooled vector and each sentence's) in the sentences' order.
-
-`prompt_name` names one of the model's prompts, put before each text (none named: the
-model's default prompt, if it has one); /tokenize's tokens then include the prompt's, with
-offsets into the prompt and the text, as TEI gives them. `truncation_direction` Left cuts
-a long text at its start (on /rerank, a pair's text); `dimensions` one of the model's
-Matryoshka sizes. `truncate` left out means TEI's `auto_truncate`, false here (/info says
-so): a text longer than the model's positions is refused unless the request sets
-truncate. /similarity takes truncate, truncation_direction and prompt_name in
-`parameters`, as TEI's. /tokenize takes `truncate` too (not a TEI field).
-
-Errors come in TEI's shape {"error", "error_type"} with TEI's statuses: an empty input
-400 Empty, any other bad input 422 Validation, 429 Overloaded, 503 Unhealthy, a batch that
-failed in the backend 424 Backend; the port's own limits keep their statuses (401, 408,
-413, 415) and are typed Validation."""
+plane, in TEI's bodies, answers, error shape and statuses (docs/api.md, "HTTP: TEI"). TEI
+serves one model and names none: the embedding routes serve the server's default model,
+/rerank, /predict and /similarity the first of the kind they take or, beyond TEI's fields,
+the one `model` names. `truncate` left out is TEI's `auto_truncate`, false here."""
 
 import numpy as np
 import orjson
@@ -44,7 +19,6 @@ from attnserve.server.engine.requests import (
     EmbedRequest,
     Fields,
     RerankRequest,
-    ResponseSize,
     ScoreMode,
     ScoreRequest,
     SparseRequest,
@@ -54,7 +28,7 @@ from attnserve.server.engine.requests import (
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.errors import InvalidArgument, RequestError
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
-from attnserve.server.http.door import Door, encode, json_response
+from attnserve.server.http.door import Door, encode, json_response, packed
 from attnserve.server.http.schemas import (
     SimilarityParameters,
     TeiDecode,
@@ -165,14 +139,10 @@ class TeiDoor(Door):
         root = {RERANKER: self.rerank, CLASSIFIER: self.predict}.get(default.kind, self.embed)
         if default.manifest.heads == ["sparse"]:
             root = self.embed_sparse
-        return [self.route("POST", "/", root), self.route("POST", "/embed", self.embed),
-                self.route("POST", "/embed_all", self.embed_all),
-                self.route("POST", "/embed_sparse", self.embed_sparse),
-                self.route("POST", "/tokenize", self.tokenize),
-                self.route("POST", "/decode", self.decode), self.route("GET", "/info", self.info),
-                self.route("POST", "/rerank", self.rerank),
-                self.route("POST", "/predict", self.predict),
-                self.route("POST", "/similarity", self.similarity)]
+        posts = {"/": root, "/embed": self.embed, "/embed_all": self.embed_all,
+                 "/embed_sparse": self.embed_sparse, "/tokenize": self.tokenize, "/decode": self.decode,
+                 "/rerank": self.rerank, "/predict": self.predict, "/similarity": self.similarity}
+        return [self.route("GET", "/info", self.info), *(self.route("POST", *post) for post in posts.items())]
 
     @staticmethod
     def refusal(err: RequestError, status: int) -> web.Response:
@@ -180,13 +150,16 @@ class TeiDoor(Door):
             status, (status, "Validation"))
         return json_response(TeiError(err.message, kind), status)
 
-    def _size(self, per_sequence: int, per_token: int) -> ResponseSize:
-        return ResponseSize(lambda lengths: 2 + len(lengths) * per_sequence + int(lengths.sum())
-                            * per_token, self.max_response_bytes, ADVICE)
-
-    async def _arrays(self, model: ServedModel, seconds: float, arrays: list) -> web.Response:
-        payload = await model.pack(seconds, orjson.dumps, arrays, None, orjson.OPT_SERIALIZE_NUMPY)
-        return web.Response(body=payload, content_type="application/json")
+    async def _embedded(self, body: TeiEmbedAll, model: ServedModel, holds: Holds, output: str,
+                        per_sequence: int, per_token: int, dimensions: int = 0):
+        """The inputs' `output`, each answered in `per_sequence` bytes and `per_token` a token."""
+        inputs, names = sequences(body.inputs, "inputs", Empty)
+        size = self.size(lambda lengths: 2 + len(lengths) * per_sequence + int(lengths.sum())
+                         * per_token, ADVICE)
+        return await embed.embed(model, EmbedRequest(
+            names=names, size=size, truncate=bool(body.truncate),
+            truncation_direction=side(body.truncation_direction), prompt_name=body.prompt_name,
+            outputs=frozenset({output}), dimensions=dimensions, **inputs), holds, None)
 
     # --- /embed, / and /embed_all -------------------------------------------------------
 
@@ -195,38 +168,29 @@ class TeiDoor(Door):
         model = self.plane.model(None)
         size = body.dimensions or model.manifest.embedding_size
         pooled = pooled_output(model.manifest.default_pooling, body.normalize)
-        inputs, names = sequences(body.inputs, "inputs", Empty)
-        embedded = await embed.embed(model, EmbedRequest(
-            names=names, size=self._size(LIST_BYTES + size * JSON_FLOAT_BYTES, 0),
-            truncate=bool(body.truncate), truncation_direction=side(body.truncation_direction),
-            prompt_name=body.prompt_name, outputs=frozenset({pooled}),
-            dimensions=body.dimensions or 0, **inputs), holds, None)
-        return await self._arrays(model, len(embedded.results) * (RESULT_S + size * FLOAT_TEXT_S),
-                                  [r.pooled[pooled] for r in embedded.results])
+        embedded = await self._embedded(body, model, holds, pooled,
+                                        LIST_BYTES + size * JSON_FLOAT_BYTES, 0, body.dimensions or 0)
+        return await packed(model, len(embedded.results) * (RESULT_S + size * FLOAT_TEXT_S), orjson.dumps,
+                            [r.pooled[pooled] for r in embedded.results], None, orjson.OPT_SERIALIZE_NUMPY)
 
     async def embed_all(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiEmbedAll)
         model = self.plane.model(None)
         hidden = model.manifest.hidden_size
-        inputs, names = sequences(body.inputs, "inputs", Empty)
-        embedded = await embed.embed(model, EmbedRequest(
-            names=names, size=self._size(LIST_BYTES, LIST_BYTES + hidden * JSON_FLOAT_BYTES),
-            truncate=bool(body.truncate), truncation_direction=side(body.truncation_direction),
-            prompt_name=body.prompt_name, outputs=frozenset({HIDDEN_OUTPUT}), **inputs),
-            holds, None)
+        embedded = await self._embedded(body, model, holds, HIDDEN_OUTPUT, LIST_BYTES,
+                                        LIST_BYTES + hidden * JSON_FLOAT_BYTES)
         seconds = len(embedded.results) * RESULT_S + embedded.total_tokens * hidden * FLOAT_TEXT_S
-        return await self._arrays(model, seconds,
-                                  [np.ascontiguousarray(r.hidden) for r in embedded.results])
+        hidden_states = [np.ascontiguousarray(r.hidden) for r in embedded.results]
+        return await packed(model, seconds, orjson.dumps, hidden_states, None, orjson.OPT_SERIALIZE_NUMPY)
 
     async def embed_sparse(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiEmbedSparse)
         model = self.plane.model(None)
         inputs, names = sequences(body.inputs, "inputs", Empty, ids=False)
+        size = self.size(lambda counts: 2 + len(counts) * LIST_BYTES + int(counts.sum()) * SPARSE_VALUE_BYTES,
+                         "set top_k, or send fewer inputs")
         embedded = await sparse.embed_sparse(model, SparseRequest(
-            names, ResponseSize(lambda counts: 2 + len(counts) * LIST_BYTES + int(counts.sum())
-                                * SPARSE_VALUE_BYTES, self.max_response_bytes,
-                                "set top_k, or send fewer inputs"),
-            inputs["texts"], bool(body.truncate), side(body.truncation_direction),
+            names, size, inputs["texts"], bool(body.truncate), side(body.truncation_direction),
             body.prompt_name, body.top_k), holds, None)
 
         def answer() -> bytes:
@@ -234,23 +198,16 @@ class TeiDoor(Door):
                 indices.tolist(), values.tolist(), strict=True)]
                 for indices, values in zip(embedded.indices, embedded.values, strict=True)])
 
-        return web.Response(body=await model.pack(embedded.response_bytes * COPY_BYTE_S, answer),
-                            content_type="application/json")
+        return await packed(model, embedded.response_bytes * COPY_BYTE_S, answer)
 
     # --- /tokenize and /decode ----------------------------------------------------------
 
     def _checked(self, model: ServedModel, holds: Holds, value) -> bytes:
         """`value` as JSON, once it is known to fit the response limit, held until sent."""
         payload = encode(value)
-        ResponseSize(lambda _: len(payload), self.max_response_bytes, ADVICE).check(None)
+        self.size(lambda _: len(payload), ADVICE).check(None)
         model.hold_response(holds, len(payload))
         return payload
-
-    def _tokens(self, model: ServedModel, holds: Holds, lead: str, texts: list[str],
-                encoded: list[Encoded]) -> bytes:
-        """`lead`: the prompt before each text, whose tokens' offsets are into it and the text."""
-        return self._checked(model, holds, [tei_tokens(lead + text, e)
-                                            for text, e in zip(texts, encoded, strict=True)])
 
     async def tokenize(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiTokenize)
@@ -258,17 +215,20 @@ class TeiDoor(Door):
         inputs, names = sequences(body.inputs, "inputs", Empty, ids=False)
         texts = inputs["texts"]
         least = len(model.tokenizer.empty.ids) if body.add_special_tokens else 0
-        count = len(texts)
-        ResponseSize(lambda _: count * (LIST_BYTES + least * TOKEN_BYTES), self.max_response_bytes,
-                     ADVICE).check(None, at_least=True)
+        self.size(lambda _: len(texts) * (LIST_BYTES + least * TOKEN_BYTES), ADVICE).check(
+            None, at_least=True)
         encoded = await embed.tokenize(model, TokenizeRequest(
             names, texts, bool(body.truncate), prompt_name=body.prompt_name,
             special_tokens=body.add_special_tokens), holds)
+        # A prompt's tokens come first, their offsets into the prompt and the text.
         prompt = model.prompt(body.prompt_name)
-        tokens = sum(len(e.ids) for e in encoded)
-        payload = await model.pack(count * RESULT_S + tokens * TOKEN_S, self._tokens, model, holds,
-                                   prompt.text if prompt else "", texts, encoded)
-        return web.Response(body=payload, content_type="application/json")
+        lead = prompt.text if prompt else ""
+
+        def answer() -> bytes:
+            return self._checked(model, holds, [tei_tokens(lead + text, e)
+                                                for text, e in zip(texts, encoded, strict=True)])
+
+        return await packed(model, len(texts) * RESULT_S + sum(len(e.ids) for e in encoded) * TOKEN_S, answer)
 
     async def decode(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiDecode)
@@ -276,11 +236,9 @@ class TeiDoor(Door):
         inputs, names = sequences(body.ids, "ids", Empty)
         texts = await embed.decode(model, DecodeRequest(names, inputs["token_ids"],
                                                         body.skip_special_tokens), holds)
-        payload = await model.pack(sum(map(len, texts)) * COPY_BYTE_S, self._checked, model, holds,
-                                   texts)
-        return web.Response(body=payload, content_type="application/json")
+        return await packed(model, sum(map(len, texts)) * COPY_BYTE_S, self._checked, model, holds, texts)
 
-    # --- /rerank and /similarity --------------------------------------------------------
+    # --- /rerank, /predict and /similarity ------------------------------------------------
 
     async def rerank(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiRerankBody)
@@ -292,18 +250,15 @@ class TeiDoor(Door):
             return 64 + len(indexes) * RANK_BYTES + JSON_CHAR_BYTES * text
 
         reranked = await pairs.rerank(model, RerankRequest(
-            RERANK, ResponseSize(measure, self.max_response_bytes,
-                                 "send fewer texts, or leave return_text unset"), body.query, texts,
+            RERANK, self.size(measure, "send fewer texts, or leave return_text unset"), body.query, texts,
             raw_scores=body.raw_scores, truncate=bool(body.truncate),
             truncation_direction=side(body.truncation_direction)), holds, None)
 
         def answer() -> bytes:
-            return encode([TeiRank(i, score, *((texts[i],) if body.return_text else ()))
-                           for i, score in zip(reranked.order.tolist(), reranked.scores.tolist(),
-                                               strict=True)])
+            return encode([TeiRank(i, score, *((texts[i],) if body.return_text else ())) for i, score
+                           in zip(reranked.order.tolist(), reranked.scores.tolist(), strict=True)])
 
-        return web.Response(body=await model.pack(len(texts) * RESULT_S, answer),
-                            content_type="application/json")
+        return await packed(model, len(texts) * RESULT_S, answer)
 
     async def predict(self, request: web.Request, holds: Holds) -> web.Response:
         """Every label's score of each input, highest first: a list for one input, a list of
@@ -314,14 +269,11 @@ class TeiDoor(Door):
         parameters = body.parameters
         activation = "none" if body.raw_scores else parameters and parameters.function_to_apply
         top_k = parameters and parameters.top_k
-        label_bytes = sum(PREDICTION_BYTES + JSON_CHAR_BYTES * len(label)
-                          for label in model.manifest.labels)
-        classified = await classify.classify(model, ClassifyRequest(
-            names, ResponseSize(lambda counts: 2 + len(counts) * (LIST_BYTES + label_bytes),
-                                self.max_response_bytes, ADVICE),
-            texts, text_pairs, activation, bool(body.truncate), side(body.truncation_direction),
-            top_k), holds, None)
         labels = model.manifest.labels
+        label_bytes = sum(PREDICTION_BYTES + JSON_CHAR_BYTES * len(label) for label in labels)
+        classified = await classify.classify(model, ClassifyRequest(
+            names, self.size(lambda counts: 2 + len(counts) * (LIST_BYTES + label_bytes), ADVICE), texts,
+            text_pairs, activation, bool(body.truncate), side(body.truncation_direction), top_k), holds, None)
 
         def answer() -> bytes:
             predictions = [[TeiPrediction(score, labels[label])
@@ -329,21 +281,17 @@ class TeiDoor(Door):
                            for i in range(len(texts))]
             return encode(predictions if batch or parameters is not None else predictions[0])
 
-        return web.Response(body=await model.pack(classified.scores.size * RESULT_S, answer),
-                            content_type="application/json")
+        return await packed(model, classified.scores.size * RESULT_S, answer)
 
     async def similarity(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiSimilarity)
         model = self.plane.model(body.model, kind=EMBEDDER)
         parameters = body.parameters or SimilarityParameters()
-        size = ResponseSize(lambda lengths: 64 + len(lengths) * SCORE_BYTES,
-                            self.max_response_bytes, "send fewer sentences")
         scored = await pairs.score(model, ScoreRequest(
-            SIMILARITY, size, body.inputs.source_sentence, body.inputs.sentences, ScoreMode.COSINE,
-            bool(parameters.truncate), side(parameters.truncation_direction),
-            parameters.prompt_name), holds, None)
-        payload = await model.pack(len(scored.scores) * RESULT_S, encode, scored.scores.tolist())
-        return web.Response(body=payload, content_type="application/json")
+            SIMILARITY, self.size(lambda lengths: 64 + len(lengths) * SCORE_BYTES, "send fewer sentences"),
+            body.inputs.source_sentence, body.inputs.sentences, ScoreMode.COSINE, bool(parameters.truncate),
+            side(parameters.truncation_direction), parameters.prompt_name), holds, None)
+        return await packed(model, len(scored.scores) * RESULT_S, encode, scored.scores.tolist())
 
     # --- /info ----------------------------------------------------------------------------
 
@@ -358,9 +306,7 @@ class TeiDoor(Door):
             kind = TeiModelType(embedding=TeiEmbedding("splade" if splade else TEI_POOLINGS.get(
                 info.default_pooling, info.default_pooling)))
         return json_response(TeiInfo(
-            model_id=info.model, model_sha=info.artifact_sha256,
-            model_dtype=DTYPES.get(info.precision, info.precision), served_model_name=info.model,
-            model_type=kind, max_input_length=info.max_positions, auto_truncate=False,
-            tokenization_workers=1, version=SERVER_VERSION, sha=None, docker_label=None,
-            **self.limits))
-
+            model_id=info.model, model_sha=info.artifact_sha256, served_model_name=info.model,
+            model_dtype=DTYPES.get(info.precision, info.precision), model_type=kind, auto_truncate=False,
+            max_input_length=info.max_positions, tokenization_workers=1, version=SERVER_VERSION, sha=None,
+            docker_label=None, **self.limits))

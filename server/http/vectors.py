@@ -1,13 +1,7 @@
-"""How a JSON door writes its vectors, as the request asks: OpenAI's `encoding_format`
-(`float`: numbers; `base64`: the little-endian bytes), `embedding_dtype` (`float16`
-halves a base64 float vector), and Cohere's `embedding_types` (server/engine/quantize.py).
-
-Without `embedding_types` a vector is OpenAI's `embedding`. With them, an item carries
-Cohere's `embeddings` object for its one input, {"float": [...], "int8": [...], ...} in the
-order asked, and `embedding` is left empty ([], or "" as base64) for clients that expect
-the field: the vectors are never sent twice. Cohere writes each type as numbers; with
-`encoding_format: "base64"` each is the base64 of its bytes instead (int8 and binary as
-signed bytes, uint8 and ubinary unsigned, float as float32 or float16)."""
+"""How a JSON door writes its vectors, as the request asks (docs/api.md, "HTTP: OpenAI"):
+OpenAI's `encoding_format`, `embedding_dtype`, and Cohere's `embedding_types`
+(server/engine/quantize.py), each item's types in its own `embeddings` object and its
+`embedding` left empty, so that no vector is sent twice."""
 
 import base64
 from dataclasses import dataclass
@@ -18,13 +12,13 @@ from msgspec import UNSET
 from attnserve.artifact import Manifest
 from attnserve.server.engine.quantize import EmbeddingType, quantize, ranges_of
 from attnserve.server.errors import InvalidArgument, quote
+from attnserve.server.http.calls import JSON_FLOAT_BYTES
 from attnserve.server.http.door import numbers
 from attnserve.server.http.schemas import Embeddings
 
-# The most one value takes in the body: a float32 as orjson's shortest repr
-# (-1.1754944e-38) and a comma; an int8 ("-128,"), a uint8 ("255,"); any value's bytes as
-# base64 (4 characters for 3 bytes) at 2 characters a byte.
-FLOAT_TEXT_BYTES, INT8_TEXT_BYTES, UINT8_TEXT_BYTES, BASE64_BYTES_PER_BYTE = 16, 5, 4, 2
+# The most one value takes in the body: a float32 JSON_FLOAT_BYTES, an int8 ("-128,"), a
+# uint8 ("255,"); any value's bytes as base64 (4 characters for 3 bytes) at 2 characters a byte.
+INT8_TEXT_BYTES, UINT8_TEXT_BYTES, BASE64_BYTES_PER_BYTE = 5, 4, 2
 TYPE_KEY_BYTES = 16
 """'"ubinary":' and the brackets or quotes around a type's vector"""
 
@@ -54,7 +48,7 @@ class VectorFormat:
         if self.base64:
             return BASE64_BYTES_PER_BYTE * (2 if self.float16 and kind is EmbeddingType.FLOAT
                                             else kind.dtype.itemsize)
-        return {np.dtype("<f4"): FLOAT_TEXT_BYTES, np.dtype("i1"): INT8_TEXT_BYTES,
+        return {np.dtype("<f4"): JSON_FLOAT_BYTES, np.dtype("i1"): INT8_TEXT_BYTES,
                 np.dtype("u1"): UINT8_TEXT_BYTES}[kind.dtype]
 
     def vector_bytes(self, hidden: int) -> int:

@@ -1,22 +1,11 @@
 """Predicted time of one batch: what the batch loop sizes bulk batches by while
 interactive work is arriving (server/engine/batch_loop.py).
 
-Of the memory model's form (server/memory/model.py), in one phase, since a batch's time
-is the sum of its parts rather than the larger of two:
-
-    seconds ≈ a + b·batch·seq + c·batch·heads·seq² + d·batch·heads·seq²·returned_layers
-
-a: a run's fixed cost; b: per token, the projections and the feed-forward; c: per
-attention score, the scores, their softmax and the weighted sum of V; d: per score of
-a returned layer, copying its maps out. `attnserve memory-profile` times every shape it
-measures (the median of a few runs, outside the allocation tracking), fits this on
-relative error with every coefficient ≥ 0 as it fits the memory model
-(server/memory/fit.py), and stores it in the same memory_model.json entry, under "time".
-
-An artifact whose memory_model.json holds no time model for the provider and precision
-the server runs on (a file written before there was one, a format-1 file, none at all)
-is served with measured batch times instead (`BatchTimes`): per graph and length bucket,
-the seconds per padded token of the batches run there so far."""
+The memory model's form in one phase, since a batch's time is the sum of its parts rather
+than the larger of two; `attnserve memory-profile` fits it and stores it in the same
+memory_model.json entry, under "time" (docs/memory.md, "The time model"). Without one for
+the provider and precision served (a file written before there was one, a format-1 file,
+none at all), measured batch times stand in (`BatchTimes`)."""
 
 from pathlib import Path
 
@@ -52,10 +41,7 @@ def load_time_model(directory: Path, manifest: Manifest, provider: str,
     """The fitted time models of the graphs the server runs on `provider` at `precision`;
     None when memory_model.json lacks one of them. Raises ValueError (or TypeError) for
     a damaged entry."""
-    path = directory / MEMORY_MODEL
-    if not path.is_file():
-        return None
-    entries = read_entries(path)
+    entries = read_entries(directory / MEMORY_MODEL)  # {} without a file
     found = {}
     for kind in graph_kinds(manifest):
         key = model_key(provider, precision, kind)

@@ -85,28 +85,12 @@ class ModelMemory:
 
     def __init__(self, budget: MemoryBudget, name: str, model: MemoryModel | MemoryModels,
                  heads: int, hidden: int):
-        self.shared_budget = budget
-        self.name = name
-        self.model = model
-        self.heads = heads
-        self.hidden = hidden
-
-    @property
-    def budget(self) -> int:
-        return self.shared_budget.budget
-
-    @property
-    def ledger(self) -> Ledger:
-        return self.shared_budget.ledger
-
-    @property
-    def shared(self) -> bool:
-        """the ledger and the batches share one budget (the CPU)"""
-        return self.shared_budget.shared
-
-    @property
-    def response_copies(self) -> int:
-        return self.shared_budget.response_copies
+        self.shared_budget, self.name, self.model = budget, name, model
+        self.heads, self.hidden = heads, hidden
+        # The shared budget's, fixed when it is made. `shared`: the ledger and the batches
+        # share one budget (the CPU).
+        self.budget, self.ledger, self.shared = budget.budget, budget.ledger, budget.shared
+        self.response_copies = budget.response_copies
 
     def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
         return self.model.predict(batch, seq, self.heads, layers)
@@ -151,8 +135,7 @@ class ModelMemory:
         """One sequence alone with its response at the largest (every head, float32 maps,
         token embeddings): what the alternatives a refusal offers must fit in."""
         response = 4 * (layers * self.heads * seq * seq + (seq + 1) * self.hidden)
-        return self.batch_bytes(1, seq, layers) + (
-            self.response_copies * response if self.shared else 0)
+        return self.batch_bytes(1, seq, layers) + (self.response_copies * response if self.shared else 0)
 
     def _too_big(self, field: str, length: int, layers: int, need: float) -> str:
         fits_len = max((n for n in range(1, length) if self._alone_bytes(n, layers) <= self.budget),

@@ -58,16 +58,12 @@ def features(graph: str, batch: int, seq: int, heads: int, returned_layers: int)
     return [1.0, float(batch) * seq, quadratic, quadratic * returned_layers if graph == ATTENTION else 0.0]
 
 
-def _matrix(rows: list[Measured], heads: int) -> np.ndarray:
-    return np.array([features(r.graph, r.batch, r.seq, heads, r.returned_layers) for r in rows])
-
-
 def fit_phase(rows: list[Measured], heads: int, target: Target = PEAK) -> np.ndarray:
     """a, b, c, d of one phase: least squares on relative error (each row weighted by
     1/measured, floored at the target's floor), every coefficient kept ≥ 0 (a negative term
     would predict less for a larger batch: one that comes out negative is dropped and the
     rest refitted; so is one no row varies)."""
-    x = _matrix(rows, heads)
+    x = np.array([features(r.graph, r.batch, r.seq, heads, r.returned_layers) for r in rows])
     y = np.array([target.of(r) for r in rows])
     weight = 1.0 / np.maximum(y, target.floor)
     active = [k for k in range(x.shape[1]) if x[:, k].any()]
@@ -154,8 +150,6 @@ def fit_with_holdout(rows: list[Measured], heads: int, every: int, target: Targe
     train_fits, held, train, fits = {}, [], [], {}
     for kind in dict.fromkeys(r.graph for r in rows):
         mine = [(r, f) for r, f in zip(rows, flags, strict=True) if r.graph == kind]
-        if not mine:
-            continue
         fits[kind] = fit_phases([r for r, _ in mine], heads, target)
         out = [r for r, f in mine if f]
         kept = [r for r, f in mine if not f]

@@ -96,40 +96,35 @@ class Ledger:
 
     def _take(self, nbytes: int, connection: str | None, what: str, on_top: float,
               own: int) -> None:
-        with self.totals.exclusive():
-            self._check_and_add(nbytes, connection, what, on_top, own)
-
-    def _check_and_add(self, nbytes: int, connection: str | None, what: str, on_top: float,
-                       own: int) -> None:
         """Refuse, or add `nbytes` with `on_top` more still free after it; `own`: what
         the calling call holds already (its connection's other calls hold the rest)."""
-        totals = self.totals
-        limit = totals.limit
-        if nbytes + on_top > limit:
-            raise ResourceExhausted(
-                f"{what}: needs about {nbytes / MIB:.1f} MiB"
-                f"{f' beside {on_top / MIB:.0f} MiB for its batch' if on_top else ''}, more "
-                f"than the whole memory budget of {limit / MIB:.0f} MiB")
-        mine = self.by_connection.get(connection, 0) if connection else 0
-        if mine > own and mine + nbytes > self.connection_limit():
-            raise ResourceExhausted(
-                f"{what}: this connection's other calls already hold {(mine - own) / MIB:.1f} "
-                f"MiB of requests and answers not yet sent, and one connection may hold "
-                f"{self.connection_limit() / MIB:.0f} MiB: read the answers already sent, or "
-                "spread calls over more connections")
-        # Batches run in what the ledger leaves: it keeps free what those in flight hold,
-        # and at least what the largest still waiting (or this call's own) needs alone.
-        kept = max(totals.reserve, totals.batches, on_top)
-        held = totals.held
-        if nbytes > limit - held - kept:
-            raise ResourceExhausted(
-                f"{what}: needs about {nbytes / MIB:.1f} MiB, but of the memory budget of "
-                f"{limit / MIB:.0f} MiB, {held / MIB:.0f} MiB is held by requests "
-                f"being parsed or tokenized and answers not yet sent and {kept / MIB:.0f} MiB "
-                "is kept for batches; retry with backoff")
-        totals.add(nbytes)
-        if connection:
-            self.by_connection[connection] = mine + nbytes
+        with self.totals.exclusive():
+            totals, limit = self.totals, self.totals.limit
+            if nbytes + on_top > limit:
+                raise ResourceExhausted(
+                    f"{what}: needs about {nbytes / MIB:.1f} MiB"
+                    f"{f' beside {on_top / MIB:.0f} MiB for its batch' if on_top else ''}, more "
+                    f"than the whole memory budget of {limit / MIB:.0f} MiB")
+            mine = self.by_connection.get(connection, 0) if connection else 0
+            if mine > own and mine + nbytes > self.connection_limit():
+                raise ResourceExhausted(
+                    f"{what}: this connection's other calls already hold {(mine - own) / MIB:.1f} "
+                    f"MiB of requests and answers not yet sent, and one connection may hold "
+                    f"{self.connection_limit() / MIB:.0f} MiB: read the answers already sent, or "
+                    "spread calls over more connections")
+            # Batches run in what the ledger leaves: it keeps free what those in flight hold,
+            # and at least what the largest still waiting (or this call's own) needs alone.
+            kept = max(totals.reserve, totals.batches, on_top)
+            held = totals.held
+            if nbytes > limit - held - kept:
+                raise ResourceExhausted(
+                    f"{what}: needs about {nbytes / MIB:.1f} MiB, but of the memory budget of "
+                    f"{limit / MIB:.0f} MiB, {held / MIB:.0f} MiB is held by requests "
+                    f"being parsed or tokenized and answers not yet sent and {kept / MIB:.0f} MiB "
+                    "is kept for batches; retry with backoff")
+            totals.add(nbytes)
+            if connection:
+                self.by_connection[connection] = mine + nbytes
 
     def _give_back(self, nbytes: int, connection: str | None) -> None:
         self.totals.add(-nbytes)

@@ -1,34 +1,12 @@
 """Predicted peak memory of one batch: the bytes its run allocates at its peak, outputs
 included, over what the process held before it (the weights and the sessions are the
-baseline, counted once at start, not per batch).
-
-A layer's memory peaks in one of two phases, and the batch's peak is the larger:
-
-- the feed-forward phase: per token, the hidden states alive around it and the 4×-wide
-  intermediate and its GELU (b / (4·hidden) is how many float32 hidden-wide vectors per
-  token that is: 14 for all-MiniLM-L6-v2's fused graph on the CPU);
-- the attention phase: per token, the hidden state, Q, K, V and the context, and per
-  attention score (batch·heads·seq² of them per layer) the scores or probabilities the
-  layer materialises while it runs. The CPU's fused Attention kernel holds one float32
-  tensor of them (c = 4); a CUDA kernel that never materialises them, none.
-
-The attention phase takes over past a length where heads·seq outgrows the feed-forward's
-extra width (about 224 tokens for MiniLM on the CPU), so a model is one or more phases,
-each
+baseline, counted once at start). Per graph, provider and precision, one or more phases
+(a layer peaks in its feed-forward phase or its attention phase), each
 
     bytes ≈ a + b·batch·seq + c·batch·heads·seq² + d·batch·heads·seq²·returned_layers
 
-and predicts the largest. The graph that returns attention maps holds them as graph
-outputs from the layer that makes them to the end of the run, every layer's whether or
-not the request asks for it (measured: one layer returned or six, the same peak), so its
-c counts them (≈ 4·layers per score) and d, per returned layer, comes out ≈ 0.
-
-Each of the artifact's two graphs keeps different things alive, so each has its own
-model, per provider and precision. A reranker has one graph, its scores graph: the same
-form, with no maps (its head adds a vector per sequence, nothing per token).
-
-`attnserve memory-profile` measures the allocation peak of each shape, fits both graphs
-and saves the coefficients beside the artifact as memory_model.json, keyed by
+predicting the largest: docs/memory.md ("The memory model") says what each term counts.
+`attnserve memory-profile` fits it into memory_model.json beside the artifact, keyed by
 `provider/precision/graph`; without an entry for the provider the server runs on, a
 conservative analytic bound stands in.
 """
@@ -41,12 +19,13 @@ from pathlib import Path
 from attnserve.artifact import MEMORY_MODEL, SCORERS, Manifest
 
 EMBEDDINGS, ATTENTION, SCORES = "embeddings", "attention", "scores"
-GRAPH_KINDS = (EMBEDDINGS, ATTENTION)
 
 
 def graph_kinds(manifest: Manifest) -> tuple[str, ...]:
     """The graphs an artifact's batches run through: an embedder's two, a reranker's one."""
-    return (SCORES,) if manifest.kind in SCORERS else GRAPH_KINDS
+    return (SCORES,) if manifest.kind in SCORERS else (EMBEDDINGS, ATTENTION)
+
+
 FORMAT_VERSION = 2
 """memory_model.json: 1 (no "format_version"): one set of coefficients, a b c d source,
 for every graph; 2: {"format_version": 2, "models": {"<provider>/<precision>/<graph>":
@@ -73,8 +52,7 @@ class ShapeModel:
     """(a, b, c, d) of each further phase; the prediction is the largest phase's"""
 
     def __post_init__(self):
-        phases = [tuple(getattr(self, n) for n in COEFFICIENTS), *self.other_phases]
-        for phase in phases:
+        for phase in self.phases:
             if len(phase) != len(COEFFICIENTS):
                 raise ValueError(f"a phase has the coefficients {COEFFICIENTS}, not {phase!r}")
             for name, value in zip(COEFFICIENTS, phase, strict=True):
@@ -167,8 +145,7 @@ def analytic_bound(manifest: Manifest) -> MemoryModel:
     hidden = manifest.hidden_size
     widening = max(4 * hidden, manifest.intermediate_size)
     vocabulary = 2 * manifest.vocab_size if manifest.sparse else 0
-    heads = (manifest.lexical is not None) + (manifest.multi_vector.dim if manifest.multi_vector
-                                              else 0)
+    heads = (manifest.lexical is not None) + (manifest.multi_vector.dim if manifest.multi_vector else 0)
     return MemoryModel(
         a=64 * 1024 * 1024,
         b=4.0 * (8 * hidden + 2 * widening + vocabulary + heads),
@@ -222,8 +199,7 @@ def load_memory_model(directory: Path, manifest: Manifest, provider: str = "CPUE
         one = MemoryModel.from_entry(data)
         return MemoryModels(one, one)
     entries = read_entries(path)
-    fitted = {kind: entries.get(model_key(provider, precision, kind))
-              for kind in graph_kinds(manifest)}
+    fitted = {kind: entries.get(model_key(provider, precision, kind)) for kind in graph_kinds(manifest)}
     missing = f"analytic bound (memory_model.json has no {provider}/{precision} fit)"
     models = {kind: MemoryModel.from_entry(entry) if entry else replace(bound, source=missing)
               for kind, entry in fitted.items()}

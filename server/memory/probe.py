@@ -1,35 +1,18 @@
-"""Memory probes: what the device holds, and how much one batch took at its peak.
+"""Memory probes: what the device holds, and how much one batch took at its peak
+(docs/memory.md, "What the server measures"): the bytes allocated and not yet freed at the
+run's peak, outputs included, over those allocated when it started.
 
-On CUDA, NVML (nvidia-ml-py) reads the device; on the CPU the process's resident set
-and the machine's total come from /proc.
-
-A batch's peak on the CPU is what the memory model predicts: the bytes allocated and not
-yet freed at the run's peak, outputs included, over those allocated when it started.
-`attnserve serve` preloads an allocation hook (alloc_hook.py) that keeps that count per
-thread, so the inference thread reads its batch's peak exactly (measured against the
-fitted model: 0.98-1.03 from 1 × 8 tokens to 8 × 256 with maps), at the cost of a few
-additions per malloc. Without the hook (no C compiler at install) the figure is sampled:
-glibc keeps the process's count exactly (mallinfo2: bytes handed out in the heaps plus those in
-chunks of their own), and it does not depend on reuse: a block freed by one batch and
-handed to the next counts again. The resident set cannot show it (a batch that reuses
-freed memory does not raise it; measured: 0 to 2.5× a batch's allocations, depending on
-what ran before). While a batch runs, a thread reads the count every SAMPLE_INTERVAL_S
-and keeps the highest; the batch's figure is that over the count before it. Measured
-against memray's allocation count of the same runs (what `attnserve memory-profile`
-fits the model to), within 3 % for batches of 1 MiB and more. What it adds or misses:
-it is the process's count, so another thread allocating during the batch (the event
-loop building a response) is counted; a peak held for less than a sampling interval
-can be missed (batches that small peak under about a MiB); and it counts onnxruntime's
-tensors only while onnxruntime allocates each one itself, as the server runs it (CPU
-arena off): an arena that keeps memory across runs would show only its growth.
-Without mallinfo2 (musl, glibc < 2.33) the figure falls back to the rise of the resident
-high-water mark (VmHWM, reset through /proc/self/clear_refs), logged as degraded.
-
-On CUDA it is the rise of the device memory NVML reports after the batch over what was
-in use before (onnxruntime's arena keeps the peak, so "after" sees it): the arena's
-growth, which is 0 for a batch that fits in what the arena already holds. Per-shape
-peaks on CUDA come from `attnserve memory-profile` and `python -m bench gpu`, a fresh
-session per shape.
+On the CPU, with the allocation hook (alloc_hook.py), the inference thread reads its
+batch's peak exactly (against the fitted model: 0.98-1.03 from 1 × 8 tokens to 8 × 256
+with maps). Without it, a thread samples glibc's count (mallinfo2), which counts a block
+reused by the next batch again: within 3 % of memray's count for batches of 1 MiB and
+more; it is the process's count, so another thread's allocations count too, and a peak
+shorter than the interval can be missed. The resident set cannot show a batch's peak (one
+that reuses freed memory does not raise it; measured: 0 to 2.5× a batch's allocations,
+depending on what ran before), so it is the last resort, without mallinfo2 (musl, glibc <
+2.33): the rise of the resident high-water mark (VmHWM, reset through
+/proc/self/clear_refs), logged as degraded. On CUDA it is the rise of NVML's device
+memory in use over the batch (onnxruntime's arena keeps the peak): the arena's growth.
 """
 
 import logging
@@ -94,10 +77,11 @@ class MemoryProbe:
     """Reads the device the runtime runs on."""
 
     def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.sampler = None
+        self.cuda, self.sampler = cuda, None
+        self.device = "cuda:0" if cuda else "cpu"
         self.exact = not cuda and alloc_hook.loaded()
         """a batch's peak is read exactly and at no cost, so every batch is measured"""
+        self.hwm_resettable = True
         if cuda:
             self.method = "rise of the device memory in use (NVML): the arena's growth"
         elif self.exact:
@@ -107,19 +91,17 @@ class MemoryProbe:
             self.sampler = _PeakSampler()
             self.method = (f"peak of the bytes allocated (mallinfo2, sampled every "
                            f"{SAMPLE_INTERVAL_S * 1000:g} ms) over those allocated before")
-        self.device = "cuda:0" if cuda else "cpu"
-        # The fallback's: without a resettable VmHWM (no /proc/self/clear_refs, as in some
-        # sandboxes), the high-water mark is the process's lifetime peak: fall back to what
-        # the batch still holds when it ends (its outputs), a lower bound, rather than that.
-        self.hwm_resettable = (cuda or self.exact or self.sampler is not None
-                               or host.reset_high_water_mark())
-        if not cuda and not self.exact and self.sampler is None:
+        else:
+            # Without a resettable VmHWM (no /proc/self/clear_refs, as in some sandboxes),
+            # the high-water mark is the process's lifetime peak: fall back to what the
+            # batch still holds when it ends (its outputs), a lower bound, rather than that.
+            self.hwm_resettable = host.reset_high_water_mark()
             self.method = ("rise of VmHWM over VmRSS (no mallinfo2: memory reused is not seen)"
                            if self.hwm_resettable else
                            "rise of VmRSS after the batch (VmHWM not resettable: a lower bound)")
             log.warning("event=memory_probe_degraded batch_peak=%r", self.method)
-        else:
-            log.info("event=memory_probe device=%s batch_peak=%r", self.device, self.method)
+            return
+        log.info("event=memory_probe device=%s batch_peak=%r", self.device, self.method)
 
     def device_memory(self) -> DeviceMemory:
         if self.cuda:

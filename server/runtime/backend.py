@@ -1,19 +1,12 @@
-"""The seam between the batch loop and whatever runs the model, and where a backend
-comes from.
+"""The seam between the batch loop and whatever runs the model: the batch loop hands a
+padded batch to `Backend.run` and gets back the outputs its requests need; the framework,
+provider, graphs, sessions and shape strategy behind it (onnxruntime today: onnx.py) are
+the backend's own business.
 
-The batch loop knows only this interface: it hands a padded batch to `run` with the
-outputs its requests need and gets back those outputs. Which framework, provider, graphs,
-sessions or shape strategy sit behind it (onnxruntime on the CPU or CUDA today:
-`onnx.py`, with shape buckets, several sessions and CUDA graphs) is the backend's own
-business, so those can change without touching the queue or the loop.
-
-A backend module under server/runtime/ offers a `KIND` (a BackendKind) for the artifact
-format it runs (`Manifest.runtime`), named in BUILTIN below: onnxruntime's is "onnx",
-onnx.py, imported only when an artifact of its format is served. The server asks for a
-backend by the artifact and the device flags (`create_backend`), or first only for where
-it would run (`place`: cheap, nothing loaded), and never names a framework or a provider:
-adding a backend is one module and one line in BUILTIN (or, from outside the server, one
-`register` call).
+A backend module offers a `KIND` (a BackendKind) for the artifact format it runs
+(`Manifest.runtime`), named in BUILTIN and imported only when an artifact of its format
+is served: adding a backend is one module and one line in BUILTIN (or one `register`
+call from outside the server). `place` says where one would run, cheaply, nothing loaded.
 """
 
 import importlib
@@ -24,16 +17,13 @@ from typing import Protocol
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, Artifact, ArtifactError, Manifest
-from attnserve.server.runtime.shapes import Shape
+from attnserve.server.runtime.shapes import Shape as Shape
 
 Outputs = frozenset[str]
 """Graph outputs a batch must bring back: HIDDEN_OUTPUT and the pooled vectors
 (artifact.POOLED_OUTPUTS), or a reranker's LOGITS_OUTPUT; attention maps are asked for by
 layer."""
 HIDDEN_ONLY: Outputs = frozenset({HIDDEN_OUTPUT})
-
-__all__ = ["DEFAULT_STRATEGY", "HIDDEN_ONLY", "Backend", "BackendKind", "BatchOutput", "Outputs",
-           "Placement", "SequenceResult", "Shape", "Strategy", "create_backend", "place", "register"]
 
 
 @dataclass(frozen=True)
@@ -104,15 +94,11 @@ class SequenceResult:
 
 class Backend(Protocol):
     provider: str
-    """the backend's name for where batches run, e.g. CPUExecutionProvider"""
     device: str
-    """cpu or cuda"""
     platform: str
-    """the framework and format, as KServe's model metadata names it (onnxruntime_onnx)"""
-    placement: Placement
-    """all of the above, as the backend resolved them"""
     precision: str
-    """fp32, fp16 or int8"""
+    placement: Placement
+    """the four above (as Placement says them) and why, as the backend resolved them"""
     concurrency: int
     """batches it runs at once, each on its own inference thread"""
     max_in_flight: int
@@ -186,22 +172,20 @@ def register(runtime: str, kind: BackendKind) -> None:
     KINDS[runtime] = kind
 
 
-def kind_of(manifest: Manifest, where: str = "manifest.json") -> BackendKind:
-    if manifest.runtime not in KINDS and manifest.runtime in BUILTIN:
-        register(manifest.runtime, importlib.import_module(BUILTIN[manifest.runtime]).KIND)
-    kind = KINDS.get(manifest.runtime)
-    if kind is None:
-        raise ArtifactError(f"{where}: runtime {manifest.runtime!r} is not one this server runs "
-                            f"({', '.join(sorted(KINDS.keys() | BUILTIN.keys()))})")
-    return kind
+def kind_of(artifact: Artifact) -> BackendKind:
+    runtime = artifact.manifest.runtime
+    if runtime not in KINDS and runtime in BUILTIN:
+        register(runtime, importlib.import_module(BUILTIN[runtime]).KIND)
+    if runtime not in KINDS:
+        raise ArtifactError(f"{artifact.path('manifest.json')}: runtime {runtime!r} is not one this "
+                            f"server runs ({', '.join(sorted(KINDS.keys() | BUILTIN.keys()))})")
+    return KINDS[runtime]
 
 
 def place(artifact: Artifact, device: str = "auto", precision: str = "auto") -> Placement:
-    return kind_of(artifact.manifest, str(artifact.path("manifest.json"))).place(
-        artifact.manifest, device, precision)
+    return kind_of(artifact).place(artifact.manifest, device, precision)
 
 
 def create_backend(artifact: Artifact, device: str = "auto", precision: str = "auto",
                    intra_op_threads: int = 0, strategy: Strategy = DEFAULT_STRATEGY) -> Backend:
-    kind = kind_of(artifact.manifest, str(artifact.path("manifest.json")))
-    return kind.create(artifact, device, precision, intra_op_threads, strategy)
+    return kind_of(artifact).create(artifact, device, precision, intra_op_threads, strategy)

@@ -1,17 +1,8 @@
-"""The onnxruntime backend: which provider, which graphs, how many sessions, which shapes,
-and one batch through them.
-
-The only module of the server that imports onnxruntime; the batch loop sees it through
-`backend.Backend`. Behind that seam:
-
-* lanes: `sessions` sets of sessions (embeddings graph, attention graph; a reranker's one
-  scores graph), each running one batch at a time on the inference thread it belongs to,
-  so several batches run on the device at once;
-* shape buckets (`shapes.py`): batches padded to a bounded set of shapes, each run once
-  per lane before serving;
-* outputs: only what the batch's requests need leaves the device (the pooled vectors are
-  graph outputs, so a request for them never copies [batch, seq, hidden] out);
-* CUDA graphs: per shape bucket, over fixed input and output buffers (IO binding).
+"""The onnxruntime backend (the only module of the server that imports onnxruntime, seen by
+the batch loop through `backend.Backend`): which provider, which graphs, how many lanes of
+sessions (each running one batch at a time on its own inference thread), shape buckets
+(`shapes.py`), only the outputs a batch needs copied off the device, and CUDA graphs per
+shape bucket over fixed input and output buffers (IO binding).
 """
 
 import logging
@@ -20,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -169,9 +160,13 @@ def providers_for(provider: str, cuda_graph: bool = False) -> list:
 Results = dict[str, np.ndarray]
 
 
-def token_types_for(input_ids: np.ndarray, token_type_ids: np.ndarray | None) -> np.ndarray:
-    """A graph's token types: as given, or every token of segment 0."""
-    return np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+def graph_feed(inputs: list[str], input_ids: np.ndarray, attention_mask: np.ndarray,
+               token_type_ids: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The graph's `inputs`; token types where it takes them: as given, or every token 0."""
+    feed = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if TOKEN_TYPES in inputs:
+        feed[TOKEN_TYPES] = np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+    return feed
 
 
 class PlainRunner:
@@ -179,17 +174,13 @@ class PlainRunner:
     device (a pooled vector is [batch, hidden]; the hidden state it came from stays)."""
 
     def __init__(self, session: ort.InferenceSession, cheapest: str):
-        self.session = session
-        self.cheapest = cheapest
-        self.takes_token_types = TOKEN_TYPES in {i.name for i in session.get_inputs()}
+        self.session, self.cheapest = session, cheapest
+        self.inputs = [i.name for i in session.get_inputs()]
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str],
             token_type_ids: np.ndarray | None = None) -> Results:
-        feed = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self.takes_token_types:
-            feed[TOKEN_TYPES] = token_types_for(input_ids, token_type_ids)
-        values = self.session.run(names, feed)
-        return dict(zip(names, values, strict=True))
+        feed = graph_feed(self.inputs, input_ids, attention_mask, token_type_ids)
+        return dict(zip(names, self.session.run(names, feed), strict=True))
 
     def warm(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
         self.run(input_ids, attention_mask, [self.cheapest])
@@ -199,9 +190,7 @@ class PlainRunner:
 class _Slot:
     """One shape's fixed buffers, bound once."""
 
-    input_ids: ort.OrtValue
-    attention_mask: ort.OrtValue
-    token_type_ids: ort.OrtValue | None
+    inputs: dict[str, ort.OrtValue]
     outputs: dict[str, ort.OrtValue]
     binding: ort.IOBinding
     options: ort.RunOptions
@@ -219,12 +208,9 @@ class BoundRunner:
 
     def __init__(self, session: ort.InferenceSession, device: str, manifest: Manifest,
                  cuda_graph: bool):
-        self.session = session
-        self.device = device
-        self.manifest = manifest
-        self.cuda_graph = cuda_graph
+        self.session, self.device, self.manifest, self.cuda_graph = session, device, manifest, cuda_graph
         self.slots: dict[Shape, _Slot] = {}
-        self.takes_token_types = TOKEN_TYPES in {i.name for i in session.get_inputs()}
+        self.inputs = [i.name for i in session.get_inputs()]
 
     def _output_shapes(self, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
         m = self.manifest
@@ -241,20 +227,16 @@ class BoundRunner:
             return ort.OrtValue.ortvalue_from_shape_and_type(dims, dtype, self.device, 0)
 
         binding = self.session.io_binding()
-        ids, mask = buffer(shape, np.int64), buffer(shape, np.int64)
-        binding.bind_ortvalue_input("input_ids", ids)
-        binding.bind_ortvalue_input("attention_mask", mask)
-        types = buffer(shape, np.int64) if self.takes_token_types else None
-        if types is not None:
-            binding.bind_ortvalue_input(TOKEN_TYPES, types)
-        outputs = {name: buffer(dims, np.float32)
-                   for name, dims in self._output_shapes(*shape).items()}
+        inputs = {name: buffer(shape, np.int64) for name in self.inputs}
+        for name, value in inputs.items():
+            binding.bind_ortvalue_input(name, value)
+        outputs = {name: buffer(dims, np.float32) for name, dims in self._output_shapes(*shape).items()}
         for name, value in outputs.items():
             binding.bind_ortvalue_output(name, value)
         options = ort.RunOptions()
         if self.cuda_graph:
             options.add_run_config_entry("gpu_graph_id", str(len(self.slots) + 1))
-        return _Slot(ids, mask, types, outputs, binding, options)
+        return _Slot(inputs, outputs, binding, options)
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, names: list[str],
             token_type_ids: np.ndarray | None = None) -> Results:
@@ -262,10 +244,8 @@ class BoundRunner:
         slot = self.slots.get(shape)
         if slot is None:
             slot = self.slots[shape] = self._new_slot(shape)
-        slot.input_ids.update_inplace(input_ids)
-        slot.attention_mask.update_inplace(attention_mask)
-        if slot.token_type_ids is not None:
-            slot.token_type_ids.update_inplace(token_types_for(input_ids, token_type_ids))
+        for name, value in graph_feed(self.inputs, input_ids, attention_mask, token_type_ids).items():
+            slot.inputs[name].update_inplace(value)
         self.session.run_with_iobinding(slot.binding, slot.options)
         # From the device numpy() copies; on the CPU it is a view of the fixed buffer,
         # which the next batch of this shape overwrites.
@@ -278,18 +258,18 @@ class BoundRunner:
             self.run(input_ids, attention_mask, [])
 
 
+@dataclass(eq=False)
 class Lane:
     """One session per graph, running one batch at a time from its inference thread (a
     reranker's lane has no attention graph); the first lane's also run the beside
     thread's batch (Backend.beside) at the same time."""
 
-    def __init__(self, index: int, embed: PlainRunner | BoundRunner, attend: PlainRunner | None):
-        self.index = index
-        self.embed = embed
-        self.attend = attend
-        self.lock = threading.Lock()
-        self.seen: set[tuple[bool, Shape]] = set()
-        """(attention graph, shape) run on this lane"""
+    index: int
+    embed: PlainRunner | BoundRunner
+    attend: PlainRunner | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seen: set[tuple[bool, Shape]] = field(default_factory=set)
+    """(attention graph, shape) run on this lane"""
 
 
 class OrtBackend:
@@ -300,11 +280,9 @@ class OrtBackend:
 
     def __init__(self, artifact: Artifact, device: str = "auto", precision: str = "auto",
                  intra_op_threads: int = 0, strategy: Strategy = DEFAULT_STRATEGY):
-        self.artifact = artifact
-        self.strategy = strategy
-        placement = place(artifact.manifest, device, precision)
+        self.artifact, self.strategy, manifest = artifact, strategy, artifact.manifest
+        placement = place(manifest, device, precision)
         provider, why, self.precision = placement.provider, placement.why, placement.precision
-        manifest = artifact.manifest
         self.embed_graph = manifest.graph(attention=False, precision=self.precision)
         self.attn_graph = (None if manifest.kind in SCORERS
                            else manifest.graph(attention=True, precision=self.precision))
@@ -313,26 +291,20 @@ class OrtBackend:
                          or manifest.dense else HIDDEN_OUTPUT)  # SPLADE: no pooled vector
         try:
             self._build(provider, intra_op_threads)
-        except (DeviceError, ConfigError):
-            raise
         except Exception as err:
-            if device == "auto" and provider == CUDA:
-                log.warning("event=cuda_failed reason=%r fallback=cpu", str(err))
-                provider, why = CPU, f"CUDA provider failed to load: {err}"
-                self._build(provider, intra_op_threads)
-            else:
+            if isinstance(err, DeviceError | ConfigError) or device != "auto" or provider != CUDA:
                 raise
+            log.warning("event=cuda_failed reason=%r fallback=cpu", str(err))
+            provider, why = CPU, f"CUDA provider failed to load: {err}"
+            self._build(provider, intra_op_threads)
         self.placement = Placement(self.provider, self.precision, self.device, why, PLATFORM)
         # The Dense layers are a few matmuls on [n, hidden] vectors: the CPU, one thread.
         self.dense = (None if not manifest.dense_graph else self._load(
             artifact.path(manifest.dense_graph), session_options(1, CPU), [CPU]))
-        self._local = threading.local()
-        self._bind_lock = threading.Lock()
-        self._bound = 0
+        self._local, self._bind_lock, self._bound = threading.local(), threading.Lock(), 0
         log.info("event=provider model=%s provider=%s precision=%s threads=%d sessions=%d shape_buckets=%s "
-                 "cuda_graphs=%s reason=%r graphs=%s,%s", artifact.manifest.model_name, provider,
-                 self.precision, self.threads,
-                 self.concurrency, "off" if self.buckets is None else
+                 "cuda_graphs=%s reason=%r graphs=%s,%s", manifest.model_name, provider, self.precision,
+                 self.threads, self.concurrency, "off" if self.buckets is None else
                  f"rows_pow2_to_{self.buckets.max_batch_size},seq_multiple_{self.buckets.seq_multiple}",
                  self.cuda_graphs, why, self.embed_graph.file,
                  self.attn_graph.file if self.attn_graph else "-")
@@ -359,7 +331,7 @@ class OrtBackend:
         # onnxruntime runs a session from several threads at once; IO-bound buffers (CUDA
         # graphs) are one batch's at a time.
         self.beside = not s.cuda_graphs
-        device = "cuda" if provider == CUDA else "cpu"
+        self.provider, self.device = provider, "cuda" if provider == CUDA else "cpu"
         if provider == CPU:
             set_malloc_for_inference()
         else:
@@ -367,13 +339,11 @@ class OrtBackend:
         self.lanes = []
         for index in range(self.concurrency):
             embed_session = self._session(self.embed_graph, provider, s.cuda_graphs)
-            embed = (BoundRunner(embed_session, device, manifest, self.cuda_graphs)
+            embed = (BoundRunner(embed_session, self.device, manifest, self.cuda_graphs)
                      if s.cuda_graphs else PlainRunner(embed_session, self.cheapest))
             attend = (PlainRunner(self._session(self.attn_graph, provider, False), self.cheapest)
                       if self.attn_graph else None)
             self.lanes.append(Lane(index, embed, attend))
-        self.provider = provider
-        self.device = device
 
     @staticmethod
     def _load(path, options: ort.SessionOptions, providers: list) -> ort.InferenceSession:
@@ -383,30 +353,26 @@ class OrtBackend:
             raise ArtifactError(f"{path}: onnxruntime cannot load this graph ({err})") from err
 
     def _session(self, graph: Graph, provider: str, cuda_graph: bool) -> ort.InferenceSession:
-        path = self.artifact.path(graph.file)
+        path, manifest = self.artifact.path(graph.file), self.artifact.manifest
         session = self._load(path, session_options(self.threads, provider, graph.precision,
                                                    self.strategy.spinning),
                              providers_for(provider, cuda_graph))
         if provider == CUDA and CUDA not in session.get_providers():
             raise DeviceError(f"{graph.file}: onnxruntime did not place the graph on CUDA")
         inputs = [i.name for i in session.get_inputs()]
-        if inputs != list(self.artifact.manifest.inputs):
-            raise ArtifactError(f"{path}: graph inputs {inputs}, expected "
-                                f"{list(self.artifact.manifest.inputs)}")
+        if inputs != list(manifest.inputs):
+            raise ArtifactError(f"{path}: graph inputs {inputs}, expected {list(manifest.inputs)}")
         for i in session.get_inputs():
             if i.type != "tensor(int64)" or len(i.shape) != 2:
                 raise ArtifactError(f"{path}: graph input {i.name} is {i.type} {i.shape}, "
                                     "expected tensor(int64) [batch, seq]")
         outputs = {o.name for o in session.get_outputs()}
-        wanted = required_outputs(self.artifact.manifest, graph)
-        missing = [name for name in wanted if name not in outputs]
+        missing = [name for name in required_outputs(manifest, graph) if name not in outputs]
         if missing:
             raise ArtifactError(f"{path}: graph lacks outputs {missing} (exported by an older "
                                 "attnserve? export it again: attnserve export --unless-current "
                                 "--out DIR, as make serve does)")
         return session
-
-    # --- threads -----------------------------------------------------------------------
 
     def bind_thread(self, beside: bool = False) -> None:
         if beside:
@@ -420,8 +386,6 @@ class OrtBackend:
         # A thread that is not an inference thread (a test, a tool) uses the first lane;
         # the lane's lock keeps it to one batch at a time.
         return getattr(self._local, "lane", self.lanes[0])
-
-    # --- running -----------------------------------------------------------------------
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
             layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY,
@@ -444,10 +408,7 @@ class OrtBackend:
                            new_shape)
 
     def project(self, vectors: np.ndarray) -> np.ndarray:
-        if self.dense is None:
-            return vectors
-        (projected,) = self.dense.run([DENSE_OUTPUT], {DENSE_INPUT: vectors})
-        return projected
+        return vectors if self.dense is None else self.dense.run([DENSE_OUTPUT], {DENSE_INPUT: vectors})[0]
 
     def release_memory(self) -> None:
         """Hand memory a long batch left behind back to the OS (glibc malloc_trim). The
@@ -496,10 +457,7 @@ class OnnxKind:
     """The "onnx" artifacts: graphs run by onnxruntime."""
 
     place = staticmethod(place)
-
-    def create(self, artifact: Artifact, device: str, precision: str, intra_op_threads: int,
-               strategy: Strategy) -> OrtBackend:
-        return OrtBackend(artifact, device, precision, intra_op_threads, strategy)
+    create = OrtBackend
 
 
 KIND = OnnxKind()

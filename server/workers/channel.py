@@ -2,11 +2,11 @@
 SOCK_SEQPACKET socket, on the event loop.
 
 A message is a small JSON header (lists, numbers, strings: nothing a peer could make run)
-and a list of arrays. Under INLINE_BYTES it travels
-in one datagram; larger, it is written once into a memfd whose descriptor travels
-instead (SCM_RIGHTS), and the receiver maps it: the arrays it gets are views of that
-mapping, with no copy on the way (the mapping lives as long as the arrays do). A memfd
-belongs to no path, so nothing is left behind when a process dies."""
+and a list of arrays. Under INLINE_BYTES it travels in one datagram; larger, it is written
+once into a memfd whose descriptor travels instead (SCM_RIGHTS), and the receiver maps it:
+the arrays it gets are views of that mapping, with no copy on the way (the mapping lives
+as long as the arrays do). A memfd belongs to no path, so nothing is left behind when a
+process dies."""
 
 import asyncio
 import collections
@@ -32,6 +32,10 @@ Entry = Sequence[np.ndarray]
 """the parts of one array: raveled and laid end to end, the receiver gets one flat array"""
 
 
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
 def _layout(entries: Sequence[Entry]) -> tuple[list[tuple[str, int, int]], int]:
     """(dtype, offset, count) per entry, from the start of the data, and the data's size."""
     spans, offset = [], 0
@@ -39,7 +43,7 @@ def _layout(entries: Sequence[Entry]) -> tuple[list[tuple[str, int, int]], int]:
         dtype = np.dtype(parts[0].dtype) if parts else np.dtype(np.float32)
         count = sum(p.size for p in parts)
         spans.append((dtype.str, offset, count))
-        offset = -(-(offset + count * dtype.itemsize) // _ALIGN) * _ALIGN
+        offset = _aligned(offset + count * dtype.itemsize)
     return spans, offset
 
 
@@ -55,19 +59,20 @@ def _fill(buffer, start: int, entries: Sequence[Entry], spans) -> None:
 def encode(header: object, entries: Sequence[Entry]) -> tuple[bytes, int | None]:
     """(the datagram, the memfd carrying it when it is large)"""
     spans, size = _layout(entries)
-    head = orjson.dumps([header, spans])
-    start = -(-(_HEAD.size + len(head)) // _ALIGN) * _ALIGN
+    text = orjson.dumps([header, spans])
+    head = _HEAD.pack(len(text)) + text
+    start = _aligned(len(head))
     total = start + size
     if total <= INLINE_BYTES:
         frame = bytearray(total)
-        frame[:_HEAD.size + len(head)] = _HEAD.pack(len(head)) + head
+        frame[:len(head)] = head
         _fill(frame, start, entries, spans)
         return bytes(frame), None
     fd = os.memfd_create("attnserve-message", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, total)
         with mmap.mmap(fd, total) as mapped:
-            mapped[:_HEAD.size + len(head)] = _HEAD.pack(len(head)) + head
+            mapped[:len(head)] = head
             _fill(mapped, start, entries, spans)
     except BaseException:
         os.close(fd)
@@ -78,10 +83,9 @@ def encode(header: object, entries: Sequence[Entry]) -> tuple[bytes, int | None]
 def decode(frame: bytes | mmap.mmap) -> tuple[object, list[np.ndarray]]:
     (length,) = _HEAD.unpack_from(frame)
     header, spans = orjson.loads(bytes(memoryview(frame)[_HEAD.size:_HEAD.size + length]))
-    start = -(-(_HEAD.size + length) // _ALIGN) * _ALIGN
-    arrays = [np.frombuffer(frame, dtype=dtype, count=count, offset=start + offset)
-              for dtype, offset, count in spans]
-    return header, arrays
+    start = _aligned(_HEAD.size + length)
+    return header, [np.frombuffer(frame, dtype=dtype, count=count, offset=start + offset)
+                    for dtype, offset, count in spans]
 
 
 class Channel:
@@ -91,9 +95,7 @@ class Channel:
 
     def __init__(self, sock: socket.socket, on_message: Callable[[object, list[np.ndarray]], None],
                  on_closed: Callable[[], None]):
-        self.sock = sock
-        self.on_message = on_message
-        self.on_closed = on_closed
+        self.sock, self.on_message, self.on_closed = sock, on_message, on_closed
         self.loop = asyncio.get_running_loop()
         self.pending: collections.deque[tuple[bytes, int | None]] = collections.deque()
         self.closed = False
@@ -122,18 +124,15 @@ class Channel:
                 else:
                     socket.send_fds(self.sock, [b"M"], [fd])
             except BlockingIOError:
-                self.loop.add_writer(self.sock.fileno(), self._writable)
+                self.loop.add_writer(self.sock.fileno(), self._flush)
                 return
             except OSError:
-                self._close()
+                self.close()
                 return
             self.pending.popleft()
             if fd is not None:
                 os.close(fd)
         self.loop.remove_writer(self.sock.fileno())
-
-    def _writable(self) -> None:
-        self._flush()
 
     def _readable(self) -> None:
         while not self.closed:
@@ -144,19 +143,18 @@ class Channel:
             except OSError:
                 data, fds = b"", []
             if not data and not fds:
-                self._close()
+                self.close()
                 return
+            frame = data
             if fds:
                 with os.fdopen(fds[0], "rb", buffering=0) as file:
                     frame = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
-            else:
-                frame = data
             try:
                 self.on_message(*decode(frame))
             except Exception:  # noqa: BLE001 - one bad message never stops the channel
                 log.exception("event=channel_message_failed")
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self.closed:
             return
         self.closed = True
@@ -168,6 +166,3 @@ class Channel:
         self.pending.clear()
         self.sock.close()
         self.on_closed()
-
-    def close(self) -> None:
-        self._close()

@@ -1,9 +1,6 @@
-"""The engine process of a server with --workers: the backend's sessions, the request queue,
-the batch loop and the memory budget, for every front end at once, so batching and
-admission stay global. Front ends connect on the supervisor's socket; each submits token
-ids and gets back its sequences' results (server/workers/messages.py). It also serves the
-group's /metrics, merged from every process's counts. It drains when the supervisor says
-so, once the front ends have (server/workers/signals.py)."""
+"""The engine process of a server with --workers: every model's sessions, queue and batch
+loop and the memory budget, for every front end at once (each submits token ids and gets
+its sequences' results back: messages.py), and the group's merged /metrics."""
 
 import asyncio
 import logging
@@ -23,7 +20,7 @@ from attnserve.server.engine.registry import load_models, log_default_prompts
 from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.runner import Runners
 from attnserve.server.errors import RequestError
-from attnserve.server.host import resident_bytes_of
+from attnserve.server.host import resident_bytes
 from attnserve.server.logs import setup_logging
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
@@ -45,10 +42,8 @@ class FrontEndLink:
     when it goes, its queued sequences dropped unrun."""
 
     def __init__(self, process: "EngineProcess", sock: socket.socket, index: int):
-        self.process = process
+        self.process, self.index, self.said_bye = process, index, False
         self.jobs: dict[int, asyncio.Task] = {}
-        self.index = index
-        self.said_bye = False
         self.channel = Channel(sock, self.message, self.closed)
         self.channel.send(*messages.welcome(process.facts))
 
@@ -112,16 +107,13 @@ class EngineProcess:
             shared.fields.ledger_limit = limit
             return SharedTotals(shared, ENGINE_SLOT)
 
-        self.runners = Runners(config, named, self.metrics, totals, alone=False)
-        runners = self.runners
+        runners = self.runners = Runners(config, named, self.metrics, totals, alone=False)
         self.facts = messages.EngineFacts(runners.limits.memory_budget_bytes, runners.budget.shared,
                                           [m.backend.placement for m in runners.models])
         self.links: set[FrontEndLink] = set()
         self.encoding = ThreadPoolExecutor(1, thread_name_prefix="encode")
-        fields = shared.fields
-        fields.budget = self.facts.budget
-        fields.engine_pid = os.getpid()
-        fields.engine_loaded = 1
+        shared.fields.budget, shared.fields.engine_pid = self.facts.budget, os.getpid()
+        shared.fields.engine_loaded = 1
 
     def _counted(self, model: str, requests: int, tokens: int) -> None:
         fields, index = self.shared.fields, self.index[model]
@@ -135,15 +127,13 @@ class EngineProcess:
         live = self.metrics.live
         live.serving = self.shared.serving
         if runners.device == "cpu":
-            live.device_memory_used = lambda: sum(map(resident_bytes_of, self.shared.pids()))
+            live.device_memory_used = lambda: sum(map(resident_bytes, self.shared.pids()))
         scrapes = MetricsThread(self.metrics, config.metrics_host, config.metrics_port) \
             if config.metrics_port else None
         if scrapes:
             fields.metrics_port = scrapes.start()
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        signals.take_stop(loop, stop.set)
-        accepting = loop.create_task(self._accept())
+        stop = signals.take_stop()
+        accepting = asyncio.get_running_loop().create_task(self._accept())
         await runners.warm_up()
         fields.engine_warm = 1
         log.info("event=engine_serving models=%s budget_bytes=%d memory_model=%r time_model=%r",
@@ -183,7 +173,7 @@ def main() -> int:
     config = config_from_json(os.environ.pop(CONFIG_ENV))
     logging.getLogger().setLevel(config.log_level.upper())
     shared_fd, listen_fd = int(sys.argv[1]), int(sys.argv[2])
-    shared = SharedState.attach(shared_fd)
+    shared = SharedState(shared_fd)
     signals.become_child(shared.fields.supervisor_pid)
     listener = socket.socket(fileno=listen_fd)
     try:

@@ -1,12 +1,8 @@
-"""A front-end process of a server with --workers: the doors on the shared ports, parsing,
-validating, tokenizing and packing on an event loop of its own, for every model; the engine
-(each model's queue, batch loop and sessions) is the engine process's, reached through
-`RemoteEngine`, one `RemoteScheduler` a model.
-
-It serves while the engine is warm and nothing drains, whatever becomes of the other front
-ends: one that dies fails only its own calls. If the engine process goes, every call
-waiting on it gets UNAVAILABLE at once and so does every new one; the supervisor then
-stops the group. It drains when the supervisor says so (server/workers/signals.py)."""
+"""A front-end process of a server with --workers: the doors on the shared ports (parsing,
+tokenizing and packing on an event loop of its own) before every model's engine in the
+engine process, reached through `RemoteEngine`, one `RemoteScheduler` a model. It serves
+while the engine is warm and nothing drains, whatever becomes of the other front ends; if
+the engine process goes, every call waiting on it and every new one gets UNAVAILABLE."""
 
 import asyncio
 import itertools
@@ -59,13 +55,12 @@ class RemoteEngine:
 
     def __init__(self, sock: socket.socket, shared: SharedState, offload: Offload,
                  on_lost: Callable[[], None]):
-        """`offload`: where a large request's message is made and its answer unpacked;
-        `on_lost()`: called once if the engine process goes."""
+        """`on_lost()`: called once if the engine process goes."""
         self.shared, self.offload, self.on_lost = shared, offload, on_lost
         self.waiting: dict[int, tuple[asyncio.Future, timings.CallTimes | None]] = {}
         self.releasing: dict[int, tuple[int, int]] = {}
         """cancelled jobs the engine has not yet taken out: job -> (model, tokens)"""
-        self.idle = asyncio.Event()
+        self.idle = asyncio.Event()  # no job waiting
         self.idle.set()
         self.jobs = itertools.count()
         self.alive = True
@@ -77,8 +72,7 @@ class RemoteEngine:
         mine = [tokens for index, tokens in self.releasing.values() if index == model]
         return len(mine), sum(mine)
 
-    async def submit(self, scheduler: "RemoteScheduler",
-                     submission: Submission) -> list[SequenceResult]:
+    async def submit(self, scheduler: "RemoteScheduler", submission: Submission) -> list[SequenceResult]:
         # A large request's message is made, and its answer unpacked, off the event loop
         # (87,381 sequences: 0.1 s and 0.33 s), which health checks would otherwise wait for.
         # Cancelled while it is made, nothing has gone to the engine and nothing is undone.
@@ -124,11 +118,9 @@ class RemoteEngine:
     def _closed(self) -> None:
         self.alive = False
         log.error("event=engine_lost waiting=%d", len(self.waiting))
-        for future, *_ in self.waiting.values():
+        for future in [future for future, _ in self.waiting.values()] + [self.welcome]:
             if not future.done():
                 future.set_exception(Unavailable(ENGINE_GONE))
-        if not self.welcome.done():
-            self.welcome.set_exception(Unavailable(ENGINE_GONE))
         self.on_lost()
 
 
@@ -140,13 +132,12 @@ class RemoteScheduler:
         self.engine, self.index, self.limits, self.heads, self.width = engine, index, limits, heads, width
 
     def admit(self, tokens: int, at_least: bool = False, priority: Priority | None = None) -> None:
-        engine = self.engine
-        if not engine.alive:
+        if not self.engine.alive:
             raise Unavailable(ENGINE_GONE)
         # The queue's counts, less what this front end has cancelled and the engine is
         # taking out: a caller whose call was cancelled finds its place free at once.
-        fields = engine.shared.fields
-        requests, released = engine.released(self.index)
+        fields = self.engine.shared.fields
+        requests, released = self.engine.released(self.index)
         check_room(self.limits, bool(fields.draining), fields.queue_requests[self.index] - requests,
                    fields.queue_tokens[self.index] - released, tokens, at_least, priority)
 
@@ -195,9 +186,7 @@ class FrontProcess:
         self.shared.fields.worker_up[self.index] = 1
         log.info("event=front_end_up worker=%d port=%d http_port=%d", self.index, self.ports.port,
                  self.ports.http_port)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        signals.take_stop(loop, stop.set)
+        stop = signals.take_stop()
         said = None
         while not stop.is_set():
             serving = self.serving()
@@ -217,9 +206,9 @@ class FrontProcess:
         self.draining = True
         await self.ports.set_health(False)
         deadline = asyncio.get_running_loop().time() + self.config.drain_seconds
+        finished = True
         try:
             await asyncio.wait_for(self.remote.idle.wait(), self.config.drain_seconds)
-            finished = True
         except TimeoutError:
             finished = False
         fields = self.shared.fields
@@ -235,14 +224,11 @@ class FrontProcess:
 
 def assignment(fd: int) -> int:
     """A standby's index, once the supervisor writes it (a line) to the pipe `fd`."""
-    text = b""
-    while not text.endswith(b"\n"):
-        chunk = os.read(fd, 16)
-        if not chunk:  # the supervisor is gone: PR_SET_PDEATHSIG ends this process anyway
-            sys.exit(0)
-        text += chunk
-    os.close(fd)
-    return int(text)
+    with os.fdopen(fd) as pipe:
+        line = pipe.readline()
+    if not line.endswith("\n"):  # the supervisor is gone: PR_SET_PDEATHSIG ends this process anyway
+        sys.exit(0)
+    return int(line)
 
 
 def main() -> int:
@@ -250,7 +236,7 @@ def main() -> int:
     config = config_from_json(os.environ.pop(CONFIG_ENV))
     logging.getLogger().setLevel(config.log_level.upper())
     shared_fd, index, address = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    shared = SharedState.attach(shared_fd)
+    shared = SharedState(shared_fd)
     signals.become_child(shared.fields.supervisor_pid)
     # A standby does everything that takes time (the interpreter, the imports, every
     # model's tokenizer) before it is needed, then waits to be told whose place it takes:

@@ -22,12 +22,7 @@ import numpy as np
 from attnserve.artifact import TOKEN_OUTPUTS, TOKEN_WEIGHTS_OUTPUT
 from attnserve.server.engine.requests import Submission
 from attnserve.server.engine.timings import CallTimes
-from attnserve.server.errors import (
-    DeadlineExceeded,
-    RequestError,
-    ResourceExhausted,
-    Unavailable,
-)
+from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
 from attnserve.server.priority import Priority
 from attnserve.server.runtime.backend import Placement, SequenceResult
 
@@ -50,14 +45,10 @@ class EngineFacts:
 def submit(job: int, model: int, submission: Submission):
     ids = [s.astype(np.int32, copy=False) for s in submission.sequences]
     entries = [ids, [submission.lengths]]
-    spans, segments = submission.spans, submission.segments
+    spans, segments, attended = submission.spans, submission.segments, submission.attended
     if spans is not None:  # late chunking: each sequence's [k, 2] token spans, and the ks
         entries += [spans, [np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))]]
-    if segments is not None:
-        entries.append([segments])
-    attended = submission.attended
-    if attended is not None:
-        entries.append([attended])
+    entries += [[extra] for extra in (segments, attended) if extra is not None]
     header = ["submit", job, model, list(submission.layers), submission.deadline,
               sorted(submission.outputs), submission.alone, spans is not None,
               segments is not None, submission.priority.value, attended is not None]
@@ -105,13 +96,10 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
     arrays = list(arrays)
     ends = np.cumsum(lengths).tolist()
     out_hidden = arrays.pop(0).reshape(-1, width) if hidden else None
-    maps = []
-    for _ in layers:
-        flat, at, views = arrays.pop(0), 0, []
-        for n in lengths.tolist():
-            views.append(flat[at:at + heads * n * n].reshape(heads, n, n))
-            at += heads * n * n
-        maps.append(views)
+    cuts = np.cumsum(heads * lengths * lengths)[:-1]
+    maps = [[piece.reshape(heads, n, n)
+             for piece, n in zip(np.split(arrays.pop(0), cuts), lengths.tolist(), strict=True)]
+            for _ in layers]
     # Pooled vectors are `width` wide, a reranker's logits one per label; a head's output
     # per token (bge-m3's) is a row a token: a vector, or a weight.
     pooled = [_per_token(name, flat, lengths) if name in TOKEN_OUTPUTS

@@ -1,13 +1,9 @@
 """The state a server's processes share (--workers): one page of memory (a memfd the
-supervisor makes and every process inherits), read and written in place.
-
-It holds what every front end must see at once, without a message: whether the engine is
-warm, whether the group drains, which front ends are up, the supervisor's pid, the
-queue's counts (the cheap admission bounds), the memory ledger's totals and each capped
-API key's calls in flight. The ledger's totals and the keys' counts change under a lock
-that spans the processes (a POSIX record lock on the memfd, with a thread lock for the
-threads of one process), so the budget and the caps hold for the group exactly; every
-other field has one writer."""
+supervisor makes and every process inherits), read and written in place: what every
+process must see at once, without a message. The ledger's totals and the keys' counts
+change under a lock that spans the processes (a POSIX record lock on the memfd, with a
+thread lock for the threads of one process), so the budget and the caps hold for the
+group exactly; every other field has one writer."""
 
 import contextlib
 import ctypes
@@ -64,8 +60,8 @@ class _Fields(ctypes.Structure):
 
 
 class SharedState:
-    """The shared page, mapped into this process. `create` (the supervisor) or
-    `attach(fd)` (the processes it starts, which inherit the fd)."""
+    """The shared page, mapped into this process: `create` (the supervisor), or the fd the
+    processes it starts inherit."""
 
     def __init__(self, fd: int):
         self.fd = fd
@@ -83,10 +79,6 @@ class SharedState:
         state.fields.workers = workers
         state.fields.supervisor_pid = os.getpid()
         return state
-
-    @classmethod
-    def attach(cls, fd: int) -> "SharedState":
-        return cls(fd)
 
     @contextlib.contextmanager
     def locked(self):
@@ -120,6 +112,11 @@ class SharedState:
         return [p for p in (f.engine_pid, *f.worker_pids[:f.workers]) if p]
 
 
+def _shared_field(name: str) -> property:
+    return property(lambda self: getattr(self.state.fields, name),
+                    lambda self, value: setattr(self.state.fields, name, value))
+
+
 class SharedTotals(Totals):
     """The memory ledger's totals for one process of the group (its `slot`), counted with
     every other process's: what the group holds is the sum of the slots."""
@@ -127,29 +124,10 @@ class SharedTotals(Totals):
     def __init__(self, state: SharedState, slot: int):
         self.state, self.slot = state, slot
 
-    @property
-    def limit(self) -> float:
-        return self.state.fields.ledger_limit
-
-    @property
-    def held(self) -> int:
-        return self.state.held()
-
-    @property
-    def reserve(self) -> float:
-        return self.state.fields.ledger_reserve
-
-    @reserve.setter
-    def reserve(self, value: float) -> None:
-        self.state.fields.ledger_reserve = value
-
-    @property
-    def batches(self) -> float:
-        return self.state.fields.ledger_batches
-
-    @batches.setter
-    def batches(self, value: float) -> None:
-        self.state.fields.ledger_batches = value
+    limit = property(lambda self: self.state.fields.ledger_limit)
+    held = property(lambda self: self.state.held())
+    reserve = _shared_field("ledger_reserve")
+    batches = _shared_field("ledger_batches")
 
     def add(self, nbytes: int) -> None:
         # Only this process writes its slot, and the ledger's lock orders its threads.

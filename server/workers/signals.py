@@ -1,16 +1,11 @@
-"""Which signals stop the processes of a group (--workers), and who sends them.
-
-SIGINT and SIGTERM are the supervisor's alone. Sent to a whole process group (Ctrl-C in a
-terminal, systemd's default KillMode=control-group) they reach every process at once,
-and the group must stop in order: the front ends drain first, then the engine, which
-still answers what they accepted. So the engine process and the front ends ignore both,
-and stop on STOP, which the supervisor sends to each in turn.
-
-A child is started with those three blocked (`starting_a_child`), so that none of them
-ends it while the interpreter starts. From `become_child` on, a STOP ends it at once
-(it has accepted no work yet); from `take_stop` on, a STOP makes it drain. A child also
-dies with the supervisor (PR_SET_PDEATHSIG): none outlives one killed with SIGKILL,
-holding the ports or the engine's memory with nobody to restart or stop it."""
+"""Which signals stop the processes of a group (--workers), and who sends them: SIGINT and
+SIGTERM are the supervisor's alone (sent to the whole process group, they would reach
+every process at once, and the group must stop in order: the front ends drain first, then
+the engine), and it sends each child STOP in turn. A child is started with all three
+blocked (`starting_a_child`), so none ends it while the interpreter starts; from
+`become_child` on a STOP ends it at once (it has accepted no work yet), from `take_stop` on
+a STOP makes it drain. A child dies with the supervisor (PR_SET_PDEATHSIG): none outlives
+one killed with SIGKILL, holding the ports or the engine's memory."""
 
 import asyncio
 import contextlib
@@ -18,7 +13,6 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
 
 STOP = signal.SIGUSR1
 GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -55,6 +49,9 @@ def become_child(supervisor_pid: int) -> None:
         os._exit(1)
 
 
-def take_stop(loop: asyncio.AbstractEventLoop, on_stop: Callable[[], None]) -> None:
-    """From now on a STOP calls `on_stop()` on the loop: the child has work to finish."""
-    loop.add_signal_handler(STOP, on_stop)
+def take_stop() -> asyncio.Event:
+    """From now on a STOP sets the event returned, on the running loop: the child has work
+    to finish."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(STOP, stop.set)
+    return stop

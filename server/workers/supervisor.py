@@ -1,25 +1,10 @@
-"""`attnserve serve --workers N`: the process that starts the group and keeps it whole.
-
-It reserves the gRPC and HTTP ports (so only its own front ends share them: another
-server that tries either port fails at start, see `reserve_port`), makes the shared state
-and the engine's socket, starts the engine process, then N front ends, and watches them:
-
-- a front end that dies fails only its own calls: the others go on serving, health stays
-  SERVING; its death is counted (by the engine, which sees its connection drop) and
-  logged, its held memory is freed, and a standby takes its place at once: a front end
-  started and loaded beforehand that only has to connect and bind (another standby is
-  started behind it), so the group is whole again in a fraction of a second;
-- if the engine process dies, the front ends answer UNAVAILABLE at once and say
-  NOT_SERVING, and the supervisor stops the group and exits non-zero, so Kubernetes
-  restarts the pod: a new engine has to load and warm up its sessions anyway, and a
-  restart the orchestrator counts is one an operator sees;
-- on SIGTERM or SIGINT, sent to it alone or to its whole process group, every front end
-  drains (in-flight calls finish), then the engine, and the supervisor exits 0 when all
-  of them did: the children stop only when it tells them to (signals.py), and die with
-  it if it is killed.
-
-It writes the ready file (--ready-file) once the engine is warm, every front end is up and
-the standby waits, with every pid of the group but the standby's."""
+"""`attnserve serve --workers N`: the process that starts the group and keeps it whole
+(docs/architecture.md, "Worker processes", says how). It reserves the ports (`reserve_port`),
+makes the shared state and the engine's socket, starts the engine process, then N front
+ends and a standby; it replaces a front end that dies with the standby, stops the group
+(exit non-zero) if the engine dies, drains it on SIGTERM or SIGINT, and writes the ready
+file (every pid but the standby's) once the engine is warm, every front end is up and the
+standby waits."""
 
 import ctypes
 import dataclasses
@@ -42,13 +27,7 @@ from attnserve.server.host import gpu_present, usable_cores
 from attnserve.server.metrics import answered_by_code
 from attnserve.server.startup import PortInUse, write_ready_file
 from attnserve.server.workers import signals
-from attnserve.server.workers.shared import (
-    CONFIG_ENV,
-    DRAINED,
-    FRONT_ENDS_METRICS_ENV,
-    STANDBY,
-    SharedState,
-)
+from attnserve.server.workers.shared import CONFIG_ENV, DRAINED, FRONT_ENDS_METRICS_ENV, STANDBY, SharedState
 
 log = logging.getLogger("attnserve.workers")
 
@@ -107,34 +86,30 @@ class Group:
     def _start_engine(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
         env |= {CONFIG_ENV: config_to_json(self.config), FRONT_ENDS_METRICS_ENV: self.metrics_dir}
-        with signals.starting_a_child():
-            self.engine = subprocess.Popen(
-                [sys.executable, "-m", "attnserve.server.workers.engine_process",
-                 str(self.shared.fd), str(self.listener.fileno())],
-                pass_fds=(self.shared.fd, self.listener.fileno()), env=env)
+        self.engine = self._spawn("engine_process", [], (self.listener.fileno(),), env)
 
     def _front_end(self, index: str, *fds: int) -> subprocess.Popen:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir,
                CONFIG_ENV: config_to_json(self.front_config)}
+        return self._spawn("front_end", [index, self.address], fds, env)
+
+    def _spawn(self, module: str, args: list[str], fds: tuple[int, ...], env: dict) -> subprocess.Popen:
+        """`python -m` a module of the group: the shared state's fd, `args`, then `fds`."""
         with signals.starting_a_child():
-            return subprocess.Popen(
-                [sys.executable, "-m", "attnserve.server.workers.front_end",
-                 str(self.shared.fd), index, self.address, *map(str, fds)],
-                pass_fds=(self.shared.fd, *fds), env=env)
+            return subprocess.Popen([sys.executable, "-m", f"attnserve.server.workers.{module}",
+                                     str(self.shared.fd), *args, *map(str, fds)],
+                                    pass_fds=(self.shared.fd, *fds), env=env)
 
     def _start_worker(self, index: int) -> None:
         """Front end `index`: the standby, told to take that place, where one is up (a
         replacement that only binds its ports), else a new process."""
         standby, self.standby = self.standby, None
-        if standby is not None and standby[0].poll() is None:
-            worker, pipe = standby
-            self.shared.fields.worker_pids[index] = worker.pid  # before it connects
-            os.write(pipe, f"{index}\n".encode())
-            os.close(pipe)
-        else:
-            worker = self._front_end(str(index))
-            self.shared.fields.worker_pids[index] = worker.pid
-        self.workers[index] = worker
+        taking = standby is not None and standby[0].poll() is None
+        worker = self.workers[index] = standby[0] if taking else self._front_end(str(index))
+        self.shared.fields.worker_pids[index] = worker.pid  # before the standby connects
+        if taking:
+            os.write(standby[1], f"{index}\n".encode())
+            os.close(standby[1])
 
     def _standby_waits(self) -> bool:
         """The standby is loaded and waiting (or has died: the group serves without one)."""
@@ -172,9 +147,7 @@ class Group:
         with self.shared.locked() as fields:
             fields.held[index] = 0
             ctypes.memset(fields.key_calls[index], 0, ctypes.sizeof(fields.key_calls[index]))
-            fields.worker_up[index] = 0
-            fields.worker_pids[index] = 0
-            fields.worker_drained[index] = 0
+            fields.worker_up[index] = fields.worker_pids[index] = fields.worker_drained[index] = 0
         mark_process_dead(worker.pid, self.metrics_dir)
 
     def _stop(self, signum, frame) -> None:
@@ -235,8 +208,7 @@ class Group:
         return self._shut_down(0)
 
     def _ready(self) -> None:
-        config, fields = self.front_config, self.shared.fields
-        pids = self.shared.pids()
+        config, fields, pids = self.front_config, self.shared.fields, self.shared.pids()
         log.info("event=serving workers=%d port=%d http_port=%d metrics_port=%d tls=%s mtls=%s "
                  "pids=%s", self.count, config.port, config.http_port, fields.metrics_port,
                  config.tls_cert is not None, config.tls_client_ca is not None,
@@ -250,23 +222,20 @@ class Group:
         self.shared.fields.draining = 1
         log.info("event=draining workers=%d seconds=%.0f", self.count, self.config.drain_seconds)
         standby = [self.standby[0]] if self.standby is not None else []
-        failed = _stop_all([w for w in self.workers if w is not None] + standby,
-                           self.config.drain_seconds + EXIT_GRACE_S)
+        timeout = self.config.drain_seconds + EXIT_GRACE_S
+        failed = _stop_all([w for w in self.workers if w is not None] + standby, timeout)
         if self.engine is not None:
-            failed |= _stop_all([self.engine], self.config.drain_seconds + EXIT_GRACE_S)
+            failed |= _stop_all([self.engine], timeout)
         fields = self.shared.fields
         finished = bool(fields.engine_drained) and all(fields.worker_drained[i] == DRAINED
                                                        for i in range(self.count))
+        # Calls the group answered by status, from every front end's counts.
+        answered = CollectorRegistry()
+        MultiProcessCollector(answered, self.metrics_dir)
+        code = code or int(failed)
         log.info("event=stopped all_finished=%s answered=%s code=%d", finished,
-                 _answered(self.metrics_dir), code or int(failed))
-        return code or int(failed)
-
-
-def _answered(metrics_dir: str) -> str:
-    """Calls the group answered by status, from every front end's counts."""
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, metrics_dir)
-    return answered_by_code(registry.collect())
+                 answered_by_code(answered.collect()), code)
+        return code
 
 
 def _stop_all(processes: list[subprocess.Popen], timeout: float) -> bool:
@@ -298,9 +267,7 @@ def auto_workers(cuda: bool, cores: int) -> int:
     (a group pays off there only for a model far cheaper than its callers' calls:
     `python -m bench workers`); on a GPU, a front end for every two cores, up to
     MAX_AUTO_WORKERS, the rest left to the engine process."""
-    if not cuda:
-        return 1
-    return max(1, min(MAX_AUTO_WORKERS, cores // 2))
+    return max(1, min(MAX_AUTO_WORKERS, cores // 2)) if cuda else 1
 
 
 def supervise(config: ServeConfig, workers: int) -> int:
