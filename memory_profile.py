@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnserve.artifact import LOGITS_OUTPUT, MEMORY_MODEL, RERANKER, load_artifact
+from attnserve.artifact import LOGITS_OUTPUT, MEMORY_MODEL, SCORERS, load_artifact
 from attnserve.server.memory.batch_time import TIME, TimeModel
 from attnserve.server.memory.fit import (
     BATCH_TIME,
@@ -131,7 +131,8 @@ class PeakMeter:
     @staticmethod
     def _run(backend, kind: str, ids: np.ndarray, mask: np.ndarray, returned_layers: int):
         # As the server runs it: the hidden state, and from the attention graph only the
-        # maps returned; a reranker's logits, on pairs whose second half is the text's side.
+        # maps returned; a scorer's logits (a reranker's or a classifier's), on pairs whose second
+        # half is the text's side.
         if kind == SCORES:
             return backend.run(ids, mask, outputs=frozenset({LOGITS_OUTPUT}),
                                token_type_ids=(np.arange(ids.shape[1]) >= ids.shape[1] // 2)
@@ -410,13 +411,13 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         return 2
     heads, layers = manifest.num_heads, manifest.num_layers
     max_tokens = args.max_tokens or None
-    reranker = manifest.kind == RERANKER
-    if reranker and args.attention:
-        print("memory-profile: a reranker has no attention graph; --attention is for "
+    scorer = manifest.kind in SCORERS
+    if scorer and args.attention:
+        print(f"memory-profile: a {manifest.kind} has no attention graph; --attention is for "
               "embedders", file=sys.stderr)
         return 2
     shapes = shapes_for(args.attention, seq_lens, batches, layers, max_tokens,
-                        SCORES if reranker else EMBEDDINGS)
+                        SCORES if scorer else EMBEDDINGS)
     started = time.monotonic()
     rows, left_out = measure_shapes(artifact.directory, shapes, args.device, args.precision,
                                     args.threads, max(1, args.repeats), max(1, args.time_runs),

@@ -9,7 +9,7 @@ none at all), measured batch times stand in (`BatchTimes`)."""
 
 from pathlib import Path
 
-from attnserve.artifact import MEMORY_MODEL, RERANKER, Manifest
+from attnserve.artifact import MEMORY_MODEL, SCORERS, Manifest
 from attnserve.server.memory.model import (
     ATTENTION,
     EMBEDDINGS,
@@ -52,7 +52,7 @@ def load_time_model(directory: Path, manifest: Manifest, provider: str,
             found[kind] = TimeModel.from_entry(entry[TIME])
         except (ValueError, TypeError) as err:
             raise ValueError(f"{key}: {TIME}: {err}") from err
-    if manifest.kind == RERANKER:
+    if manifest.kind in SCORERS:
         return TimeModels(found[SCORES], found[SCORES])
     return TimeModels(found[EMBEDDINGS], found[ATTENTION])
 

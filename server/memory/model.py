@@ -22,7 +22,8 @@ EMBEDDINGS, ATTENTION, SCORES = "embeddings", "attention", "scores"
 
 
 def graph_kinds(manifest: Manifest) -> tuple[str, ...]:
-    """The graphs an artifact's batches run through: an embedder's two, a reranker's one."""
+    """The graphs an artifact's batches run through: an embedder's two, a reranker's or a
+    classifier's one."""
     return (SCORES,) if manifest.kind in SCORERS else (EMBEDDINGS, ATTENTION)
 
 

@@ -262,18 +262,20 @@ def test_a_damaged_file_is_refused(tiny_artifact, tmp_path, text):
         load_memory_model(tmp_path, manifest)
 
 
-# --- a reranker ---------------------------------------------------------------------------
+# --- a reranker and a classifier ----------------------------------------------------------
 
 
-def test_a_rerankers_scores_graph_is_profiled_fitted_and_served_with(bert_reranker_artifact,
-                                                                     tmp_path):
-    """One graph, the scores graph, run on pairs of both segments; its fit saved under
-    provider/precision/scores, loaded for the reranker's batches, and named by the server
+@pytest.mark.parametrize("kind", ["reranker", "classifier"])
+def test_a_scorers_scores_graph_is_profiled_fitted_and_served_with(kind, request, tmp_path):
+    """One graph, the scores graph (a reranker's on pairs of both segments); its fit saved
+    under provider/precision/scores, loaded for the model's batches, and named by the server
     that serves it. --attention is for embedders."""
     from tests.server.reliability import serve
 
-    artifact = tmp_path / "reranker"
-    shutil.copytree(bert_reranker_artifact, artifact)
+    source = (request.getfixturevalue("bert_reranker_artifact") if kind == "reranker"
+              else request.getfixturevalue("multi_label_classifier")[1].directory)
+    artifact = tmp_path / kind
+    shutil.copytree(source, artifact)
     done = subprocess.run(
         [*ATTNSERVE, "memory-profile", "--artifact", str(artifact), "--out", str(tmp_path / "out"),
          "--seq-lens", "16,32,64,128", "--batch-sizes", "1,8", "--device", "cpu"],
@@ -295,4 +297,4 @@ def test_a_rerankers_scores_graph_is_profiled_fitted_and_served_with(bert_rerank
     refused = subprocess.run(
         [*ATTNSERVE, "memory-profile", "--artifact", str(artifact), "--attention", "--device", "cpu",
          "--out", str(tmp_path / "again")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "a reranker has no attention graph" in refused.stderr
+    assert refused.returncode == 2 and f"a {kind} has no attention graph" in refused.stderr
