@@ -150,8 +150,8 @@ class InferCall:
 class KServeDoor(Door):
     def routes(self) -> list[web.RouteDef]:
         routes = [web.get("/v2/health/live", self.live), web.get("/v2/health/ready", self.ready),
-                  web.get("/v2", self.server_metadata), self.route("POST", "/v2/repository/index",
-                                                                   self.repository_index)]
+                  web.get("/v2", self.server_metadata),
+                  self.route("POST", "/v2/repository/index", self.repository_index)]
         for model in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
             routes += [self.route("GET", model, self.model_metadata, "http:/v2/metadata"),
                        self.route("GET", model + "/ready", self.model_ready, "http:/v2/ready"),

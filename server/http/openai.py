@@ -24,7 +24,6 @@ from attnserve.server.engine.requests import (
     Embedded,
     EmbedRequest,
     SparseRequest,
-    TruncationDirection,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
@@ -43,6 +42,7 @@ from attnserve.server.http.schemas import (
     OpenAIError,
     OpenAIErrorDetail,
     Usage,
+    direction,
     sequences,
 )
 from attnserve.server.http.vectors import VectorFormat
@@ -110,8 +110,9 @@ class OpenAIDoor(Door):
                                 body.chunking.window_overlap)
         inputs, names = sequences(body.input, "input")
         return EmbedRequest(names=names, size=size, truncate=body.truncate, prompt_name=body.prompt_name,
-                            truncation_direction=direction(body), outputs=frozenset({pooled(model)}),
-                            dimensions=body.dimensions or 0, chunking=chunking, normalize=True, **inputs)
+                            truncation_direction=direction(body.truncation_direction),
+                            outputs=frozenset({pooled(model)}), dimensions=body.dimensions or 0,
+                            chunking=chunking, normalize=True, **inputs)
 
     def _answer(self, model: ServedModel, embedded: Embedded, vectors: VectorFormat,
                 ranges: dict, infinity: bool) -> bytes:
@@ -167,7 +168,7 @@ class OpenAIDoor(Door):
             names, self.size(lambda counts: head + len(counts) * item, "send fewer inputs per request"),
             inputs["texts"], activation="none" if body.use_activation is False else None,
             truncate=body.truncate_prompt_tokens == -1,
-            truncation_direction=TruncationDirection(body.truncation_side or "right")), holds, None)
+            truncation_direction=direction(body.truncation_side)), holds, None)
 
         def answer() -> bytes:
             tokens = classified.total_tokens
@@ -193,8 +194,8 @@ class OpenAIDoor(Door):
         size = self.size(lambda counts: head + len(counts) * ITEM_BYTES
                          + int(counts.sum()) * SPARSE_ENTRY_BYTES, "set sparse_top_k, or send fewer inputs")
         embedded = await sparse.embed_sparse(model, SparseRequest(
-            names, size, inputs["texts"], body.truncate, direction(body), body.prompt_name,
-            body.sparse_top_k), holds, None)
+            names, size, inputs["texts"], body.truncate, direction(body.truncation_direction),
+            body.prompt_name, body.sparse_top_k), holds, None)
 
         def answer() -> bytes:
             empty = numbers(np.zeros(0, np.float32))
@@ -224,11 +225,6 @@ def embedding_list(model: ServedModel, data: list[Embedding], tokens: int, infin
     """The answer of /v1/embeddings, or with Infinity's `id` and `created`, /embeddings."""
     return encode(EmbeddingList("list", data, model.name, Usage(tokens, tokens), *(
         (f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
-
-
-def direction(body: Embeddings) -> TruncationDirection:
-    """OpenAI's door takes TEI's "Right" and "Left" too."""
-    return TruncationDirection((body.truncation_direction or "right").lower())
 
 
 def head_bytes(model: ServedModel) -> int:

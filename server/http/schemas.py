@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-from attnserve.server.engine.requests import Fields
+from attnserve.server.engine.requests import Fields, TruncationDirection
 from attnserve.server.errors import InvalidArgument, quote
 
 T = TypeVar("T")
@@ -543,6 +543,11 @@ def _plain(info, kind: type):
     if isinstance(info, msgspec.inspect.UnionType):
         info = next((bare(t) for t in info.types if isinstance(bare(t), kind)), info)
     return info
+
+
+def direction(side: Side | None) -> TruncationDirection:
+    """A body's truncation side, TEI's "Right" and "Left" or lower case; none: right."""
+    return TruncationDirection((side or "right").lower())
 
 
 def sequences(value: Sequences, field: str, empty: type[InvalidArgument] = InvalidArgument,

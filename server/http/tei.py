@@ -23,7 +23,6 @@ from attnserve.server.engine.requests import (
     ScoreRequest,
     SparseRequest,
     TokenizeRequest,
-    TruncationDirection,
 )
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.errors import InvalidArgument, RequestError
@@ -47,6 +46,7 @@ from attnserve.server.http.schemas import (
     TeiSparseValue,
     TeiToken,
     TeiTokenize,
+    direction,
     sequences,
 )
 from attnserve.server.http.schemas import TeiRerank as TeiRerankBody
@@ -77,10 +77,6 @@ TEI_POOLINGS = {"lasttoken": "last_token"}
 
 class Empty(InvalidArgument):
     """TEI's Empty: an empty input, list or text."""
-
-
-def side(name: str) -> TruncationDirection:
-    return TruncationDirection(name.lower())
 
 
 def byte_offsets(text: str) -> np.ndarray:
@@ -127,6 +123,11 @@ def predict_inputs(inputs: str | list) -> tuple[bool, list[str], list[str | None
     return batch, texts, text_pairs, names
 
 
+async def _arrays(model: ServedModel, seconds: float, arrays: list[np.ndarray]) -> web.Response:
+    """A list of arrays as JSON numbers."""
+    return await packed(model, seconds, orjson.dumps, arrays, None, orjson.OPT_SERIALIZE_NUMPY)
+
+
 class TeiDoor(Door):
     def __init__(self, *args, limits: dict[str, int]):
         """`limits`: /info's max_concurrent_requests, max_batch_tokens, max_batch_requests
@@ -158,7 +159,7 @@ class TeiDoor(Door):
                          * per_token, ADVICE)
         return await embed.embed(model, EmbedRequest(
             names=names, size=size, truncate=bool(body.truncate),
-            truncation_direction=side(body.truncation_direction), prompt_name=body.prompt_name,
+            truncation_direction=direction(body.truncation_direction), prompt_name=body.prompt_name,
             outputs=frozenset({output}), dimensions=dimensions, **inputs), holds, None)
 
     # --- /embed, / and /embed_all -------------------------------------------------------
@@ -170,8 +171,8 @@ class TeiDoor(Door):
         pooled = pooled_output(model.manifest.default_pooling, body.normalize)
         embedded = await self._embedded(body, model, holds, pooled,
                                         LIST_BYTES + size * JSON_FLOAT_BYTES, 0, body.dimensions or 0)
-        return await packed(model, len(embedded.results) * (RESULT_S + size * FLOAT_TEXT_S), orjson.dumps,
-                            [r.pooled[pooled] for r in embedded.results], None, orjson.OPT_SERIALIZE_NUMPY)
+        return await _arrays(model, len(embedded.results) * (RESULT_S + size * FLOAT_TEXT_S),
+                             [r.pooled[pooled] for r in embedded.results])
 
     async def embed_all(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiEmbedAll)
@@ -180,8 +181,7 @@ class TeiDoor(Door):
         embedded = await self._embedded(body, model, holds, HIDDEN_OUTPUT, LIST_BYTES,
                                         LIST_BYTES + hidden * JSON_FLOAT_BYTES)
         seconds = len(embedded.results) * RESULT_S + embedded.total_tokens * hidden * FLOAT_TEXT_S
-        hidden_states = [np.ascontiguousarray(r.hidden) for r in embedded.results]
-        return await packed(model, seconds, orjson.dumps, hidden_states, None, orjson.OPT_SERIALIZE_NUMPY)
+        return await _arrays(model, seconds, [np.ascontiguousarray(r.hidden) for r in embedded.results])
 
     async def embed_sparse(self, request: web.Request, holds: Holds) -> web.Response:
         body = await self.calls.json_body(request, holds, TeiEmbedSparse)
@@ -190,7 +190,7 @@ class TeiDoor(Door):
         size = self.size(lambda counts: 2 + len(counts) * LIST_BYTES + int(counts.sum()) * SPARSE_VALUE_BYTES,
                          "set top_k, or send fewer inputs")
         embedded = await sparse.embed_sparse(model, SparseRequest(
-            names, size, inputs["texts"], bool(body.truncate), side(body.truncation_direction),
+            names, size, inputs["texts"], bool(body.truncate), direction(body.truncation_direction),
             body.prompt_name, body.top_k), holds, None)
 
         def answer() -> bytes:
@@ -252,7 +252,7 @@ class TeiDoor(Door):
         reranked = await pairs.rerank(model, RerankRequest(
             RERANK, self.size(measure, "send fewer texts, or leave return_text unset"), body.query, texts,
             raw_scores=body.raw_scores, truncate=bool(body.truncate),
-            truncation_direction=side(body.truncation_direction)), holds, None)
+            truncation_direction=direction(body.truncation_direction)), holds, None)
 
         def answer() -> bytes:
             return encode([TeiRank(i, score, *((texts[i],) if body.return_text else ())) for i, score
@@ -273,7 +273,8 @@ class TeiDoor(Door):
         label_bytes = sum(PREDICTION_BYTES + JSON_CHAR_BYTES * len(label) for label in labels)
         classified = await classify.classify(model, ClassifyRequest(
             names, self.size(lambda counts: 2 + len(counts) * (LIST_BYTES + label_bytes), ADVICE), texts,
-            text_pairs, activation, bool(body.truncate), side(body.truncation_direction), top_k), holds, None)
+            text_pairs, activation, bool(body.truncate), direction(body.truncation_direction), top_k),
+            holds, None)
 
         def answer() -> bytes:
             predictions = [[TeiPrediction(score, labels[label])
@@ -290,7 +291,7 @@ class TeiDoor(Door):
         scored = await pairs.score(model, ScoreRequest(
             SIMILARITY, self.size(lambda lengths: 64 + len(lengths) * SCORE_BYTES, "send fewer sentences"),
             body.inputs.source_sentence, body.inputs.sentences, ScoreMode.COSINE, bool(parameters.truncate),
-            side(parameters.truncation_direction), parameters.prompt_name), holds, None)
+            direction(parameters.truncation_direction), parameters.prompt_name), holds, None)
         return await packed(model, len(scored.scores) * RESULT_S, encode, scored.scores.tolist())
 
     # --- /info ----------------------------------------------------------------------------

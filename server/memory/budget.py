@@ -87,10 +87,23 @@ class ModelMemory:
                  heads: int, hidden: int):
         self.shared_budget, self.name, self.model = budget, name, model
         self.heads, self.hidden = heads, hidden
-        # The shared budget's, fixed when it is made. `shared`: the ledger and the batches
-        # share one budget (the CPU).
-        self.budget, self.ledger, self.shared = budget.budget, budget.ledger, budget.shared
-        self.response_copies = budget.response_copies
+
+    @property
+    def budget(self) -> int:
+        return self.shared_budget.budget
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.shared_budget.ledger
+
+    @property
+    def shared(self) -> bool:
+        """the ledger and the batches share one budget (the CPU)"""
+        return self.shared_budget.shared
+
+    @property
+    def response_copies(self) -> int:
+        return self.shared_budget.response_copies
 
     def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
         return self.model.predict(batch, seq, self.heads, layers)

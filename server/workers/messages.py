@@ -96,7 +96,7 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
     arrays = list(arrays)
     ends = np.cumsum(lengths).tolist()
     out_hidden = arrays.pop(0).reshape(-1, width) if hidden else None
-    cuts = np.cumsum(heads * lengths * lengths)[:-1]
+    cuts = np.cumsum(heads * lengths * lengths)[:-1] if layers else None  # where each map ends
     maps = [[piece.reshape(heads, n, n)
              for piece, n in zip(np.split(arrays.pop(0), cuts), lengths.tolist(), strict=True)]
             for _ in layers]
