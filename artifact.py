@@ -5,6 +5,7 @@ the only place that knows the format, so export imports it to write and the serv
 read, and it never imports torch.
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -37,8 +38,6 @@ HIDDEN_OUTPUT = "last_hidden_state"
 LOGITS_OUTPUT = "logits"
 """a reranker graph's one output: [batch, labels] float32"""
 POOLINGS = ("mean", "cls", "lasttoken")
-# The poolings of the graphs of format_version 4 and older.
-_EARLIER_POOLINGS = ("mean", "cls")
 DENSE_INPUT, DENSE_OUTPUT = "pooled", "dense"
 """the Dense layers' graph: pooled vectors [batch, hidden_size] float32 in, the vectors
 after every Dense layer [batch, embedding_size] out"""
@@ -54,6 +53,9 @@ TOKEN_WEIGHTS_OUTPUT = "token_weights"
 MULTI_VECTOR_OUTPUT = "multi_vector"
 """a multi-vector head's graph output, [batch, seq, dim] float32: each position's vector at
 unit length"""
+_HEAD_OUTPUTS = {"sparse": SPARSE_OUTPUT, "lexical": TOKEN_WEIGHTS_OUTPUT,
+                 "multi_vector": MULTI_VECTOR_OUTPUT}
+"""an embedder's heads other than its pooled vectors (Manifest's fields) -> their graph outputs"""
 TOKEN_OUTPUTS = (HIDDEN_OUTPUT, TOKEN_WEIGHTS_OUTPUT, MULTI_VECTOR_OUTPUT)
 """the outputs with one row per token, trimmed to each sequence's real tokens"""
 NO_POOLING = "none"
@@ -90,10 +92,8 @@ def cpu_session_config(precision: str) -> dict[str, str]:
     The exporter leaves Add + LayerNormalization unfused for the CPU (export/optimize.py);
     onnxruntime would fuse them again when it loads the int8 graphs, into the kernel that
     made them 8-37 % slower (32x16: 58 vs 76 ms)."""
-    config = {"optimization.disable_specified_optimizers": "SkipLayerNormFusion"}
-    if precision == "int8":
-        config.update(_exact_int8_config())
-    return config
+    return ({"optimization.disable_specified_optimizers": "SkipLayerNormFusion"}
+            | (_exact_int8_config() if precision == "int8" else {}))
 
 
 @functools.cache
@@ -110,16 +110,10 @@ def _exact_int8_config() -> dict[str, str]:
     exact arithmetic costs speed there, never accuracy)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
         return {}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    if _EXACT_INT8_FLAGS & set(line.partition(":")[2].split()):
-                        return {}
-                    break
-    except OSError:
-        pass
-    return {"session.x64quantprecision": "1"}
+    flags: list[str] = []
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.partition(":")[2].split() for line in cpuinfo if line.startswith("flags")), [])
+    return {} if _EXACT_INT8_FLAGS.intersection(flags) else {"session.x64quantprecision": "1"}
 
 
 class ArtifactError(ValueError):
@@ -332,25 +326,19 @@ class Manifest:
     @property
     def heads(self) -> list[str]:
         """An embedder's heads: dense (pooled vectors), sparse, lexical, multi_vector."""
-        named = {"dense": self.dense, "sparse": self.sparse, "lexical": self.lexical,
-                 "multi_vector": self.multi_vector}
-        return [name for name, present in named.items() if present and self.kind == EMBEDDER]
+        return [name for name in ("dense", *_HEAD_OUTPUTS) if getattr(self, name) and self.kind == EMBEDDER]
 
     @property
     def head_outputs(self) -> tuple[str, ...]:
         """The graph outputs of an embedder's heads other than the pooled vectors."""
-        return tuple(name for name, head in ((SPARSE_OUTPUT, self.sparse),
-                                             (TOKEN_WEIGHTS_OUTPUT, self.lexical),
-                                             (MULTI_VECTOR_OUTPUT, self.multi_vector))
-                     if head is not None and self.kind == EMBEDDER)
+        return tuple(_HEAD_OUTPUTS[name] for name in self.heads if name != "dense")
 
     @property
     def activation(self) -> str:
         """What turns a classifier's or reranker's logits into scores: softmax, sigmoid or
         none (CLASSIFIER_ACTIVATIONS)."""
-        if self.problem_type in CLASSIFIER_ACTIVATIONS:
-            return CLASSIFIER_ACTIVATIONS[self.problem_type]
-        return "sigmoid" if len(self.labels) == 1 else "softmax"
+        return CLASSIFIER_ACTIVATIONS.get(self.problem_type,
+                                          "sigmoid" if len(self.labels) == 1 else "softmax")
 
     @property
     def pooled_outputs(self) -> tuple[str, ...]:
@@ -359,7 +347,7 @@ class Manifest:
         without a dense head have none."""
         if self.kind != EMBEDDER or not self.dense:
             return ()
-        poolings = POOLINGS if self.format_version >= 5 else _EARLIER_POOLINGS
+        poolings = POOLINGS if self.format_version >= 5 else ("mean", "cls")
         return tuple(pooled_output(p, n) for p in poolings for n in (False, True))
 
     @property
@@ -410,8 +398,7 @@ def outdated(directory: Path | str) -> str | None:
         return (f"{directory / MANIFEST}: format_version {manifest.format_version}, from an "
                 f"older exporter (this one writes {FORMAT_VERSION})")
     for graph in manifest.graphs:
-        missing = [name for name in required_outputs(manifest, graph) if name not in graph.outputs]
-        if missing:
+        if missing := [name for name in required_outputs(manifest, graph) if name not in graph.outputs]:
             return (f"{directory / graph.file}: lacks the outputs {missing} the server asks "
                     "for (an older exporter)")
     return None
@@ -426,8 +413,7 @@ def _check_extras(path: Path, m: Manifest) -> None:
         raise ArtifactError(f"{path}: default_prompt_name {m.default_prompt_name!r} is not one "
                             f"of the prompts {sorted(m.prompts)}")
     dims = m.matryoshka_dims
-    if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= m.embedding_size
-                                             for d in dims):
+    if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= m.embedding_size for d in dims):
         raise ArtifactError(f"{path}: matryoshka_dims {dims!r} must be sizes from 1 to the "
                             f"vectors' size, {m.embedding_size}")
 
@@ -464,11 +450,8 @@ def read_manifest(directory: Path | str) -> Manifest:
 
 
 def _heads(data: dict) -> dict:
-    heads = {}
-    if data.get("sparse") is not None:
-        heads["sparse"] = SparseHead(**data.pop("sparse"))
-    if data.get("lexical") is not None:
-        heads["lexical"] = LexicalHead(**data.pop("lexical"))
+    heads = {name: head(**data.pop(name)) for name, head in (("sparse", SparseHead), ("lexical", LexicalHead))
+             if data.get(name) is not None}
     if data.get("multi_vector") is not None:
         fields = data.pop("multi_vector")
         sides = {side: None if fields.get(side) is None else MultiVectorInput(**fields.pop(side))
@@ -515,8 +498,7 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
     directory = Path(directory)
     manifest_path = directory / MANIFEST
     manifest, raw = _read_manifest(manifest_path)
-    unhashed = sorted(set(manifest.files_listed) - set(manifest.files))
-    if unhashed:
+    if unhashed := sorted(set(manifest.files_listed) - set(manifest.files)):
         raise ArtifactError(f"{manifest_path}: no sha256 for {unhashed[0]}")
     for name, expected in sorted(manifest.files.items()):
         if verify is not None and name not in verify:
@@ -524,8 +506,7 @@ def load_artifact(directory: Path | str, verify: tuple[str, ...] | None = None) 
         path = directory / name
         if not path.is_file():
             raise ArtifactError(f"{path}: missing (listed in {MANIFEST})")
-        actual = sha256_file(path)
-        if actual != expected:
+        if (actual := sha256_file(path)) != expected:
             raise ArtifactError(f"{path}: sha256 {actual[:12]}… does not match the manifest's "
                                 f"{expected[:12]}… (corrupted or tampered; export again)")
     if manifest.graph(attention=False, precision="fp32") is None:

@@ -20,8 +20,7 @@ def run_classify(args: argparse.Namespace) -> int:
     root = args.tls_ca.read_bytes() if args.tls_ca else None
     with EncoderClient(args.address, root_certificates=root) as client:
         results = client.classify(texts, text_pairs=args.pair or None, top_k=args.top_k,
-                                  raw_scores=args.raw_scores, truncate=args.truncate,
-                                  model=args.model)
+                                  raw_scores=args.raw_scores, truncate=args.truncate, model=args.model)
     for i, (text, scores) in enumerate(zip(texts, results, strict=True)):
         pair = f" + {args.pair[i][:30]!r}" if args.pair else ""
         shown = "  ".join(f"{s.label} {s.score:+.6f}" for s in scores)

@@ -129,28 +129,21 @@ class EncoderClient:
         both from the same pass as `pooled`."""
         request = pb.EmbedRequest(
             texts=texts or [], token_ids=[pb.TokenIds(ids=ids) for ids in token_ids or []],
-            truncate=truncate, pooling=POOLING[pooling], normalize=normalize,
-            return_token_embeddings=token_embeddings,
-            dtype=pb.DTYPE_FLOAT16 if float16 else pb.DTYPE_FLOAT32, model=model,
-            embedding_type=EMBEDDING_TYPES[embedding_type],
-            prompt_name=prompt_name, dimensions=dimensions,
+            truncate=truncate, pooling=POOLING[pooling], normalize=normalize, model=model,
+            return_token_embeddings=token_embeddings, dtype=pb.DTYPE_FLOAT16 if float16 else pb.DTYPE_FLOAT32,
+            embedding_type=EMBEDDING_TYPES[embedding_type], prompt_name=prompt_name, dimensions=dimensions,
             truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],
             priority=priority, return_multi_vector=multi_vector, return_sparse=sparse,
-        )
-        if attention_layers is not None:
-            request.attention.CopyFrom(pb.AttentionOptions(
-                layers=attention_layers, heads=attention_heads or [], average_heads=average_heads))
-        if chunk_tokens is not None:
-            request.chunking.CopyFrom(pb.Chunking(
+            attention=None if attention_layers is None else pb.AttentionOptions(
+                layers=attention_layers, heads=attention_heads or [], average_heads=average_heads),
+            chunking=None if chunk_tokens is None else pb.Chunking(
                 max_tokens=chunk_tokens, window_overlap=window_overlap,
                 mode=pb.CHUNKING_MODE_ISOLATED if isolated else pb.CHUNKING_MODE_LATE))
-        response = self.stub.Embed(request, timeout=timeout)
-        return [EmbeddingResult(to_numpy(e.pooled), to_numpy(e.token_embeddings),
-                                to_numpy(e.attentions), list(e.token_ids), e.num_tokens,
-                                [Chunk(c.start, c.end, c.num_tokens, to_numpy(c.pooled))
-                                 for c in e.chunks], to_numpy(e.multi_vector),
-                                _sparse(e.sparse) if sparse else None)
-                for e in response.embeddings]
+        return [EmbeddingResult(to_numpy(e.pooled), to_numpy(e.token_embeddings), to_numpy(e.attentions),
+                                list(e.token_ids), e.num_tokens,
+                                [Chunk(c.start, c.end, c.num_tokens, to_numpy(c.pooled)) for c in e.chunks],
+                                to_numpy(e.multi_vector), _sparse(e.sparse) if sparse else None)
+                for e in self.stub.Embed(request, timeout=timeout).embeddings]
 
     def rerank(self, query: str, texts: list[str], *, top_n: int | None = None,
                raw_scores: bool = False, return_texts: bool = False, truncate: bool = False,
@@ -169,10 +162,8 @@ class EncoderClient:
         MaxSim of token vectors (`mode="maxsim"`), from an embedding model (`model`: "" for
         the server's first)."""
         modes = {"cosine": pb.SCORE_MODE_COSINE, "maxsim": pb.SCORE_MODE_MAXSIM}
-        response = self.stub.Score(pb.ScoreRequest(model=model, query=query, texts=texts,
-                                                   mode=modes[mode], truncate=truncate,
-                                                   priority=priority),
-                                   timeout=timeout)
+        response = self.stub.Score(pb.ScoreRequest(model=model, query=query, texts=texts, mode=modes[mode],
+                                                   truncate=truncate, priority=priority), timeout=timeout)
         return np.asarray(response.scores, dtype=np.float32)
 
     def classify(self, texts: list[str], *, text_pairs: list[str | None] | None = None,
@@ -186,8 +177,7 @@ class EncoderClient:
         pairs = [None] * len(texts) if text_pairs is None else text_pairs
         if len(pairs) != len(texts):
             raise ValueError(f"text_pairs: {len(pairs)} for {len(texts)} texts")
-        inputs = [pb.ClassifyInput(text=text, text_pair=pair)
-                  for text, pair in zip(texts, pairs, strict=True)]
+        inputs = [pb.ClassifyInput(text=t, text_pair=p) for t, p in zip(texts, pairs, strict=True)]
         response = self.stub.Classify(pb.ClassifyRequest(
             model=model, inputs=inputs, raw_scores=raw_scores, top_k=top_k, truncate=truncate,
             truncation_direction=TRUNCATION_DIRECTIONS[truncation_direction],

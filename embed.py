@@ -47,14 +47,11 @@ def _charmap(font: Path) -> frozenset[int]:
         face = FT2Font(str(font))
     except (OSError, RuntimeError):  # not a font FreeType can read
         return frozenset()
-    if face.family_name.startswith(PLACEHOLDER_FAMILIES):
-        return frozenset()
-    return frozenset(face.get_charmap())
+    return frozenset() if face.family_name.startswith(PLACEHOLDER_FAMILIES) else frozenset(face.get_charmap())
 
 
 def _covers(font: Path, text: str) -> bool:
-    charmap = _charmap(font)
-    return all(ord(char) in charmap for char in text)
+    return set(map(ord, text)) <= _charmap(font)
 
 
 def tick_labels(tokens: list[str], fonts: list[Path] | None = None) -> list[TickLabel]:
@@ -119,9 +116,7 @@ def heatmap(path: Path, attention: np.ndarray, tokens: list[str], title: str,
             if label.font is not None:
                 tick.label1.set_fontproperties(FontProperties(fname=label.font,
                                                               size=tick.label1.get_fontsize()))
-    ax.set_xlabel("key (attended to)")
-    ax.set_ylabel("query (attending)")
-    ax.set_title(title)
+    ax.set(xlabel="key (attended to)", ylabel="query (attending)", title=title)
     fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -139,9 +134,8 @@ def _chunks_out(args: argparse.Namespace, texts: list[str], results: list[Embedd
     `text_index` and `num_tokens` [chunks]."""
     rows = [(i, c) for i, result in enumerate(results) for c in result.chunks]
     if args.out:
-        hidden = rows[0][1].pooled.size if rows else 0
-        np.savez(args.out, vectors=np.stack([c.pooled for _, c in rows]) if rows
-                 else np.zeros((0, hidden), np.float32),
+        vectors = np.stack([c.pooled for _, c in rows]) if rows else np.zeros((0, 0), np.float32)
+        np.savez(args.out, vectors=vectors,
                  spans=np.asarray([(c.start, c.end) for _, c in rows], np.int64).reshape(-1, 2),
                  text_index=np.asarray([i for i, _ in rows], np.int64),
                  num_tokens=np.asarray([c.num_tokens for _, c in rows], np.int64))
@@ -168,8 +162,7 @@ def _sparse_out(args: argparse.Namespace, client: EncoderClient, texts: list[str
     vectors = []
     for start in range(0, len(texts), args.batch_size):
         vectors += client.embed_sparse(texts[start:start + args.batch_size], top_k=args.top_k,
-                                       truncate=args.truncate,
-                                       truncation_direction=args.truncation_direction,
+                                       truncate=args.truncate, truncation_direction=args.truncation_direction,
                                        prompt_name=args.prompt_name, model=args.model)
     if args.out:
         np.savez(args.out, indices=np.concatenate([v.indices for v in vectors]),
@@ -200,8 +193,7 @@ def run_embed(args: argparse.Namespace) -> int:
     if args.top_k is not None and not args.sparse:
         print("attnserve embed: --top-k cuts a sparse vector: add --sparse", file=sys.stderr)
         return 2
-    wants_maps = args.attention or args.heatmap is not None
-    layers = _ints(args.layers) if wants_maps else None
+    layers = _ints(args.layers) if args.attention or args.heatmap is not None else None
     root = args.tls_ca.read_bytes() if args.tls_ca else None
     with EncoderClient(args.address, root_certificates=root) as client:
         if args.sparse:
@@ -209,15 +201,12 @@ def run_embed(args: argparse.Namespace) -> int:
         results = []
         for start in range(0, len(texts), args.batch_size):
             batch = texts[start:start + args.batch_size]
-            results += client.embed(batch, pooling=args.pooling, normalize=args.normalize,
-                                    truncate=args.truncate,
-                                    truncation_direction=args.truncation_direction,
+            results += client.embed(batch, pooling=args.pooling, normalize=args.normalize, model=args.model,
+                                    truncate=args.truncate, truncation_direction=args.truncation_direction,
                                     prompt_name=args.prompt_name, dimensions=args.dimensions,
-                                    attention_layers=layers,
-                                    attention_heads=_ints(args.heads),
-                                    average_heads=args.average_heads,
-                                    chunk_tokens=args.chunk_tokens, isolated=args.isolated,
-                                    window_overlap=args.window_overlap, model=args.model)
+                                    attention_layers=layers, attention_heads=_ints(args.heads),
+                                    average_heads=args.average_heads, chunk_tokens=args.chunk_tokens,
+                                    isolated=args.isolated, window_overlap=args.window_overlap)
             if args.file:
                 done = min(start + args.batch_size, len(texts))
                 bar = "#" * (30 * done // len(texts))
@@ -245,10 +234,8 @@ def run_embed(args: argparse.Namespace) -> int:
             print(f"{text[:40]!r}: dim={0 if vector is None else vector.size} [{shown} …]"
                   + ("" if result.attentions is None else f" attentions={list(result.attentions.shape)}"))
     if args.heatmap:
-        maps = results[0].attentions
         labels = token_texts(read, list(tokenized.tokens), list(tokenized.offsets))
-        heatmap(args.heatmap, maps[0, 0], labels,
-                f"layer {(_ints(args.layers) or [0])[0]}, "
+        heatmap(args.heatmap, results[0].attentions[0, 0], labels, f"layer {(layers or [0])[0]}, "
                 + ("heads averaged" if args.average_heads else f"head {(_ints(args.heads) or [0])[0]}"))
         print(f"wrote attention heatmap to {args.heatmap}")
     return 0

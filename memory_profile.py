@@ -12,6 +12,7 @@ growth would be counted, which depends on what ran before and on its rounding.
 
 import argparse
 import csv
+import functools
 import json
 import logging
 import subprocess
@@ -102,8 +103,7 @@ class PeakMeter:
         self.cuda = placement.device == "cuda"
         self.probe = MemoryProbe(cuda=True) if self.cuda else None
         self.kinds = graph_kinds(self.manifest)
-        self.graphs = {kind: self.manifest.graph(attention=kind == ATTENTION,
-                                                 precision=self.precision).file
+        self.graphs = {kind: self.manifest.graph(attention=kind == ATTENTION, precision=self.precision).file
                        for kind in self.kinds}
         # On the CPU one backend serves every shape: memray's count does not depend on
         # what ran before. On CUDA each shape gets a backend (its sessions, its arena) of
@@ -172,10 +172,7 @@ class PeakMeter:
     def measure(self, shape: Shape, repeats: int, time_runs: int) -> Measurement:
         ids, mask = self._inputs(shape.batch, shape.seq)
         backend = self._backend() if self.cuda else self.backend
-
-        def run():
-            return self._run(backend, shape.graph, ids, mask, shape.returned_layers)
-
+        run = functools.partial(self._run, backend, shape.graph, ids, mask, shape.returned_layers)
         peaks = [self._cuda_peak(run) if self.cuda else self._cpu_peak(run) for _ in range(repeats)]
         times = self._times(run, time_runs)
         return Measurement(shape.graph, shape.batch, shape.seq, shape.returned_layers, max(peaks),
@@ -217,8 +214,7 @@ def measure_shapes(artifact_dir: Path, shapes: list[Shape], device: str, precisi
         if todo and code != 0:
             failed = todo.pop(0)
             left_out.append(f"{failed}: worker exited {code}: {tail}")
-            progress(f"[{len(rows) + len(left_out)}/{len(shapes)}] left out {failed}: worker "
-                     f"exited {code}")
+            progress(f"[{len(rows) + len(left_out)}/{len(shapes)}] left out {failed}: worker exited {code}")
         elif todo:
             raise RuntimeError(f"the worker stopped with {len(todo)} shapes left: {tail}")
     return rows, left_out
@@ -239,14 +235,12 @@ def _error(fitted: float, measured: float) -> str:
     return "n/a" if not measured else f"{100 * (fitted - measured) / measured:+.1f}%"
 
 
-def table(rows: list[Measurement], fits: dict[str, list[np.ndarray]],
-          times: dict[str, list[np.ndarray]], heads: int, held: set[int],
+def table(rows: list[Measurement], predicted: list[tuple[float, float]], held: set[int],
           previous: dict[Shape, int]) -> str:
     header = (f"{'graph':>10} {'maps':>4} {'batch':>5} {'seq':>5} {'peak MiB':>10} {'fit MiB':>10} "
               f"{'error':>7} {'prev run':>8} {'batch ms':>9} {'fit ms':>9} {'error':>7}  held out")
     lines = [header, "-" * len(header)]
-    for i, r in enumerate(rows):
-        fitted, fitted_s = predict(fits[r.graph], r, heads), predict(times[r.graph], r, heads)
+    for i, (r, (fitted, fitted_s)) in enumerate(zip(rows, predicted, strict=True)):
         before = previous.get(r.shape)
         change = f"{100 * (r.peak_bytes - before) / before:+.1f}%" if before else ""
         lines.append(f"{r.graph:>10} {r.returned_layers:>4} {r.batch:>5} {r.seq:>5} "
@@ -257,15 +251,13 @@ def table(rows: list[Measurement], fits: dict[str, list[np.ndarray]],
     return "\n".join(lines)
 
 
-def write_csv(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]],
-              times: dict[str, list[np.ndarray]], heads: int) -> None:
+def write_csv(path: Path, rows: list[Measurement], predicted: list[tuple[float, float]]) -> None:
     with path.open("w", newline="") as stream:
         writer = csv.writer(stream)
         names = [n for n in asdict(rows[0]) if n not in ("run_peaks", "batch_runs")]
         writer.writerow(names + ["predicted_bytes", "predicted_seconds"])
-        for r in rows:
-            writer.writerow([getattr(r, n) for n in names] + [round(predict(fits[r.graph], r, heads)),
-                                                              predict(times[r.graph], r, heads)])
+        for r, (fitted, fitted_s) in zip(rows, predicted, strict=True):
+            writer.writerow([getattr(r, n) for n in names] + [round(fitted), fitted_s])
 
 
 def plot(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]], heads: int,
@@ -288,12 +280,11 @@ def plot(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]],
         mine = [(i, r) for i, r in enumerate(rows) if (r.graph, r.returned_layers) == (kind, maps)]
         for k, batch in enumerate(sorted({r.batch for _, r in mine})):
             points = sorted((r.seq, r.peak_bytes / MIB, i in held) for i, r in mine if r.batch == batch)
-            seqs = [s for s, _, _ in points]
+            seqs, mibs, _ = zip(*points, strict=True)
             color = colors[k % len(colors)]
-            ax.plot(seqs, [m for _, m, _ in points], "o", color=color, label=f"batch {batch}")
-            out = [(s, m) for s, m, h in points if h]
-            if out:  # held-out shapes: a white centre
-                ax.plot([s for s, _ in out], [m for _, m in out], "o", color="white", markersize=3)
+            ax.plot(seqs, mibs, "o", color=color, label=f"batch {batch}")
+            if out := [(s, m) for s, m, h in points if h]:  # held-out shapes: a white centre
+                ax.plot(*zip(*out, strict=True), "o", color="white", markersize=3)
             dense = np.geomspace(min(seqs), max(seqs), 64)
             fitted = [predict(fits[kind], Shape(kind, batch, s, maps), heads) / MIB for s in dense]
             ax.plot(dense, fitted, "-", color=color, alpha=0.6, linewidth=1)
@@ -301,8 +292,7 @@ def plot(path: Path, rows: list[Measurement], fits: dict[str, list[np.ndarray]],
         ticks = sorted({r.seq for _, r in mine})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length (tokens)")
+        ax.set(yscale="log", xlabel="sequence length (tokens)")
         ax.set_title(f"{kind} graph" + (f", {maps} layer(s) of maps returned" if kind == ATTENTION else ""))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(title="measured (dots; hollow: held out), fit (lines)", fontsize=8, title_fontsize=8)
@@ -339,14 +329,6 @@ def agreement(rows: list[Measurement], previous: dict[Shape, int]) -> dict | Non
 # --- the command --------------------------------------------------------------------------
 
 
-def memray_importable() -> bool:
-    try:
-        import memray  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers: int,
                max_tokens: int | None = None, first: str = EMBEDDINGS) -> list[Shape]:
     """The embeddings graph at every shape of the grid up to `max_tokens` (batch × seq);
@@ -354,14 +336,11 @@ def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers:
     first layer's, alternately along the diagonals of the grid (so the fit sees both
     counts at every size). `first`: the graph without maps (a reranker's scores graph).
     Why the grid leaves out the shapes over `max_tokens`: docs/memory.md."""
-    def kept(batch: int, seq: int) -> bool:
-        return max_tokens is None or batch * seq <= max_tokens
-
-    shapes = [Shape(first, b, s, 0) for b in batches for s in seq_lens if kept(b, s)]
-    if attention:
-        shapes += [Shape(ATTENTION, b, s, layers if (i + j) % 2 == 0 else 1)
-                   for j, b in enumerate(batches) for i, s in enumerate(seq_lens) if kept(b, s)]
-    return shapes
+    grid = [(j, b, i, s) for j, b in enumerate(batches) for i, s in enumerate(seq_lens)
+            if max_tokens is None or b * s <= max_tokens]
+    shapes = [Shape(first, b, s, 0) for _, b, _, s in grid]
+    return shapes + [Shape(ATTENTION, b, s, layers if (i + j) % 2 == 0 else 1)
+                     for j, b, i, s in grid if attention]
 
 
 def fitted_already(artifact, provider: str, precision: str, attention: bool) -> bool:
@@ -400,12 +379,14 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         print(f"memory-profile: {err}", file=sys.stderr)
         return 2
     provider = placement.provider
-    if args.unless_fitted and fitted_already(artifact, provider, placement.precision,
-                                             args.attention):
+    if args.unless_fitted and fitted_already(artifact, provider, placement.precision, args.attention):
         print(f"memory-profile: {artifact.path(MEMORY_MODEL)} already holds a fit for "
               f"{provider}; kept (run without --unless-fitted to measure again)")
         return 0
-    if placement.device == "cpu" and not memray_importable():
+    try:
+        if placement.device == "cpu":
+            import memray  # noqa: F401
+    except ImportError:
         print("memory-profile: on the CPU it counts allocations with memray, which is not "
               "installed: pip install 'attnserve[profile]'", file=sys.stderr)
         return 2
@@ -440,8 +421,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         model_key(provider, precision, kind): MemoryModel(
             *map(float, phases[0]), source=sources[kind],
             other_phases=tuple(tuple(map(float, p)) for p in phases[1:])).entry() | {
-            "graph_file": graph_files[kind], "measure": method,
-            "shapes": sum(r.graph == kind for r in rows),
+            "graph_file": graph_files[kind], "measure": method, "shapes": sum(r.graph == kind for r in rows),
             "holdout": (result["holdout"] or {}).get("by_graph", {}).get(kind),
             TIME: TimeModel(*map(float, times[kind][0]), source=sources[kind]).entry() | {
                 "measure": TIME_METHOD, "runs": max(1, args.time_runs), "threads": args.threads,
@@ -450,7 +430,8 @@ def run_memory_profile(args: argparse.Namespace) -> int:
     title = (f"{manifest.model_name} on {provider} ({precision}): peak memory of one batch "
              f"({'allocation high-water mark' if method == CPU_METHOD else 'arena growth, fresh backend'})")
     written = [out / "memory_profile.csv", out / "memory_profile.json"]
-    write_csv(written[0], rows, fits, times, heads)
+    predicted = [(predict(fits[r.graph], r, heads), predict(times[r.graph], r, heads)) for r in rows]
+    write_csv(written[0], rows, predicted)
     if plot(out / "memory_profile.png", rows, fits, heads, held, title):
         written.append(out / "memory_profile.png")
     model_path = None if args.no_save_model else save_entries(artifact.directory, entries)
@@ -459,9 +440,8 @@ def run_memory_profile(args: argparse.Namespace) -> int:
         "artifact": str(artifact.directory), "artifact_sha256": artifact.manifest_sha256,
         "heads": heads, "layers": layers, "repeats": args.repeats, "max_tokens": max_tokens,
         "measure": method, "seconds": round(time.monotonic() - started, 1),
-        "rows": [asdict(r) | {"predicted_bytes": round(predict(fits[r.graph], r, heads)),
-                              "predicted_seconds": predict(times[r.graph], r, heads),
-                              "held_out": i in held} for i, r in enumerate(rows)],
+        "rows": [asdict(r) | {"predicted_bytes": round(b), "predicted_seconds": s, "held_out": i in held}
+                 for i, (r, (b, s)) in enumerate(zip(rows, predicted, strict=True))],
         "left_out": left_out,
         "fit": {"formula": "max over phases of a + b*batch*seq + c*batch*heads*seq^2 "
                            "+ d*batch*heads*seq^2*returned_layers (d: attention graph only)",
@@ -471,17 +451,15 @@ def run_memory_profile(args: argparse.Namespace) -> int:
                 "time": {"formula": "a + b*batch*seq + c*batch*heads*seq^2 "
                                     "+ d*batch*heads*seq^2*returned_layers (one phase)",
                          "weighting": "relative (1/measured, floored at 0.1 ms); coefficients >= 0",
-                         "measure": TIME_METHOD, "holdout": timed["holdout"],
-                         "in_sample": timed["in_sample"],
+                         "measure": TIME_METHOD, "holdout": timed["holdout"], "in_sample": timed["in_sample"],
                          "noise_floor_seconds": NOISE_FLOOR_SECONDS}},
-        "previous_run": agree,
-        "memory_model": str(model_path) if model_path else None,
+        "previous_run": agree, "memory_model": str(model_path) if model_path else None,
     }
     (out / "memory_profile.json").write_text(json.dumps(report, indent=2) + "\n")
 
     print(f"memory profile: {manifest.model_name}, {provider} ({precision}), {heads} heads, "
           f"{layers} layers; peak = {method}")
-    print(table(rows, fits, times, heads, held, previous))
+    print(table(rows, predicted, held, previous))
     for kind, phases in fits.items():
         print(f"fit, {kind} graph ({graph_files[kind]}): bytes ≈ "
               + ("max of\n    " if len(phases) > 1 else "") + "\n    ".join(map(formula, phases)))
@@ -495,8 +473,7 @@ def run_memory_profile(args: argparse.Namespace) -> int:
               f"{_pct(agree['mean_rel_change'])}, max {_pct(agree['max_rel_change'])}")
     for reason in left_out:
         print(f"left out: {reason.splitlines()[0]}")
-    print(f"measured {len(rows)} shapes in {report['seconds']:.0f} s; wrote "
-          f"{', '.join(map(str, written))}")
+    print(f"measured {len(rows)} shapes in {report['seconds']:.0f} s; wrote {', '.join(map(str, written))}")
     if model_path:
         print(f"memory and time models saved to {model_path} under {provider}/{precision}/"
               f"{{{','.join(fits)}}} (the server loads them at start)")

@@ -31,8 +31,7 @@ def _cell(text: str) -> str:
 def _row(action: argparse.Action) -> str:
     # server/config.py names a flag's choices in its metavar: {auto,cuda,cpu}
     flag = ", ".join(action.option_strings) + (f" {action.metavar}" if action.metavar else "")
-    found = _SUFFIX.match(action.help or "")
-    if found:
+    if found := _SUFFIX.match(action.help or ""):
         text, env = found["text"], f"`{found['env']}`"
         default = f"`{found['default']}`" if found["default"] else ""
     else:
@@ -42,8 +41,7 @@ def _row(action: argparse.Action) -> str:
 
 def table() -> str:
     """The generated lines, markers included."""
-    _, commands = build_parser()
-    serve = commands["serve"]
+    serve = build_parser()[1]["serve"]
     rows = [_row(a) for a in serve._actions if a.option_strings and a.dest != "help"]
     return "\n".join([BEGIN, "", "| flag | environment | default | what it does |",
                       "| --- | --- | --- | --- |", *rows, "", END])

@@ -16,13 +16,11 @@ from attnserve.export.verify import session
 def calibration_embeddings(graph: Path, tokenizer: Path, max_positions: int) -> dict[str, np.ndarray]:
     """Pooled output name -> float32 [texts, hidden]: each calibration text's vectors, the
     text run alone (no padding), as the server returns them for it."""
-    runner = session(graph)
-    vectors: dict[str, list[np.ndarray]] = {name: [] for name in POOLED_OUTPUTS}
-    for ids, _ in encode_texts(tokenizer, CALIBRATION_TEXTS, max_positions):
-        feed = {"input_ids": ids[None], "attention_mask": np.ones_like(ids)[None]}
-        for name, value in zip(POOLED_OUTPUTS, runner.run(list(POOLED_OUTPUTS), feed), strict=True):
-            vectors[name].append(value[0])
-    return {name: np.stack(rows).astype(np.float32) for name, rows in vectors.items()}
+    runner, outputs = session(graph), list(POOLED_OUTPUTS)
+    runs = [runner.run(outputs, {"input_ids": ids[None], "attention_mask": np.ones_like(ids)[None]})
+            for ids, _ in encode_texts(tokenizer, CALIBRATION_TEXTS, max_positions)]
+    return {name: np.stack([run[i][0] for run in runs]).astype(np.float32)
+            for i, name in enumerate(POOLED_OUTPUTS)}
 
 
 def fit_ranges(graph: Path, tokenizer: Path, max_positions: int) -> EmbeddingRanges:

@@ -19,13 +19,16 @@ import torch
 from tokenizers import AddedToken, Tokenizer
 
 from attnserve.artifact import TOKENIZER, LexicalHead, MultiVectorHead, MultiVectorInput, SparseHead
+from attnserve.export.onnx_graphs import Heads
 from attnserve.export.serving import ST_CONFIG, TRANSFORMER_CONFIG
-from attnserve.model.checkpoint import CheckpointError
+from attnserve.model import AnyEncoder, CheckpointError, CrossEncoder, load_checkpoint
 from attnserve.model.masked_lm import MaskedLanguageModel
 from attnserve.model.multi_vector import TokenVectors
 from attnserve.model.sentence_modules import MODULES, TOKEN_EMBEDDINGS, dense_stack, module_types
 from attnserve.model.sparse import SPLADE_ACTIVATIONS, SPLADE_POOLINGS, LexicalWeights, SpladeHead
 
+# The embedders whose heads take the place of pooled vectors.
+NOT_DENSE = ("splade", "multi_vector")
 M3_SPARSE, M3_COLBERT = "sparse_linear.pt", "colbert_linear.pt"
 # The special tokens whose lexical weights bge-m3 leaves out.
 M3_DROPPED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")
@@ -156,18 +159,6 @@ def _special_ids(checkpoint: Path, names: tuple[str, ...]) -> list[int]:
     return sorted(set(ids))
 
 
-def bge_m3_heads(checkpoint: Path, hidden_size: int) -> tuple[
-        LexicalHead, LexicalWeights, MultiVectorHead, TokenVectors]:
-    """bge-m3's lexical and multi-vector heads, in the manifest and as modules."""
-    lexical = LexicalWeights(hidden_size)
-    lexical.linear = _linear(checkpoint / M3_SPARSE, hidden_size, 1)
-    projection = _linear(checkpoint / M3_COLBERT, hidden_size, None)
-    dim = projection.out_features
-    return (LexicalHead(_special_ids(checkpoint, M3_DROPPED_TOKENS)), lexical.eval(),
-            MultiVectorHead(dim=dim, skip_leading=1, similarity="meanmaxsim"),
-            TokenVectors(projection).eval())
-
-
 PYLATE_PREFIX = "pylate."
 # PyLate's defaults for what its config_sentence_transformers.json leaves out.
 PYLATE_QUERY_LENGTH = 32
@@ -190,10 +181,9 @@ class MultiVector:
     sentence-transformers registers them; None: the checkpoint's own, unchanged"""
 
 
-def _pylate_markers(checkpoint: Path, prefixes: list[str]) -> Tokenizer | None:
-    """The tokenizer with each marker a known token encodes to other pieces (an added "[Q] "
-    a lower-casing tokenizer normalises) made a special, unnormalised token."""
-    tokenizer = Tokenizer.from_file(str(checkpoint / TOKENIZER))
+def _pylate_markers(tokenizer: Tokenizer, prefixes: list[str]) -> Tokenizer | None:
+    """`tokenizer` with each marker a known token encodes to other pieces (an added "[Q] " a
+    lower-casing tokenizer normalises) made a special, unnormalised token; None: no such marker."""
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     marks = []
     for value in prefixes:
@@ -206,12 +196,6 @@ def _pylate_markers(checkpoint: Path, prefixes: list[str]) -> Tokenizer | None:
         return None
     tokenizer.add_special_tokens(marks)
     return tokenizer
-
-
-def _token_ids(tokenizer: Tokenizer, words: list[str] | None) -> list[int]:
-    """The ids of the words that are tokens (others are left out, as sentence-transformers
-    leaves them)."""
-    return sorted({i for i in (tokenizer.token_to_id(w) for w in words or ()) if i is not None})
 
 
 def read_multi_vector(checkpoint: Path) -> MultiVector | None:
@@ -247,11 +231,10 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
         saved = dict(st.get("prompts") or {})
         prompts = saved | {side: prefix + (saved.get(side) or "").removeprefix(prefix)
                            for side, prefix in prefixes.items()}
-        marked = _pylate_markers(checkpoint, list(prefixes.values()))
-        tokenizer = marked or tokenizer
-        length = st.get("query_length") or PYLATE_QUERY_LENGTH
+        marked = _pylate_markers(tokenizer, list(prefixes.values()))
         expansion = ({"strategy": "fixed", "attend": bool(st.get("attend_to_expansion_tokens")),
-                      "length": length} if st.get("do_query_expansion", True) else None)
+                      "length": st.get("query_length") or PYLATE_QUERY_LENGTH}
+                     if st.get("do_query_expansion", True) else None)
         query_length, document_length = st.get("query_length"), st.get("document_length")
         skiplist = st.get("skiplist_words")
         mask = {"skiplist_words": PYLATE_SKIPLIST if skiplist is None else skiplist}
@@ -269,7 +252,9 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
         if similarity not in _MULTI_VECTOR_SIMILARITIES:
             raise CheckpointError(f"{st_path}: similarity_fn_name {similarity!r}; a multi-vector "
                                   "model scores by maxsim or meanmaxsim")
-    skip_ids = _token_ids(tokenizer, mask.get("skiplist_words"))
+    # Words that are no token are left out, as sentence-transformers leaves them.
+    skip_ids = sorted({i for i in map(tokenizer.token_to_id, mask.get("skiplist_words") or ())
+                       if i is not None})
     tasks = mask.get("skiplist_tasks") or ["document"]
     tasks = [tasks] if isinstance(tasks, str) else tasks
     expand_to, token_id, attended = None, None, False
@@ -298,9 +283,45 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
     return MultiVector(dense, head, prompts, marked)
 
 
-def multi_vector_head(multi_vector: MultiVector, hidden_size: int) -> tuple[MultiVectorHead, TokenVectors]:
-    """The manifest's multi-vector head and the module that computes it: the Dense layers
-    on every token's state, each vector normalised."""
-    projection = dense_stack(multi_vector.dense, hidden_size, TOKEN_EMBEDDINGS)
-    dim = projection[-1].linear.out_features
-    return replace(multi_vector.head, dim=dim), TokenVectors(projection).eval()
+def which_embedder(checkpoint: Path, fp16: bool, int8: bool, matryoshka_dims: list[int] | None
+                   ) -> tuple[str, Splade | MultiVector | None]:
+    """Which embedder the checkpoint is, "dense", "splade", "multi_vector" or "bge-m3" (with
+    SPLADE's pooling or the multi-vector settings), refusing what its heads cannot be
+    exported with."""
+    found = read_splade(checkpoint) or read_multi_vector(checkpoint)
+    which = ("splade" if isinstance(found, Splade) else "multi_vector" if found
+             else "bge-m3" if is_bge_m3(checkpoint) else "dense")
+    if which != "dense":
+        flags = [flag for flag, on in (("--fp16", fp16), ("--int8", int8)) if on]
+        if flags:
+            raise CheckpointError(f"{' and '.join(flags)}: {checkpoint} is a {which} model, whose "
+                                  "heads have no float16 or int8 graphs yet; export it without")
+    if which in NOT_DENSE and matryoshka_dims:
+        raise CheckpointError(f"--matryoshka-dims: {checkpoint} is a {which} model, which has no "
+                              "dense vectors to cut")
+    return which, found
+
+
+def load_with_heads(checkpoint: Path, which: str, found: Splade | MultiVector | None
+                    ) -> tuple[AnyEncoder | CrossEncoder, Heads | None, dict]:
+    """The checkpoint's model (SPLADE's: the encoder under its masked-LM head's), its
+    heads for the graphs (a multi-vector model's: its Dense layers on every token's state),
+    and their manifest entries."""
+    model = load_checkpoint(checkpoint, keep_language_model_head=which == "splade")
+    hidden = model.config.hidden_size
+    if which == "splade":
+        entry, sparse = splade_head(checkpoint, found, model)
+        return model.encoder, Heads(pooled=False, sparse=sparse), {"sparse": entry}
+    if which == "multi_vector":
+        projection = dense_stack(found.dense, hidden, TOKEN_EMBEDDINGS)
+        return (model, Heads(pooled=False, multi_vector=TokenVectors(projection).eval()),
+                {"multi_vector": replace(found.head, dim=projection[-1].linear.out_features)})
+    if which == "bge-m3":
+        lexical = LexicalWeights(hidden)
+        lexical.linear = _linear(checkpoint / M3_SPARSE, hidden, 1)
+        projection = _linear(checkpoint / M3_COLBERT, hidden, None)
+        return (model, Heads(lexical=lexical.eval(), multi_vector=TokenVectors(projection).eval()),
+                {"lexical": LexicalHead(_special_ids(checkpoint, M3_DROPPED_TOKENS)),
+                 "multi_vector": MultiVectorHead(dim=projection.out_features, skip_leading=1,
+                                                 similarity="meanmaxsim")})
+    return model, None, {}

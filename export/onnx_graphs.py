@@ -78,10 +78,8 @@ class Heads:
 
 class GraphOutputs(nn.Module):
     """The encoder with a flat tuple of outputs, as ONNX wants them, in `output_names`'
-    order: the hidden state, the pooled vectors, the other heads' outputs, then the
-    attention maps. `dense`: the checkpoint's sentence-transformers Dense layers, which
-    every pooled vector goes through (none: an empty nn.Sequential); `heads`: which heads
-    (none: the pooled vectors alone)."""
+    order; `dense`: the checkpoint's Dense layers, which every pooled vector goes through;
+    `heads`: which heads (none: the pooled vectors alone)."""
 
     def __init__(self, encoder: AnyEncoder, attention: bool, dense: nn.Module | None = None,
                  heads: Heads | None = None):
@@ -174,9 +172,8 @@ def export_graph(encoder: AnyEncoder, path: Path, attention: bool,
     return outputs
 
 
-def export_dense(dense: nn.Module, hidden_size: int, path: Path) -> list[str]:
+def export_dense(dense: nn.Module, hidden_size: int, path: Path) -> None:
     """Write the graph of the Dense layers alone, pooled vectors in, the vectors after every
     layer out: what the server runs on a vector it pooled itself."""
     _trace(dense, (torch.randn(3, hidden_size),), path, [DENSE_INPUT], [DENSE_OUTPUT],
            {DENSE_INPUT: {0: "batch"}, DENSE_OUTPUT: {0: "batch"}})
-    return [DENSE_OUTPUT]

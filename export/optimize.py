@@ -42,11 +42,10 @@ def _take_pooling(graph: GraphProto) -> _Pooling:
     outputs = [o for o in graph.output if o.name in POOLED_OUTPUTS]
     produced = {name for n in nodes for name in n.output}
     read = {name for n in nodes for name in n.input if name} - produced
-    read_elsewhere = {name for n in graph.node if not n.name.startswith(POOL_SCOPE)
-                      for name in n.input}
-    own = [i for i in graph.initializer if i.name in read and i.name not in read_elsewhere]
+    read_elsewhere = {name for n in graph.node if not n.name.startswith(POOL_SCOPE) for name in n.input}
+    own = [copy.deepcopy(i) for i in graph.initializer if i.name in read - read_elsewhere]
     shared: list[TensorProto | NodeProto] = [copy.deepcopy(i) for i in graph.initializer
-                                             if i.name in read and i.name in read_elsewhere]
+                                             if i.name in read & read_elsewhere]
     shared += [copy.deepcopy(n) for n in graph.node
                if n.op_type == "Constant" and n not in nodes and set(n.output) & read]
     for constant in shared:
@@ -57,8 +56,7 @@ def _take_pooling(graph: GraphProto) -> _Pooling:
         graph.node.remove(n)
     for o in outputs:
         graph.output.remove(o)
-    own = [copy.deepcopy(i) for i in own]
-    for i in [i for i in graph.initializer if i.name in {o.name for o in own}]:
+    for i in [i for i in graph.initializer if i.name in read - read_elsewhere]:
         graph.initializer.remove(i)
     for info in [v for v in graph.value_info if v.name in produced]:
         graph.value_info.remove(info)  # the converter would mark them float16
@@ -78,8 +76,8 @@ def _put_back(graph: GraphProto, pooling: _Pooling) -> None:
 
 
 def optimize(source: Path, target: Path, config: EncoderShape, fuse_attention: bool,
-             fp16: bool) -> dict[str, int]:
-    """Write the optimised graph; returns onnxruntime's count of fused operators.
+             fp16: bool) -> None:
+    """Write the optimised graph, and log onnxruntime's count of fused operators.
 
     The graph that outputs attention probabilities keeps its explicit softmax: the
     fused Attention kernel does not expose them, and fusing it writes a graph
@@ -115,4 +113,3 @@ def optimize(source: Path, target: Path, config: EncoderShape, fuse_attention: b
     finally:
         logging.disable(logging.NOTSET)
     log.info("event=optimized graph=%s fused=%s", target.name, fused)
-    return fused

@@ -5,6 +5,7 @@ it is listed, with the same variants and gates: fused, float16, int8 (float16 an
 pooled vectors and scores only)."""
 
 import logging
+import math
 import shutil
 import time
 from dataclasses import replace
@@ -27,17 +28,7 @@ from attnserve.artifact import (
 )
 from attnserve.export.embedding_ranges import fit_ranges
 from attnserve.export.graph_files import external_data, remove
-from attnserve.export.heads import (
-    MODULES,
-    MultiVector,
-    Splade,
-    bge_m3_heads,
-    is_bge_m3,
-    multi_vector_head,
-    read_multi_vector,
-    read_splade,
-    splade_head,
-)
+from attnserve.export.heads import MODULES, NOT_DENSE, MultiVector, load_with_heads, which_embedder
 from attnserve.export.onnx_graphs import OPSET, Heads, export_dense, export_graph, export_scores, score_inputs
 from attnserve.export.optimize import optimize
 from attnserve.export.quantize import (
@@ -50,7 +41,7 @@ from attnserve.export.quantize import (
 )
 from attnserve.export.serving import Serving, ServingConfigError, read_prompts, read_serving
 from attnserve.export.verify import check_onnx, dense_error, max_abs_error
-from attnserve.model import AnyEncoder, CheckpointError, CrossEncoder, load_checkpoint
+from attnserve.model import AnyEncoder, CheckpointError, CrossEncoder
 from attnserve.model.checkpoint import default_checkpoint_dir, read_architecture
 from attnserve.model.sentence_modules import check_reranker_modules, dense_layers, read_module_list
 
@@ -61,20 +52,6 @@ FP32_TOLERANCE = 1e-4
 # fp16 keeps about three significant digits; hidden states reach magnitudes of ~10.
 FP16_TOLERANCE = 5e-2
 DENSE_GRAPH = "dense.onnx"
-# The embedders whose heads take the place of pooled vectors.
-NOT_DENSE = ("splade", "multi_vector")
-
-
-def _serving(checkpoint: Path, model: AnyEncoder, size: int, matryoshka_dims: list[int] | None) -> Serving:
-    """An embedder's serving configuration, as its checkpoint says, for vectors of `size`;
-    a reranker's pooling is its head's, and it has no prompts or vector sizes."""
-    if not isinstance(model, CrossEncoder):
-        return read_serving(checkpoint, size, matryoshka_dims)
-    if matryoshka_dims:
-        raise ServingConfigError(f"{checkpoint} is a reranker, which answers scores: Matryoshka "
-                                 "dimensions are an embedder's")
-    return Serving(pooling=model.head.config.pooling, include_prompt=True, prompts={},
-                   default_prompt_name=None, matryoshka_dims=[])
 
 
 class _Steps:
@@ -100,12 +77,13 @@ class _Graphs:
         self.graphs: list[Graph] = []
 
     def add(self, file: str, outputs: list[str], precision: str, attention: bool,
-            optimized: bool, tolerance: float) -> None:
+            optimized: bool, tolerance: float, **fields) -> None:
         """List `file` if it matches PyTorch within `tolerance`; an optimised graph that
-        does not is dropped, any other fails the export."""
+        does not is dropped, any other fails the export. `fields`: the int8 graph's parity
+        and more, for the step's line."""
         path = self.out / file
         check_onnx(path)
-        error = max_abs_error(path, self.model, outputs, dense=self.dense, heads=self.heads)
+        error = max_abs_error(path, self.model, outputs, precision, dense=self.dense, heads=self.heads)
         if error > tolerance:
             if optimized:
                 log.warning("event=dropped graph=%s max_abs_error=%.2e tolerance=%.0e",
@@ -113,9 +91,9 @@ class _Graphs:
                 remove(path)
                 return
             raise RuntimeError(f"{file}: max abs error {error:.2e} exceeds {tolerance:.0e}")
-        self.graphs.append(Graph(file, precision, attention, optimized, outputs, error,
-                                 external_data=external_data(path)))
-        self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}")
+        self.graphs.append(Graph(file, precision, attention, optimized, outputs, error, fields.get("parity"),
+                                 external_data(path)))
+        self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}", **fields)
 
     def add_optimized(self, source: str, file: str, outputs: list[str], attention: bool, fp16: bool) -> None:
         """Optimise `source` into `file` (its attention fused unless it outputs the maps), then
@@ -127,14 +105,10 @@ class _Graphs:
 
     def add_int8(self, source: str, reference: str, file: str, outputs: list[str],
                  attention: bool, gate: Gate) -> None:
-        path = self.out / file
-        quantized = quantize_graph(self.out / source, self.out / reference, path, gate)
-        check_onnx(path)
-        error = max_abs_error(path, self.model, outputs, "int8", dense=self.dense)
-        self.graphs.append(Graph(file, "int8", attention, True, outputs, error, quantized.parity,
-                                 external_data(path)))
-        self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}",
-                  parity=quantized.parity, split_matmuls=quantized.split, fp32_matmuls=quantized.kept_fp32)
+        """Quantize `source` into `file`, listed whatever its error: `gate` held it to fp32's."""
+        quantized = quantize_graph(self.out / source, self.out / reference, self.out / file, gate)
+        self.add(file, outputs, "int8", attention, True, math.inf, parity=quantized.parity,
+                 split_matmuls=quantized.split, fp32_matmuls=quantized.kept_fp32)
 
 
 def _embedder_graphs(graphs: _Graphs, encoder: AnyEncoder, fp16: bool, int8: bool,
@@ -192,49 +166,10 @@ def _scorer_kind(hf: dict, labels: int, kind: str | None) -> str:
     """A sequence classifier's kind: `kind` (export's --kind) when given; else a classifier
     for several labels, or for one label trained as multi-label classification (a detector);
     else a reranker."""
-    if kind is not None:
-        return kind
-    if labels >= 2 or hf.get("problem_type") == "multi_label_classification":
-        return CLASSIFIER
-    return RERANKER
-
-
-def _embedder_heads(checkpoint: Path, fp16: bool, int8: bool, matryoshka_dims: list[int] | None
-                    ) -> tuple[str, Splade | MultiVector | None]:
-    """Which embedder the checkpoint is, "dense", "splade", "multi_vector" or "bge-m3" (with
-    SPLADE's pooling or the multi-vector settings), refusing what its heads cannot be
-    exported with."""
-    found = read_splade(checkpoint) or read_multi_vector(checkpoint)
-    which = ("splade" if isinstance(found, Splade) else "multi_vector" if found
-             else "bge-m3" if is_bge_m3(checkpoint) else "dense")
-    if which != "dense":
-        flags = [flag for flag, on in (("--fp16", fp16), ("--int8", int8)) if on]
-        if flags:
-            raise CheckpointError(f"{' and '.join(flags)}: {checkpoint} is a {which} model, whose "
-                                  "heads have no float16 or int8 graphs yet; export it without")
-    if which in NOT_DENSE and matryoshka_dims:
-        raise CheckpointError(f"--matryoshka-dims: {checkpoint} is a {which} model, which has no "
-                              "dense vectors to cut")
-    return which, found
-
-
-def _with_heads(checkpoint: Path, which: str, found: Splade | MultiVector | None
-                ) -> tuple[AnyEncoder | CrossEncoder, Heads | None, dict]:
-    """The checkpoint's model (SPLADE's: the encoder under its masked-LM head's), its
-    heads for the graphs, and their manifest entries."""
-    model = load_checkpoint(checkpoint, keep_language_model_head=which == "splade")
-    hidden = model.config.hidden_size
-    if which == "splade":
-        entry, sparse = splade_head(checkpoint, found, model)
-        return model.encoder, Heads(pooled=False, sparse=sparse), {"sparse": entry}
-    if which == "multi_vector":
-        entry, vectors = multi_vector_head(found, hidden)
-        return model, Heads(pooled=False, multi_vector=vectors), {"multi_vector": entry}
-    if which == "bge-m3":
-        lexical_entry, lexical, vectors_entry, vectors = bge_m3_heads(checkpoint, hidden)
-        return (model, Heads(lexical=lexical, multi_vector=vectors),
-                {"lexical": lexical_entry, "multi_vector": vectors_entry})
-    return model, None, {}
+    if kind is None:
+        multi_label = hf.get("problem_type") == "multi_label_classification"
+        kind = CLASSIFIER if labels >= 2 or multi_label else RERANKER
+    return kind
 
 
 def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False, name: str | None = None,
@@ -265,9 +200,9 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False, na
         check_reranker_modules(checkpoint)
         which, found = "scores", None
     else:
-        which, found = _embedder_heads(checkpoint, fp16, int8, matryoshka_dims)
+        which, found = which_embedder(checkpoint, fp16, int8, matryoshka_dims)
     modules = None if reranker or which in NOT_DENSE else read_module_list(checkpoint)
-    model, heads, manifest_heads = _with_heads(checkpoint, which, found)
+    model, heads, manifest_heads = load_with_heads(checkpoint, which, found)
     config = model.config
     dense = None if modules is None else dense_layers(modules, config.hidden_size)
     size = dense[-1].linear.out_features if dense else config.hidden_size
@@ -276,8 +211,14 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False, na
         serving = read_prompts(checkpoint, NO_POOLING)
         if which == "multi_vector":
             serving = replace(serving, prompts=found.prompts)
-    else:
-        serving = _serving(checkpoint, model, size, matryoshka_dims)
+    elif not reranker:
+        serving = read_serving(checkpoint, size, matryoshka_dims)
+    elif matryoshka_dims:
+        raise ServingConfigError(f"{checkpoint} is a reranker, which answers scores: Matryoshka "
+                                 "dimensions are an embedder's")
+    else:  # a reranker's pooling is its head's, and it has no prompts or vector sizes
+        serving = Serving(pooling=model.head.config.pooling, include_prompt=True, prompts={},
+                          default_prompt_name=None, matryoshka_dims=[])
     if which == "bge-m3":  # its dense vector is the normalised [CLS] state, whatever else says
         if (checkpoint / MODULES).is_file() and (serving.pooling != "cls" or dense or not normalize):
             raise CheckpointError(f"{checkpoint / MODULES}: pooling {serving.pooling}, "

@@ -28,11 +28,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper, numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.onnx_model import ONNXModel
@@ -150,24 +149,18 @@ def _feeds(rows: list[Row], batch: int, pad_id: int) -> Iterator[dict[str, np.nd
 def _sites(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """What dynamic quantization turns into int8: fused Attention (its Q/K/V weights) and
     matmuls whose second input is a weight, not an activation (QKᵀ, probabilities·V),
-    outside the pooling (_pooling_matmuls)."""
+    outside the pooling (the Dense layers', which stay float32)."""
     weights = {i.name for i in model.graph.initializer}
     return [n for n in model.graph.node if not n.name.startswith(POOL_SCOPE) and (
         n.op_type == "Attention" or (n.op_type == "MatMul" and n.input[1] in weights))]
 
 
-def _pooling_matmuls(model: onnx.ModelProto) -> list[str]:
-    """The Dense layers' matmuls, which stay float32: they run once a pooled vector, where
-    int8 would save nothing and cost the served vector precision."""
-    return [n.name for n in model.graph.node if n.name.startswith(POOL_SCOPE) and n.op_type == "MatMul"]
-
-
-def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
-    """A session of the graph saved at `graph` that also outputs, for each tensor of
-    `names`, its largest |value| per channel (`<name>/channel_max`) and per token
-    (`<name>/token_max`), computed in the graph right after the tensor is made: the
-    activations themselves never leave onnxruntime, nor outlive their use in it (all of
-    Qwen3-0.6B's at once passed 20 GB). Its weights stay where `graph` keeps them."""
+def _activation_stats(graph: Path, names: list[str], feeds: list[dict]) -> dict[str, _Stats]:
+    """Each tensor of `names` of the graph saved at `graph`, over `feeds`: its largest
+    |value| per channel, and the largest and the median over tokens of a token's largest.
+    Both are computed in the graph right after the tensor is made: the activations
+    themselves never leave onnxruntime, nor outlive their use in it (all of Qwen3-0.6B's at
+    once passed 20 GB). The probe's weights stay where `graph` keeps them."""
     probe = onnx.load(str(graph), load_external_data=False)
     wanted = set(names)
     probe.graph.initializer.extend(
@@ -190,28 +183,19 @@ def _probe(graph: Path, names: list[str]) -> ort.InferenceSession:
     del probe.graph.node[:]
     probe.graph.node.extend(nodes)
     # Its own outputs only: the graph's (an attention graph's maps) would be held to the end.
-    del probe.graph.output[:]
-    probe.graph.output.extend(helper.make_tensor_value_info(f"{name}/{kind}", onnx.TensorProto.FLOAT, None)
-                              for name in names for kind in ("channel_max", "token_max"))
-    with beside(graph, probe) as path:
-        return session(path)
-
-
-def _activation_stats(graph: Path, names: list[str], feeds: list[dict]) -> dict[str, _Stats]:
-    """Each tensor of `names` of the graph saved at `graph`, over `feeds`: its largest
-    |value| per channel, and the largest and the median over tokens of a token's largest."""
-    runner = _probe(graph, names)
     outputs = [f"{name}/{kind}" for name in names for kind in ("channel_max", "token_max")]
-    channel: dict[str, np.ndarray] = {}
-    tokens: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    for feed in feeds:
-        got = dict(zip(outputs, runner.run(outputs, feed), strict=True))
-        for name in names:
-            top = got[f"{name}/channel_max"]
-            channel[name] = np.maximum(channel[name], top) if name in channel else top
-            tokens[name].append(got[f"{name}/token_max"])
-    joined = {name: np.concatenate(per_token) for name, per_token in tokens.items()}
-    return {name: _Stats(channel[name], float(t.max()), float(np.median(t))) for name, t in joined.items()}
+    del probe.graph.output[:]
+    probe.graph.output.extend(helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in outputs)
+    with beside(graph, probe) as path:
+        runner = session(path)
+    del probe
+    runs = [dict(zip(outputs, runner.run(outputs, feed), strict=True)) for feed in feeds]
+    stats = {}
+    for name in names:
+        tokens = np.concatenate([run[f"{name}/token_max"] for run in runs])
+        channels = np.max([run[f"{name}/channel_max"] for run in runs], axis=0)
+        stats[name] = _Stats(channels, float(tokens.max()), float(np.median(tokens)))
+    return stats
 
 
 def _pruned(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -338,21 +322,6 @@ def scores(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
-class Gate(Protocol):
-    """What a quantized graph must keep of its fp32 reference, measured per item (a text
-    or a pair) of fixed parity inputs."""
-
-    def calibration(self) -> list[dict[str, np.ndarray]]: ...
-
-    def measure(self, reference: Path, target: Path) -> np.ndarray: ...
-
-    def passes(self, values: np.ndarray) -> bool: ...
-
-    def parity(self, values: np.ndarray, reference: Path) -> Parity | ScoreParity: ...
-
-    def refusal(self, values: np.ndarray, target: Path, reference: Path) -> str: ...
-
-
 @dataclass(frozen=True)
 class EmbeddingGate:
     """Each text's pooled cosine against fp32 at least `min_cosine`, pooled as the model
@@ -429,6 +398,11 @@ class ScoreGate:
                 f"{PARITY_TEXTS[worst][:40]!r} with {PARITY_TEXTS[(worst + 1) % len(PARITY_TEXTS)][:40]!r}")
 
 
+# What a quantized graph must keep of its fp32 reference, measured per item (a text or a
+# pair) of fixed parity inputs.
+Gate = EmbeddingGate | ScoreGate
+
+
 def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> QuantizedGraph:
     """Write the int8 version of the optimised fp32 graph `source`, or raise Int8ParityError
     (leaving no `target`) when it does not pass `gate` against the artifact's fp32 graph
@@ -441,14 +415,17 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
         _smooth(model, stats)
         # Names only: a node held keeps its whole graph in memory.
         sites = [_Site(n.name, n.op_type, n.input[0]) for n in _sites(model)]
-        site_count, pooling = len(sites), _pooling_matmuls(model)
+        # The Dense layers' matmuls stay float32: they run once a pooled vector, where int8
+        # would save nothing and cost the served vector precision.
+        pooling = [n.name for n in model.graph.node
+                   if n.op_type == "MatMul" and n.name.startswith(POOL_SCOPE)]
         smoothed = directory / "smoothed.onnx"
         save(model, smoothed)
         del model
         stats = _activation_stats(smoothed, sorted({site.input for site in sites}), calibration)
         values, split, fp32 = _quantize_gated(smoothed, sites, stats, reference, target, gate, pooling)
     parity = gate.parity(values, reference)
-    result = QuantizedGraph(parity, site_count - len(fp32), len(split), len(fp32))
+    result = QuantizedGraph(parity, len(sites) - len(fp32), len(split), len(fp32))
     log.info("event=quantized graph=%s int8=%d split=%d fp32=%d parity=%r", target.name,
              result.quantized, result.split, result.kept_fp32, parity)
     if not gate.passes(values):
@@ -457,7 +434,7 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
     return result
 
 
-def _quantize_gated(smoothed: Path, sites: list["_Site"], stats: dict[str, _Stats],
+def _quantize_gated(smoothed: Path, sites: list[_Site], stats: dict[str, _Stats],
                     reference: Path, target: Path, gate: Gate, pooling: list[str]
                     ) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
     """Quantize the smoothed graph into `target`, the matmuls with outlier tokens split

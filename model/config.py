@@ -85,13 +85,6 @@ class EncoderConfig(EncoderShape):
     causal: bool = False
     pooler: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.positions not in ("learned", "sinusoidal", "rope"):
-            raise ValueError(f"unknown positions {self.positions!r}")
-        if self.positions_after_padding and self.positions != "learned":
-            raise ValueError("positions after the padding id are learned positions")
-
     @property
     def position_table_size(self) -> int:
         """Rows of the learned position table: the numbers after the padding id need
@@ -135,8 +128,6 @@ class EncoderConfig(EncoderShape):
     @classmethod
     def distilbert_from_hf(cls, hf: dict, pooler: bool) -> "EncoderConfig":
         """DistilBERT: BERT's blocks without segments or pooler, under its own names."""
-        if pooler:
-            raise ValueError("DistilBERT has no pooler")
         return cls(vocab_size=hf["vocab_size"], hidden_size=hf["dim"], num_layers=hf["n_layers"],
                    num_heads=hf["n_heads"], intermediate_size=hf["hidden_dim"],
                    max_positions=hf["max_position_embeddings"], type_vocab_size=0,
@@ -152,83 +143,23 @@ def _rope_theta(parameters: dict, where: str, fallback: float) -> float:
     return float(parameters.get("rope_theta", fallback))
 
 
-def _rope_thetas(hf: dict, legacy: dict[str, tuple[str, float]]) -> dict[str, float]:
-    """Each layer type's RoPE base, from `rope_parameters` by layer type or from the older
-    top-level names (`legacy`: layer type -> (name, default))."""
-    rope = hf.get("rope_parameters") or {}
-    return {layer_type: _rope_theta(rope.get(layer_type) or {}, f"rope_parameters.{layer_type}",
-                                    hf.get(name, default))
-            for layer_type, (name, default) in legacy.items()}
-
-
-def _check_layer_kinds(kinds: tuple[str, ...], layers: int) -> None:
-    if len(kinds) != layers:
-        raise ValueError(f"{len(kinds)} layer types for {layers} layers")
-    if set(kinds) - {"global", "local"}:
-        raise ValueError(f"layer types {kinds} are not all global or local")
-
-
-def _layer_kinds(named: list[str]) -> tuple[str, ...]:
-    """Hugging Face's layer_types -> ours: global (the whole sequence) or local (a window)."""
+def _layer_kinds(hf: dict, named: list[str], legacy: dict[str, tuple[str, float]]) -> dict:
+    """Hugging Face's layer_types -> ours, global (the whole sequence) or local (a window), and
+    each kind's RoPE base, from `rope_parameters` by layer type or from the older top-level
+    names (`legacy`: layer type -> (name, default))."""
     kinds = {"full_attention": "global", "sliding_attention": "local"}
     if set(named) - set(kinds):
         raise ValueError(f"layer_types {named} are not all full_attention or sliding_attention")
-    return tuple(kinds[name] for name in named)
+    rope = hf.get("rope_parameters") or {}
+    thetas = {f"{kinds[layer_type]}_rope_theta": _rope_theta(
+        rope.get(layer_type) or {}, f"rope_parameters.{layer_type}", hf.get(name, default))
+        for layer_type, (name, default) in legacy.items()}
+    return dict(layer_types=tuple(kinds[name] for name in named), **thetas)
 
 
 @dataclass(frozen=True)
-class ModernBertConfig(EncoderShape):
-    """ModernBERT: pre-LN blocks, rotary positions, a GeGLU feed-forward, and attention
-    over the whole sequence in its global layers and over a sliding window in the others."""
-
-    layer_types: tuple[str, ...] = ()
-    """per layer: "global" (the whole sequence) or "local" (the window)"""
-    local_attention: int = 128
-    """the window of a local layer: a query sees the keys at most local_attention // 2
-    positions away on either side"""
-    global_rope_theta: float = 160_000.0
-    local_rope_theta: float = 10_000.0
-    norm_bias: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_layer_kinds(self.layer_types, self.num_layers)
-
-    @property
-    def window_radius(self) -> int:
-        return self.local_attention // 2
-
-    @classmethod
-    def from_hf(cls, hf: dict, pooler: bool) -> "ModernBertConfig":
-        """Read a Hugging Face ModernBERT config.json: its layer types as `layer_types`
-        names them, or as `global_attn_every_n_layers` places them (layer i global when i
-        is a multiple of it); its rotary bases from `rope_parameters` or from
-        `global_rope_theta` and `local_rope_theta`."""
-        if pooler:
-            raise ValueError("ModernBERT has no pooler")
-        _choice(hf, "hidden_activation", "gelu", ("gelu",))
-        layers = hf["num_hidden_layers"]
-        every = hf.get("global_attn_every_n_layers", 3)
-        named = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
-                                          for i in range(layers)]
-        thetas = _rope_thetas(hf, {"full_attention": ("global_rope_theta", 160_000.0),
-                                   "sliding_attention": ("local_rope_theta", 10_000.0)})
-        return cls(**_shape(hf, "norm_eps", 1e-5), max_positions=hf["max_position_embeddings"],
-                   pad_token_id=hf.get("pad_token_id", 50283), layer_types=_layer_kinds(named),
-                   local_attention=hf.get("local_attention", 128),
-                   global_rope_theta=thetas["full_attention"], local_rope_theta=thetas["sliding_attention"],
-                   norm_bias=hf.get("norm_bias", False), attention_bias=hf.get("attention_bias", False),
-                   mlp_bias=hf.get("mlp_bias", False))
-
-
-@dataclass(frozen=True)
-class DecoderConfig(EncoderShape):
-    """A decoder's blocks (Qwen3, Gemma3): pre-norm RMSNorm blocks of rotary attention with
-    grouped key/value heads and a norm on each head's query and key, then a gated
-    feed-forward. Qwen3 attends causally; Gemma3 as EmbeddingGemma runs it both ways, its
-    local layers within a window. `layer_norm_eps` is the RMSNorms' epsilon."""
+class LayerKindsConfig(EncoderShape):
+    """A stack of global and local layers (model/layer_kinds.py), each kind with its RoPE base."""
 
     layer_types: tuple[str, ...] = ()
     """per layer: "global" (the whole sequence) or "local" (the window)"""
@@ -236,6 +167,50 @@ class DecoderConfig(EncoderShape):
     """a local layer's query sees the keys at most this many positions away, on either side"""
     global_rope_theta: float = 10_000.0
     local_rope_theta: float = 10_000.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+
+
+@dataclass(frozen=True)
+class ModernBertConfig(LayerKindsConfig):
+    """ModernBERT: pre-LN blocks, rotary positions, a GeGLU feed-forward, and attention
+    over the whole sequence in its global layers and over a sliding window
+    (config.json's local_attention // 2 positions on either side) in the others."""
+
+    global_rope_theta: float = 160_000.0
+    norm_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, hf: dict, pooler: bool) -> "ModernBertConfig":
+        """Read a Hugging Face ModernBERT config.json: its layer types as `layer_types`
+        names them, or as `global_attn_every_n_layers` places them (layer i global when i
+        is a multiple of it); its rotary bases from `rope_parameters` or from
+        `global_rope_theta` and `local_rope_theta`."""
+        _choice(hf, "hidden_activation", "gelu", ("gelu",))
+        layers = hf["num_hidden_layers"]
+        every = hf.get("global_attn_every_n_layers", 3)
+        named = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
+                                          for i in range(layers)]
+        return cls(**_shape(hf, "norm_eps", 1e-5), max_positions=hf["max_position_embeddings"],
+                   pad_token_id=hf.get("pad_token_id", 50283),
+                   **_layer_kinds(hf, named, {"full_attention": ("global_rope_theta", 160_000.0),
+                                              "sliding_attention": ("local_rope_theta", 10_000.0)}),
+                   norm_bias=hf.get("norm_bias", False), attention_bias=hf.get("attention_bias", False),
+                   mlp_bias=hf.get("mlp_bias", False), window_radius=hf.get("local_attention", 128) // 2)
+
+
+@dataclass(frozen=True)
+class DecoderConfig(LayerKindsConfig):
+    """A decoder's blocks (Qwen3, Gemma3): pre-norm RMSNorm blocks of rotary attention with
+    grouped key/value heads and a norm on each head's query and key, then a gated
+    feed-forward. Qwen3 attends causally; Gemma3 as EmbeddingGemma runs it both ways, its
+    local layers within a window. `layer_norm_eps` is the RMSNorms' epsilon."""
+
     causal: bool = False
     activation: str = "silu"
     """the gated feed-forward's (Hugging Face's name: silu, gelu_pytorch_tanh)"""
@@ -252,7 +227,6 @@ class DecoderConfig(EncoderShape):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_layer_kinds(self.layer_types, self.num_layers)
         if "local" in self.layer_types and self.causal:
             raise ValueError("a causal decoder with sliding-window layers is not supported")
 
@@ -268,8 +242,6 @@ class DecoderConfig(EncoderShape):
     @classmethod
     def qwen3_from_hf(cls, hf: dict, pooler: bool) -> "DecoderConfig":
         """Qwen3: causal, SwiGLU, one RoPE base, every layer global."""
-        if pooler:
-            raise ValueError("Qwen3 has no pooler")
         if hf.get("use_sliding_window"):
             raise ValueError("use_sliding_window true is not supported (false: every layer "
                              "attends to the whole sequence, as Qwen3's embedders do)")
@@ -281,7 +253,7 @@ class DecoderConfig(EncoderShape):
             **cls._shape(hf, head_dim=128, max_positions=32768),
             # The server fills padding with it; any id does under the mask.
             pad_token_id=pad if pad is not None else (eos[0] if isinstance(eos, list) else eos) or 0,
-            layer_types=_layer_kinds(hf.get("layer_types") or ["full_attention"] * layers),
+            **_layer_kinds(hf, hf.get("layer_types") or ["full_attention"] * layers, {}),
             global_rope_theta=theta, causal=True, activation=_choice(hf, "hidden_act", "silu", ("silu",)),
             attention_bias=hf.get("attention_bias", False))
 
@@ -291,8 +263,6 @@ class DecoderConfig(EncoderShape):
         `sliding_window` // 2 positions on either side (transformers' bidirectional window),
         global ones over the whole sequence, each kind with its own RoPE base; GeGLU (tanh),
         RMSNorm scaled by 1 + weight, embeddings scaled by √hidden_size."""
-        if pooler:
-            raise ValueError("Gemma3 has no pooler")
         if not hf.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention false: attnserve exports Gemma3 run "
                              "bidirectionally, as EmbeddingGemma")
@@ -303,12 +273,10 @@ class DecoderConfig(EncoderShape):
         every = hf.get("sliding_window_pattern", 6)
         named = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0
                                           else "sliding_attention" for i in range(layers)]
-        thetas = _rope_thetas(hf, {"full_attention": ("rope_theta", 1_000_000.0),
-                                   "sliding_attention": ("rope_local_base_freq", 10_000.0)})
         return cls(**cls._shape(hf, head_dim=256, max_positions=131_072),
-                   pad_token_id=hf.get("pad_token_id", 0), layer_types=_layer_kinds(named),
-                   window_radius=hf.get("sliding_window", 4096) // 2,
-                   global_rope_theta=thetas["full_attention"], local_rope_theta=thetas["sliding_attention"],
+                   pad_token_id=hf.get("pad_token_id", 0), window_radius=hf.get("sliding_window", 4096) // 2,
+                   **_layer_kinds(hf, named, {"full_attention": ("rope_theta", 1_000_000.0),
+                                              "sliding_attention": ("rope_local_base_freq", 10_000.0)}),
                    activation=_choice(hf, "hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
                    attention_bias=hf.get("attention_bias", False), norm_offset=1.0, embedding_scale=True,
                    sandwich_norms=True, query_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5)
@@ -336,8 +304,6 @@ class HeadConfig:
     decoder classifiers do (a trailing token equal to the pad id counts as padding)"""
 
     def __post_init__(self) -> None:
-        if not self.labels:
-            raise ValueError("a classifier has at least one label")
         if self.pooling not in ("cls", "mean", "last"):
             raise ValueError(f"classifier pooling {self.pooling!r} is not supported (cls, mean, last)")
         if self.activation not in ("tanh", "gelu", "relu"):

@@ -26,14 +26,11 @@ class Embeddings(nn.Module):
         self.token_type = (nn.Embedding(config.type_vocab_size, config.hidden_size)
                            if config.type_vocab_size else None)
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.position: nn.Embedding | None = None
-        if config.positions == "learned":
-            self.position = nn.Embedding(config.position_table_size, config.hidden_size)
-        elif config.positions == "sinusoidal":
-            self.register_buffer("sinusoid", sinusoidal_table(config.max_positions, config.hidden_size),
-                                 persistent=False)
+        self.position = (nn.Embedding(config.position_table_size, config.hidden_size)
+                         if config.positions == "learned" else None)
         # RoPE adds nothing here: it rotates queries and keys inside attention.
-        self.positions = config.positions
+        self.register_buffer("sinusoid", sinusoidal_table(config.max_positions, config.hidden_size)
+                             if config.positions == "sinusoidal" else None, persistent=False)
         self.after_padding = config.positions_after_padding
         self.pad_token_id = config.pad_token_id
 
@@ -46,7 +43,7 @@ class Embeddings(nn.Module):
             x = x + self.position(positions_after_padding(input_ids, self.pad_token_id))
         elif self.position is not None:
             x = x + self.position.weight[:seq]
-        elif self.positions == "sinusoidal":
+        elif self.sinusoid is not None:
             x = x + self.sinusoid[:seq]
         return self.norm(x)
 
@@ -104,22 +101,18 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderBlock(config, rotary) for _ in range(config.num_layers))
         self.pooler = Pooler(config) if config.pooler else None
 
-    @staticmethod
-    def attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-        """(batch, seq) of 1 = real token, 0 = padding -> (batch, 1, seq, seq): may query i
-        look at key j? Padding keys never (the causal mask, where set, is attention's)."""
-        batch, seq = attention_mask.shape
-        return attention_mask[:, None, None, :].expand(batch, 1, seq, seq)
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, output_attentions: bool = False) -> EncoderOutput:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        mask = self.attention_mask(attention_mask)
+        # (batch, seq) of 1 = real token, 0 = padding -> (batch, 1, seq, seq): may query i look
+        # at key j? Padding keys never (the causal mask, where set, is attention's).
+        batch, seq = attention_mask.shape
+        mask = attention_mask[:, None, None, :].expand(batch, 1, seq, seq)
         x = self.embeddings(input_ids, token_type_ids)
-        bias = None if self.relative is None else self.relative(input_ids.shape[1], input_ids.device)
+        bias = None if self.relative is None else self.relative(seq, input_ids.device)
         attentions = []
         for layer in self.layers:
             x, probs = layer(x, mask, bias)

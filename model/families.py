@@ -70,14 +70,6 @@ class Family:
         return self.base.removesuffix("Model") + "ForSequenceClassification"
 
 
-def head_names(hf_name: str, modules: dict[str, str]) -> tuple[str, ...] | None:
-    """A head tensor's name in the checkpoint -> ours, by `modules` (a Family's head_modules
-    or vocabulary_modules); None for a tensor of no module there."""
-    module, _, kind = hf_name.rpartition(".")
-    ours = modules.get(module)
-    return None if ours is None else (f"{ours}.{kind}",)
-
-
 _ROBERTA_HEAD = {"classifier.dense": "dense", "classifier.out_proj": "out"}
 _ROBERTA_LM_HEAD = {"lm_head.dense": "dense", "lm_head.layer_norm": "norm",
                     "lm_head.decoder": "decoder", "lm_head": "decoder"}
@@ -126,14 +118,13 @@ def served() -> str:
 
 def family_of(hf: dict) -> Family:
     """The family config.json (`hf`) describes; ValueError, naming what it read and what
-    is served, for any other. A config without `architectures` is read as the base model."""
+    is served, for any other."""
     model_type = hf.get("model_type")
     if model_type is None:
         raise ValueError(f"no model_type; attnserve exports {served()}")
     family = FAMILIES.get(model_type)
     if family is None:
         raise ValueError(f"model_type {model_type!r} is not served; attnserve exports {served()}")
-    architecture_of(hf, family)
     return family
 
 

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from attnserve.model.attention import key_mask, window_mask
-from attnserve.model.config import DecoderConfig, ModernBertConfig
+from attnserve.model.config import LayerKindsConfig
 from attnserve.model.encoder import EncoderOutput
 from attnserve.model.positions import RotaryEmbedding
 
 
-def rotaries(config: ModernBertConfig | DecoderConfig) -> dict[str, RotaryEmbedding]:
+def rotaries(config: LayerKindsConfig) -> dict[str, RotaryEmbedding]:
     """One RoPE for each kind of layer the stack has, with that kind's base; halves are
     paired, as transformers' rotate_half pairs them."""
     bases = {"global": config.global_rope_theta, "local": config.local_rope_theta}
@@ -28,7 +28,7 @@ class LayerKindStack(nn.Module, ABC):
     window_radius away), then `final_norm`. A family sets `config`, `layers` and
     `final_norm`, and says how it embeds the ids."""
 
-    config: ModernBertConfig | DecoderConfig
+    config: LayerKindsConfig
     layers: nn.ModuleList
     final_norm: nn.Module
 

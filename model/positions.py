@@ -44,8 +44,6 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
-        if pairs not in ("interleaved", "halves"):
-            raise ValueError(f"unknown RoPE pairing {pairs!r}")
         self.pairs = pairs
         # As transformers computes it, so the angles round the same.
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)

@@ -187,8 +187,7 @@ def read_module_list(checkpoint: Path) -> ModuleList:
 
 
 def dense_layers(modules: ModuleList, in_features: int) -> nn.Sequential:
-    """The Dense layers with their weights, each taking the previous one's vectors (the
-    first, the pooled vector of `in_features`); none: the pooled vector passes unchanged."""
+    """dense_stack on the pooled vector of `in_features`; none: it passes unchanged."""
     return dense_stack(modules.dense, in_features, SENTENCE_EMBEDDING)
 
 

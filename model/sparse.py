@@ -33,11 +33,6 @@ class SpladeHead(nn.Module):
 
     def __init__(self, vocabulary: VocabularyHead, pooling: str = "max", activation: str = "relu"):
         super().__init__()
-        if pooling not in SPLADE_POOLINGS:
-            raise ValueError(f"SPLADE pooling {pooling!r} is not supported ({', '.join(SPLADE_POOLINGS)})")
-        if activation not in SPLADE_ACTIVATIONS:
-            raise ValueError(f"SPLADE activation {activation!r} is not supported "
-                             f"({', '.join(SPLADE_ACTIVATIONS)})")
         self.vocabulary = vocabulary
         self.pooling, self.activation = pooling, activation
 

@@ -50,7 +50,7 @@ class Server:
         await ports.set_health(True)
         log.info("event=serving port=%d metrics_port=%d http_port=%d tls=%s mtls=%s api_keys=%d "
                  "models=%s budget_bytes=%d memory_model=%r time_model=%r", ports.port,
-                 ports.metrics_port, ports.http_port, ports.credentials is not None,
+                 ports.metrics_port, ports.http_port, ports.grpc.credentials is not None,
                  config.tls_client_ca is not None, len(ports.keys.keys), ",".join(self.plane.models),
                  runners.limits.memory_budget_bytes, runners.memory_source(), runners.time_source())
         if config.ready_file is not None:

@@ -95,8 +95,7 @@ def finish_call(call: Call, tracing: Tracing | None, attributes: dict) -> None:
         return
     tracing.export(call.name, call.parent, call.started, call.times.spans,
                    None if call.code == "OK" else call.code,
-                   attributes | {"attnserve.request_id": call.request_id,
-                                 "attnserve.code": call.code,
+                   attributes | {"attnserve.request_id": call.request_id, "attnserve.code": call.code,
                                  "attnserve.compute_tokens": call.times.compute_tokens,
                                  "attnserve.steps_dropped": call.times.dropped},
                    {"attnserve.model": call.model} if call.model else {})
@@ -114,7 +113,7 @@ class CallRecord:
         self.model = call_model()
         """the model the call was routed to (metrics.routed_to), "" for none"""
         self.call = current_call()
-        metrics.inflight.inc()
+        metrics.inflight.labels("").inc()
 
     def refusal(self, err: Exception) -> RequestError:
         if not isinstance(err, RequestError):
@@ -128,5 +127,5 @@ class CallRecord:
     def end(self) -> None:
         if self.call is not None:
             self.call.code, self.call.model = self.code, self.model[0] or self.call.model
-        self.metrics.inflight.dec()
+        self.metrics.inflight.labels(self.model[0]).dec()
         self.metrics.answered(self.rpc, self.code, time.perf_counter() - self.started, self.model[0])

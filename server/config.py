@@ -125,8 +125,7 @@ class ServeConfig:
                                           f"{MAX_MODELS} models")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise ConfigError(name, f"{getattr(self, name)!r} is not one of "
-                                        f"{', '.join(allowed)}")
+                raise ConfigError(name, f"{getattr(self, name)!r} is not one of {', '.join(allowed)}")
         for name in ("max_batch_tokens", "max_batch_size", "max_queue_requests", "max_queue_tokens",
                      "max_chunking_chars", "max_message_bytes", "http_max_body_bytes", "bucket_seq_multiple"):
             if getattr(self, name) < 1:
@@ -151,22 +150,14 @@ class ServeConfig:
 
 
 # What --otlp-endpoint needs installed: pip install 'attnserve[otlp]'.
-OTLP_EXTRA = "otlp"
-OTLP_MODULES = ("opentelemetry.sdk.trace",
-                "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+OTLP_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
 
 
-def missing_modules(names: tuple[str, ...]) -> list[str]:
-    """Those of `names` that cannot be imported here."""
-    missing = []
-    for name in names:
-        try:
-            found = find_spec(name) is not None
-        except ImportError:  # a parent package missing
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
+def _importable(name: str) -> bool:
+    try:
+        return find_spec(name) is not None
+    except ImportError:  # a parent package missing
+        return False
 
 
 def _check_otlp_endpoint(endpoint: str) -> None:
@@ -174,11 +165,10 @@ def _check_otlp_endpoint(endpoint: str) -> None:
     if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/"):
         raise ConfigError("otlp_endpoint", f"{endpoint!r} is not http://HOST:PORT or "
                                            "https://HOST:PORT (an OTLP/gRPC collector)")
-    missing = missing_modules(OTLP_MODULES)
+    missing = [name for name in OTLP_MODULES if not _importable(name)]
     if missing:
-        raise ConfigError("otlp_endpoint", f"needs the {OTLP_EXTRA!r} extra, which is not "
-                                           f"installed (no {missing[0]}): pip install "
-                                           f"'attnserve[{OTLP_EXTRA}]'")
+        raise ConfigError("otlp_endpoint", f"needs the 'otlp' extra, which is not installed (no "
+                                           f"{missing[0]}): pip install 'attnserve[otlp]'")
 
 
 MAX_WORKERS = 64
@@ -320,10 +310,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for field in fields(ServeConfig):
         default = "" if field.default in (MISSING, None, ()) else f"; default {field.default}"
         choices = CHOICES.get(field.name)
-        repeated = field.name in REPEATED
-        parser.add_argument(flag(field.name), default=None, action="append" if repeated else "store",
-                            metavar="{" + ",".join(choices) + "}" if choices else
-                            _METAVARS.get(field.name),
+        parser.add_argument(flag(field.name), default=None,
+                            action="append" if field.name in REPEATED else "store",
+                            metavar="{" + ",".join(choices) + "}" if choices else _METAVARS.get(field.name),
                             help=f"{_HELP[field.name]}{default} (env {env_name(field.name)})")
 
 
@@ -332,8 +321,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
     naming the flag or the variable a bad value came from."""
     environ = os.environ if environ is None else environ
     values, from_env = {}, set()
-    for field in fields(ServeConfig):
-        name = field.name
+    for name in (f.name for f in fields(ServeConfig)):
         raw = getattr(args, name)
         if raw is None or raw == "":
             raw = environ.get(env_name(name), "")
@@ -368,13 +356,8 @@ def _source(name: str, from_env: set[str]) -> str:
 
 def config_to_json(config: ServeConfig) -> str:
     """The settings, for a process the server starts itself (--workers)."""
-    def plain(value):
-        if value is None or isinstance(value, int | float | str):
-            return value
-        if isinstance(value, tuple):
-            return [[str(v.path), v.name] if isinstance(v, ModelSource) else v for v in value]
-        return str(value)
-    return json.dumps({f.name: plain(getattr(config, f.name)) for f in fields(config)})
+    return json.dumps({f.name: getattr(config, f.name) for f in fields(config)},
+                      default=lambda v: [str(v.path), v.name] if isinstance(v, ModelSource) else str(v))
 
 
 def config_from_json(text: str) -> ServeConfig:

@@ -12,8 +12,6 @@ import os
 import re
 from pathlib import Path
 
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-
 
 def status_bytes(field: str, pid: int | str = "self") -> int:
     """A /proc/PID/status figure in bytes; 0 for a process that is gone."""
@@ -149,7 +147,7 @@ def trim_heap() -> bool:
 
 def reset_high_water_mark() -> bool:
     try:
-        _CLEAR_REFS.write_text("5")
+        Path("/proc/self/clear_refs").write_text("5")
         return True
     except OSError:
         return False

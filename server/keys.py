@@ -36,7 +36,6 @@ class InFlightCounts(Protocol):
 
     def take(self, slot: int, cap: int) -> bool:
         """Count one more call unless `cap` are in flight already; whether it was counted."""
-        ...
 
     def give(self, slot: int) -> None:
         ...
@@ -56,10 +55,6 @@ class LocalCounts:
 
     def give(self, slot: int) -> None:
         self.counts[slot] -= 1
-
-
-def _nothing() -> None:
-    pass
 
 
 def read_key_file(path: Path) -> list[ApiKey]:
@@ -121,27 +116,21 @@ class ApiKeys:
         given = presented.strip().encode("utf-8", "surrogateescape")
         # Every key compared, whether or not an earlier one matched: the time taken says
         # nothing about which key, or how much of one, was right.
-        matched = None
-        for key in self.keys:
-            if hmac.compare_digest(key.secret, given) and matched is None:
-                matched = key
-        if scheme.lower() != "bearer" or matched is None:
+        matched = [key for key in self.keys if hmac.compare_digest(key.secret, given)]
+        if scheme.lower() != "bearer" or not matched:
             raise Unauthenticated("authorization: not a valid API key")
-        return matched
+        return matched[0]
 
     def admit(self, key: ApiKey | None, named: str | None, field: str) -> Callable[[], None]:
         """Set the running call's class (what the caller named in `field`, if anything, or
         its key's) and count it under its key's cap; returns what ends the count, called
         once the call has been answered. RetryLater when the key's calls are at its cap."""
         for_call(parse(named, field) if named else DEFAULT)
-        if key is None:
-            return _nothing
-        if key.priority is not None:
+        if key is not None and key.priority is not None:
             for_call(key.priority, keyed=True)
-        if not key.max_inflight:
-            return _nothing
+        if key is None or not key.max_inflight:
+            return lambda: None
         if not self.counts.take(key.slot, key.max_inflight):
-            raise RetryLater(f"authorization: this API key's calls are at its cap of "
-                             f"{key.max_inflight} in flight ({MAX_INFLIGHT}); retry after "
-                             f"{RETRY_AFTER_S} s", RETRY_AFTER_S)
+            raise RetryLater(f"authorization: this API key's calls are at its cap of {key.max_inflight} in "
+                             f"flight ({MAX_INFLIGHT}); retry after {RETRY_AFTER_S} s", RETRY_AFTER_S)
         return lambda: self.counts.give(key.slot)

@@ -23,9 +23,7 @@ class CallIds(logging.Filter):
 
 
 def setup_logging(level: str = "info") -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s%(call)s",
-    )
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s%(call)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(CallIds())

@@ -21,8 +21,7 @@ from prometheus_client.samples import Sample
 
 from attnserve.server.priority import CLASSES, Priority, of_call
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MEMORY_BUCKETS = tuple(float(1 << shift) for shift in range(20, 37, 2))  # 1 MiB .. 64 GiB
 
 
@@ -42,16 +41,6 @@ def answered_by_code(families: Iterable[Metric]) -> str:
     return ",".join(f"{code}:{n}" for code, n in sorted(counts.items())) or "none"
 
 
-def seq_len_bucket(length: int, edges: list[int]) -> str:
-    """"1-16", "17-32", ... "257-512": a bounded label for a raw length."""
-    low = 1
-    for edge in edges:
-        if length <= edge:
-            return f"{low}-{edge}"
-        low = edge + 1
-    return f"{low}-"
-
-
 # The model a call was routed to, for its request series: set by the data plane once it has
 # found the model a call names (an unknown name is never a label: the set stays bounded).
 _CALL_MODEL: ContextVar[list[str] | None] = ContextVar("attnserve_call_model", default=None)
@@ -62,27 +51,6 @@ def call_model() -> list[str]:
     cell = [""]
     _CALL_MODEL.set(cell)
     return cell
-
-
-class InFlight:
-    """Calls being handled now, by the model each was routed to: a door counts a call in
-    as it starts (`inc`, model "" until routed) and out once answered (`dec`), in the task
-    that serves it; `Metrics.routed_to` moves it to its model. With --workers each front
-    end counts its own and a scrape sums them (multiprocess mode livesum)."""
-
-    def __init__(self, gauge: Gauge):
-        self.gauge = gauge
-
-    def inc(self) -> None:
-        self.gauge.labels("").inc()
-
-    def dec(self) -> None:
-        cell = _CALL_MODEL.get()
-        self.gauge.labels(cell[0] if cell else "").dec()
-
-    def moved(self, before: str, model: str) -> None:
-        self.gauge.labels(before).dec()
-        self.gauge.labels(model).inc()
 
 
 @dataclass(eq=False)
@@ -183,9 +151,8 @@ class Metrics:
             "the call named no model the server serves) and the call's priority class.",
             ["rpc", "code", "model", "priority"])
         self.stage_duration = histogram(
-            "attnserve_stage_duration_seconds",
-            "Time per stage: queue (waiting for a batch), tokenize, inference, respond.",
-            ["model", "stage"], buckets=LATENCY_BUCKETS)
+            "attnserve_stage_duration_seconds", "Time per stage: queue (waiting for a batch), tokenize, "
+            "inference, respond.", ["model", "stage"], buckets=LATENCY_BUCKETS)
         self.batch_size = histogram("attnserve_batch_size", "Sequences per batch run.", ["model"],
                                     buckets=tuple(float(1 << i) for i in range(0, 9)))
         self.batch_tokens = histogram(
@@ -194,21 +161,21 @@ class Metrics:
         self.sequence_length = histogram("attnserve_sequence_length_tokens", "Tokens per sequence requested.",
                                          ["model"], buckets=tuple(float(e) for e in self.edges))
         self.inference_duration = histogram(
-            "attnserve_inference_duration_seconds",
-            "Backend time per batch, by padded length bucket and attention maps returned.",
-            ["model", "seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS)
+            "attnserve_inference_duration_seconds", "Backend time per batch, by padded length bucket and "
+            "attention maps returned.", ["model", "seq_len_bucket", "attention"], buckets=LATENCY_BUCKETS)
         self.batch_peak_memory = histogram(
-            "attnserve_batch_peak_memory_bytes",
-            "Peak memory a batch added over what was in use before it (see docs/memory.md).",
-            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS)
+            "attnserve_batch_peak_memory_bytes", "Peak memory a batch added over what was in use before "
+            "it (see docs/memory.md).", ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS)
         self.batch_predicted_memory = histogram(
-            "attnserve_batch_predicted_memory_bytes",
-            "The memory model's prediction for the same batches, to show drift.",
-            ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS)
-        self.inflight = InFlight(Gauge(
+            "attnserve_batch_predicted_memory_bytes", "The memory model's prediction for the same batches, "
+            "to show drift.", ["model", "seq_len_bucket", "attention"], buckets=MEMORY_BUCKETS)
+        # A door counts a call in as it starts (model "" until routed_to moves it) and out once
+        # answered (call.CallRecord), in the task that serves it. With --workers each front end
+        # counts its own and a scrape sums them (livesum).
+        self.inflight = Gauge(
             "attnserve_inflight_requests", "Requests being handled now, by the model each was "
             "routed to (empty before a call names one, and for calls that name none).",
-            ["model"], registry=counted, multiprocess_mode="livesum"))
+            ["model"], registry=counted, multiprocess_mode="livesum")
         self.queue_wait = histogram(
             "attnserve_queue_wait_seconds", "Time a request waited in its model's queue, by "
             "priority class: from queued until its last sequence started running (or was "
@@ -219,18 +186,14 @@ class Metrics:
             "inference; failed (its batch raised in inference, or the batch loop failed); and by the "
             "priority class of their call.", ["model", "reason", "priority"])
         self.unseen_shape_runs = counter(
-            "attnserve_unseen_shape_runs",
-            "Batches run at a (batch, seq) shape their graph's session had never run before "
-            "(on an H200 such a run costs ~55 ms more); with shape buckets every embeddings "
-            "shape ran in warm-up, so graph=\"embeddings\" stays 0 after it.",
-            ["model", "graph"])
+            "attnserve_unseen_shape_runs", "Batches run at a (batch, seq) shape their graph's session had "
+            "never run before (on an H200 such a run costs ~55 ms more); with shape buckets every "
+            "embeddings shape ran in warm-up, so graph=\"embeddings\" stays 0 after it.", ["model", "graph"])
         self.memory_waits = counter(
-            "attnserve_memory_waits", "Times a model's next batch was held back because it would not "
-            "fit in the memory budget beside the batches in flight (its own model's or another's).",
-            ["model"])
-        self.worker_deaths = counter(
-            "attnserve_worker_deaths",
-            "Front-end processes (--workers) that died without draining; each is started again.")
+            "attnserve_memory_waits", "Times a model's next batch was held back because it would not fit in "
+            "the memory budget beside the batches in flight (its own model's or another's).", ["model"])
+        self.worker_deaths = counter("attnserve_worker_deaths", "Front-end processes (--workers) that died "
+                                     "without draining; each is started again.")
         self.live = Live()
         self.registry.register(self.live)
 
@@ -247,8 +210,15 @@ class Metrics:
         place in the in-flight gauge say so from here on (outside a call: nothing)."""
         cell = _CALL_MODEL.get()
         if cell is not None and cell[0] != model:
-            self.inflight.moved(cell[0], model)
+            self.inflight.labels(cell[0]).dec()
+            self.inflight.labels(model).inc()
             cell[0] = model
 
     def bucket(self, length: int) -> str:
-        return seq_len_bucket(length, self.edges)
+        """"1-16", "17-32", ... "257-512": a bounded label for a raw length."""
+        low = 1
+        for edge in self.edges:
+            if length <= edge:
+                return f"{low}-{edge}"
+            low = edge + 1
+        return f"{low}-"

@@ -38,8 +38,7 @@ class MetricsThread:
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             try:
-                self.port = self.loop.run_until_complete(self.listener.start(self.host,
-                                                                             self.requested))
+                self.port = self.loop.run_until_complete(self.listener.start(self.host, self.requested))
             except BaseException as err:  # noqa: BLE001 - reported to the starting thread
                 failed.append(err)
                 return

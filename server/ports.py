@@ -21,7 +21,6 @@ class Ports:
         self.keys = ApiKeys(config.api_key, config.api_key_file, key_counts)
         self.tracing = tracing_for(config.otlp_endpoint)
         self.grpc = GrpcServer(config, metrics, self.keys, self.tracing)
-        self.credentials = self.grpc.credentials
         self.port = self.http_port = self.metrics_port = 0
 
     async def start(self, plane: DataPlane, requests_pool, shared_ports: bool = False,

@@ -1,22 +1,12 @@
-"""The batch loop: forms batches from the request queue, pads them to the shape the backend
-runs them at, runs them on the inference threads through the backend, and hands each
-sequence its slice of the output.
-
-Each batch grows from the sequence the queue's priority rule names (RequestQueue.first)
-and groups sequences of its class of similar length (its sorted neighbours) so little
-padding is computed, under caps on sequences, padded tokens and predicted peak memory.
-How no interactive request waits long behind bulk work (a lower class's batch cut to
---bulk-batch-ms while interactive work is arriving, RequestQueue.top_arriving; a formed one
-put back; an interactive batch run on a thread of its own beside the bulk batch running,
-where the backend allows it, Backend.beside) is docs/operations.md#priority-classes. Up to
-the backend's `max_in_flight` batches are handed to the inference threads at once: while
-they run, the next is formed, padded and queued behind them, so no inference thread waits
-on the event loop; the batches in flight hold their predicted memory together against the
-budget. A batch brings back from the backend only the outputs its requests need (the
-union of theirs). A request that names token spans of its sequences (late chunking, a
-vector that leaves out a prompt) gets each span's mean embedding, pooled on the inference
-thread: the batch brings back the token embeddings for it, and the request keeps them
-only if it asked for them too.
+"""The batch loop: forms batches from the request queue, each grown from the sequence
+RequestQueue.first names with its nearest neighbours in length of its class, pads them to
+the shape the backend runs them at, runs up to the backend's `max_in_flight` of them on
+the inference threads, forming the next while they run, and hands each sequence its slice
+of the output (docs/architecture.md#a-request-thread-by-thread; how no interactive request
+waits long behind bulk work: docs/operations.md#priority-classes). A batch brings back
+only the outputs its requests need, and the token embeddings where a request names token
+spans (late chunking, a vector that leaves out a prompt), whose means are pooled on the
+inference thread; each request keeps only what it asked for.
 """
 
 import asyncio
@@ -68,17 +58,18 @@ SMALL_MEASURE_EVERY = 16
 def pad(items: list[Waiting], shape: Shape,
         pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(input_ids, attention_mask, token_type_ids) of `shape`, one sequence a row from the
-    left, its first `attended` tokens unmasked, token type 1 from its second segment to its
-    end (no token types when no sequence has a second segment); rows past the sequences
-    are all padding, masked out."""
+    left, its first `attended` (Submission.attended) tokens unmasked, token type 1 from its
+    second segment to its end (no token types when no sequence has a second segment); rows
+    past the sequences are all padding, masked out."""
     ids = np.full(shape, pad_id, dtype=np.int64)
     mask = np.zeros(shape, dtype=np.int64)
     types = None if all(w.job.segments is None for w in items) else np.zeros(shape, dtype=np.int64)
     for row, w in enumerate(items):
-        ids[row, :w.length] = w.sequence
-        mask[row, :w.attended] = 1
-        if types is not None and (start := w.segment) is not None:
-            types[row, start:w.length] = 1
+        job, i = w.job, w.index
+        ids[row, :w.length] = job.sequences[i]
+        mask[row, :w.length if job.attended is None else job.attended[i]] = 1
+        if types is not None and job.segments is not None:
+            types[row, job.segments[i]:w.length] = 1
     return ids, mask, types
 
 
@@ -111,8 +102,7 @@ class Batch:
 
     @property
     def live(self) -> bool:
-        """Not every sequence dropped while it waited, nor put back (such a batch never
-        runs)."""
+        """Not every sequence dropped while it waited, nor put back (such a batch never runs)."""
         return any(w.state is not State.DROPPED for w in self.items)
 
 
@@ -183,20 +173,13 @@ class BatchLoop:
                 return False
         return self._need(batch, layers) <= self.memory.room()
 
-    def cut(self, first: Waiting) -> float | None:
-        """The most a batch growing from `first` may be predicted to take: --bulk-batch-ms
-        for a lower class while interactive work is arriving; None: no cut."""
-        if (first.job.priority is CLASSES[0] or not self.limits.bulk_batch_s
-                or not self.queue.top_arriving(time.monotonic())):
-            return None
-        return self.limits.bulk_batch_s
-
     def next_batch(self, oldest: Waiting) -> list[Waiting]:
         """The sequence the batch grows from (RequestQueue.first) and its nearest
-        neighbours in length of its class, shortest first, cut while interactive work is
-        arriving (`cut`)."""
-        layers = len(oldest.job.layers)
-        cut_s = self.cut(oldest)
+        neighbours in length of its class, shortest first; of a lower class while
+        interactive work is arriving, cut to what --bulk-batch-ms predicts."""
+        layers, bulk_s = len(oldest.job.layers), self.limits.bulk_batch_s
+        cut_s = (bulk_s if bulk_s and oldest.job.priority is not CLASSES[0]
+                 and self.queue.top_arriving(time.monotonic()) else None)
         same = self.queue.neighbours(oldest, self.limits.max_batch_size - 1)
         lo = hi = next(i for i, w in enumerate(same) if w is oldest)
         while True:
@@ -214,10 +197,9 @@ class BatchLoop:
         return [b for b in self.in_flight if b.live]
 
     def _form(self, oldest: Waiting) -> Batch | None:
-        """The next batch, grown from `oldest` (RequestQueue.first), taken out of the
-        queue and padded; None while it would not fit in the memory budget beside the
-        batches in flight, this model's and the others' (it waits for them instead of
-        running smaller)."""
+        """The next batch, grown from `oldest` (RequestQueue.first), taken out of the queue and padded; None
+        while it would not fit in the memory budget beside the batches in flight, this model's and the others'
+        (it waits for them instead of running smaller)."""
         items = self.next_batch(oldest)
         layers = oldest.job.layers
         need = self._need(items, len(layers))
@@ -380,10 +362,9 @@ class BatchLoop:
     # --- the loop --------------------------------------------------------------------
 
     def _fill(self) -> None:
-        """Hand batches over until the backend has as many as it can use, or none is left
-        to form. A batch of the highest class runs on the beside thread while a batch of a
-        lower class is in flight (waiting for that thread, if its last batch still runs,
-        rather than behind the lower class's)."""
+        """Hand batches over until the backend has as many as it can use, or none is left to form. A batch of
+        the highest class runs on the beside thread while a batch of a lower class is in flight (waiting for
+        that thread, if its last batch still runs, rather than behind the lower class's)."""
         self.queue.drop_expired()
         self._put_back_outranked()
         while (first := self.queue.first()) is not None:

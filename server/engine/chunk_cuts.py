@@ -30,8 +30,7 @@ import numpy as np
 from attnserve.server.engine.tokenize import TextTokens
 
 INSIDE_CHARACTER, INSIDE_WORD, WORD_PIECE, WORD, SENTENCE = 0, 1, 2, 3, 4
-# Characters of scripts written without spaces between words: every one is a word
-# boundary.
+# Characters of scripts written without spaces between words: every one is a word boundary.
 SPACELESS = ((0x3000, 0x30FF),  # CJK symbols and punctuation, hiragana, katakana
              (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF),  # CJK ideographs
              (0xFF00, 0xFFEF),  # full-width forms (，！？)
@@ -56,8 +55,7 @@ def _spaceless(code_points: np.ndarray) -> np.ndarray:
 
 
 def cut_levels(text: str, tokens: TextTokens) -> np.ndarray:
-    """int8 [n + 1]: the level of a cut before token i (0 and n, the text's edges, are
-    SENTENCE)."""
+    """int8 [n + 1]: the level of a cut before token i (0 and n, the text's edges, are SENTENCE)."""
     n = len(tokens.ids)
     levels = np.zeros(n + 1, dtype=np.int8)
     levels[[0, n]] = SENTENCE
@@ -89,8 +87,7 @@ def chunk_bounds(levels: np.ndarray, max_tokens: int) -> np.ndarray:
     """int64 token positions 0 = b0 < b1 < … < bk = n: chunk i is tokens [b_i, b_{i+1})."""
     n = len(levels) - 1
     # Per level, highest first, the positions where a cut may fall at it or above.
-    allowed = [np.flatnonzero(levels >= level)
-               for level in (SENTENCE, WORD, WORD_PIECE, INSIDE_WORD)]
+    allowed = [np.flatnonzero(levels >= level) for level in (SENTENCE, WORD, WORD_PIECE, INSIDE_WORD)]
     bounds, start = [0], 0
     while start < n:
         reach = start + max_tokens
@@ -144,9 +141,8 @@ def cut(text: str, tokens: TextTokens, max_tokens: int) -> Chunks:
 
 
 def default_overlap(max_tokens: int, width: int) -> int:
-    """CONTEXT_TOKENS on both sides of every chunk, at most half a window (the windows
-    then cost at most twice the text), and never under max_tokens - 1 (every chunk lies
-    whole in a window)."""
+    """CONTEXT_TOKENS on both sides of every chunk, at most half a window (the windows then cost at most twice
+    the text), and never under max_tokens - 1 (every chunk lies whole in a window)."""
     return max(max_tokens - 1, min(max_tokens - 1 + 2 * CONTEXT_TOKENS, width // 2))
 
 

@@ -92,8 +92,7 @@ class TextPlan:
         return [np.concatenate((head, ids[start:end], tail)) for start, end in self._ranges().tolist()]
 
     def spans(self, head: int) -> list[np.ndarray]:
-        """LATE: per window, its chunks' token ranges in the sequence run (after `head`
-        special tokens)."""
+        """LATE: per window, its chunks' token ranges in the sequence run (after `head` special tokens)."""
         bounds = self.chunks.bounds
         return [np.column_stack((bounds[chunks], bounds[chunks + 1])) - start + head
                 for (start, _), chunks in zip(self.windows.tolist(), self.pooled_from, strict=True)]
@@ -122,11 +121,9 @@ async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Promp
     queue from the tokens of every window, the memory budget from the longest."""
     names, texts, chunking = request.names, request.texts, request.chunking
     if request.token_ids:
-        raise InvalidArgument(names.chunking, "chunking cuts texts into chunks: send texts, "
-                              "not token ids")
+        raise InvalidArgument(names.chunking, "chunking cuts texts into chunks: send texts, not token ids")
     tokenizer = model.tokenizer
-    head = tokenizer.head_ids if prompt is None else np.concatenate((tokenizer.head_ids,
-                                                                     prompt.ids))
+    head = tokenizer.head_ids if prompt is None else np.concatenate((tokenizer.head_ids, prompt.ids))
     specials = len(head) + len(tokenizer.tail_ids)
     width = model.manifest.max_positions - specials  # a window's tokens, specials aside
     overlap = window_overlap(chunking, names, width)
@@ -193,14 +190,12 @@ def _sequences(plans: list[TextPlan], late: bool, head: np.ndarray, tail: np.nda
 
 def _chunk_vectors(plans: list[TextPlan], counts: list[int], results: list[SequenceResult],
                    pooled: str, normalize: bool, dimensions: int, size: int) -> list[ChunkedText]:
-    """Each text's chunks and their vectors (`size` wide), cut to `dimensions` (0: whole);
-    `counts`: the sequences each plan ran; `pooled`: the graph output ISOLATED chunks
-    come with."""
+    """Each text's chunks and their vectors (`size` wide), cut to `dimensions` (0: whole); `counts`: the
+    sequences each plan ran; `pooled`: the graph output ISOLATED chunks come with."""
     out, at = [], 0
     for plan, count in zip(plans, counts, strict=True):
         vectors = to_dimensions(plan.vectors(results[at:at + count], pooled, normalize, size),
                                 dimensions, normalize)
-        out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans, plan.chunks.token_counts,
-                               vectors))
+        out.append(ChunkedText(len(plan.tokens.ids), plan.chunks.spans, plan.chunks.token_counts, vectors))
         at += count
     return out

@@ -1,8 +1,7 @@
-"""Texts, alone or in pairs, through a sequence classifier: every label's score of each,
-from one batched run of the scores graph. The activation is the model's (its
-problem_type's: softmax over the labels, a sigmoid each, or none for regression) unless
-the request names one (none: the logits, raw scores); how many labels a door answers, and
-in what order, is the door's."""
+"""Texts, alone or in pairs, through a sequence classifier: every label's score of each, from one batched run
+of the scores graph. The activation is the model's (its problem_type's: softmax over the labels, a sigmoid
+each, or none for regression) unless the request names one (none: the logits, raw scores); how many labels a
+door answers, and in what order, is the door's."""
 
 import numpy as np
 
@@ -10,13 +9,7 @@ from attnserve.artifact import CLASSIFIER, LOGITS_OUTPUT, RERANKER
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import TEXT_CHAR_S, TEXT_S, cost
 from attnserve.server.engine.pairs import sigmoid
-from attnserve.server.engine.requests import (
-    Classified,
-    ClassifyRequest,
-    Submission,
-    check_cut,
-    lengths_of,
-)
+from attnserve.server.engine.requests import Classified, ClassifyRequest, Submission, check_cut, lengths_of
 from attnserve.server.engine.tokenize import TooLong
 from attnserve.server.errors import InvalidArgument
 from attnserve.server.memory.ledger import Holds
@@ -24,8 +17,7 @@ from attnserve.server.memory.ledger import Holds
 
 async def classify(model: ServedModel, request: ClassifyRequest, holds: Holds,
                    deadline: float | None) -> Classified:
-    model.check_serving()
-    model.require((CLASSIFIER, RERANKER), "classification")
+    model.require("classification", CLASSIFIER, RERANKER)
     names = request.names
     count = len(request.texts)
     if not count:

@@ -1,6 +1,5 @@
-"""Texts and token ids through an embedding model: each sequence's vectors (`embed`; a
-chunked request goes to chunked.py), each text's tokens (`tokenize`), and ids back to
-text (`decode`)."""
+"""Texts and token ids through an embedding model: each sequence's vectors (`embed`; a chunked request goes to
+chunked.py), each text's tokens (`tokenize`), and ids back to text (`decode`)."""
 
 from collections.abc import Sequence
 
@@ -28,8 +27,7 @@ from attnserve.server.memory.ledger import Holds
 
 async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
                 deadline: float | None) -> Embedded:
-    model.check_serving()
-    model.require(EMBEDDER, "embedding")
+    model.require("embedding", EMBEDDER)
     names = request.names
     count = len(request.texts) or len(request.token_ids)
     if not count:
@@ -47,9 +45,8 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
     dimensions = _dimensions(model, request)
     if request.chunking is not None:
         return await embed_chunked(model, request, prompt, dimensions, holds, deadline)
-    # The cheap bounds first, from the count of sequences alone (each has at least an
-    # empty text's tokens, or one id): a request that cannot be served is refused before
-    # any text is tokenized or any id read.
+    # The cheap bounds first, from the count of sequences alone (each has at least an empty text's tokens, or
+    # one id): a request that cannot be served is refused before any text is tokenized or any id read.
     least = len(model.tokenizer.empty.ids) if texts else 1
     model.scheduler.admit(count * least, at_least=True)
     request.size.check(np.full(count, least), at_least=True)
@@ -99,10 +96,9 @@ def _dimensions(model: ServedModel, request: EmbedRequest) -> int:
 
 def _read_ids(model: ServedModel, token_ids: Sequence[Sequence[int]], truncate: bool,
               names: Fields) -> tuple[list[np.ndarray], np.ndarray]:
-    """Caller-supplied ids, taken as they are (the caller adds special tokens), and their
-    lengths: a Python loop over the sequences, which lets the interpreter go between them.
-    A sequence longer than the model takes is refused, or only its first max_positions
-    ids are read."""
+    """Caller-supplied ids, taken as they are (the caller adds special tokens), and their lengths: a Python
+    loop over the sequences, which lets the interpreter go between them. A sequence longer than the model
+    takes is refused, or only its first max_positions ids are read."""
     limit = model.manifest.max_positions
     sequences = []
     for i, entry in enumerate(token_ids):
@@ -119,8 +115,7 @@ def _read_ids(model: ServedModel, token_ids: Sequence[Sequence[int]], truncate: 
 
 def _vocabulary_ids(model: ServedModel, entry: Sequence[int], index: int,
                     names: Fields) -> np.ndarray:
-    """Sequence `index`'s ids as int64, refused (naming the first) where one lies outside
-    the vocabulary."""
+    """Sequence `index`'s ids as int64, refused (naming the first) where one lies outside the vocabulary."""
     vocab = model.manifest.vocab_size
     try:
         ids = np.asarray(entry, dtype=np.int64)
@@ -135,8 +130,7 @@ def _vocabulary_ids(model: ServedModel, entry: Sequence[int], index: int,
 
 
 async def tokenize(model: ServedModel, request: TokenizeRequest, holds: Holds) -> list[Encoded]:
-    """Ids, tokens, character offsets and special-token flags of each text; the door
-    holds its response."""
+    """Ids, tokens, character offsets and special-token flags of each text; the door holds its response."""
     model.check_serving()
     if not request.texts:
         raise InvalidArgument(request.names.sequences, "empty: send at least one text")

@@ -1,11 +1,9 @@
-"""One served model, protocol-neutral, and the steps every call to it shares: readiness,
-the cheap bounds before any work (entry counts, queue room, the response's size),
-tokenizing or reading ids, the memory budget and the call's holds, the deadline, and what
-runs inline or on a pool (offload.py). Each of the model's jobs is a module of its own
-(engine/__init__.py names them); a model asked for a job of another kind refuses it,
-naming what it is. It hands sequences to its scheduler (the request queue
-and batch loop in this process, or the engine process's with `--workers`) and gets back
-each sequence's share of a batch's outputs."""
+"""One served model, protocol-neutral, and the steps every call to it shares: readiness, the cheap bounds
+before any work (entry counts, queue room, the response's size), tokenizing or reading ids, the memory budget
+and the call's holds, the deadline, and what runs inline or on a pool (offload.py). Each of the model's jobs
+is a module of its own (engine/__init__.py names them); a model asked for a job of another kind refuses it,
+naming what it is. It hands sequences to its scheduler (the request queue and batch loop in this process, or
+the engine process's with `--workers`) and gets back each sequence's share of a batch's outputs."""
 
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -23,12 +21,7 @@ from attnserve.artifact import (
 from attnserve.server.engine import timings
 from attnserve.server.engine.offload import POOLED_S, SPAN_S, TEXT_CHAR_S, TEXT_S, Offload, cost
 from attnserve.server.engine.pooling import POOLED, finish, prompt_spans
-from attnserve.server.engine.requests import (
-    ModelInfo,
-    Submission,
-    TensorInfo,
-    TruncationDirection,
-)
+from attnserve.server.engine.requests import ModelInfo, Submission, TensorInfo, TruncationDirection
 from attnserve.server.engine.tokenize import Encoded, Prompt, TextTokenizer, TooLong
 from attnserve.server.errors import InvalidArgument, Unavailable, quote
 from attnserve.server.memory.budget import ModelMemory
@@ -39,15 +32,19 @@ from attnserve.server.runtime.backend import Placement, SequenceResult
 ALL_ATTENTIONS = "attentions"
 """the output holding every layer's attention maps, stacked: [layers, batch, heads, seq, seq]"""
 T = TypeVar("T")
-NOT_SERVING = ("server is not serving (starting, or draining): send the request to another "
-               "replica")
+NOT_SERVING = "server is not serving (starting, or draining): send the request to another replica"
 KINDS_SAID = {EMBEDDER: ("an embedding model", "it embeds texts and scores texts against a "
                                                "query from their vectors"),
               RERANKER: ("a reranker (a cross-encoder)", "it scores (query, text) pairs"),
               CLASSIFIER: ("a classifier", "it scores every label of a text or a pair of texts")}
 """kind -> (what it is, what it does), as a refusal says them"""
-# A refusal names at most this many of a model's prompts.
-PROMPTS_LISTED = 16
+# A refusal names at most this many of a server's models or of a model's prompts.
+LISTED = 16
+
+
+def listed(names: list[str]) -> str:
+    more = len(names) - LISTED
+    return ", ".join(map(repr, names[:LISTED])) + (f" and {more} more" if more > 0 else "")
 
 
 class Scheduler(Protocol):
@@ -56,7 +53,6 @@ class Scheduler(Protocol):
 
     def admit(self, tokens: int, at_least: bool = False) -> None:
         """Refuse (ResourceExhausted, Unavailable) a request the queue has no room for."""
-        ...
 
     async def submit(self, submission: Submission) -> list[SequenceResult]:
         ...
@@ -74,9 +70,8 @@ class ServedModel:
         self.tokenizer, self.scheduler, self.memory = tokenizer, scheduler, memory
         self.offload, self.metrics, self.placement = offload, metrics, placement
         self.serving, self.max_chunking_chars = serving, max_chunking_chars
-        self.default_prompt = default_prompt
+        self.default_prompt, self.kind = default_prompt, artifact.manifest.kind
         m = self.manifest
-        self.kind = m.kind
         self.dimensions = sorted({m.embedding_size, *m.matryoshka_dims}, reverse=True)
         """the sizes a pooled vector may be cut to"""
         if m.kind in SCORERS:
@@ -84,23 +79,21 @@ class ServedModel:
         else:
             self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
             self.output_layers |= {attention_output(i): (i,) for i in range(m.num_layers)}
-        """each tensor output the model answers raw tensor requests with -> the attention
-        layers it needs"""
+        """each tensor output the model answers raw tensor requests with -> the attention layers it needs"""
 
     def check_serving(self) -> None:
         """New work only while serving: UNAVAILABLE before warm-up ends and while draining."""
         if not self.serving():
             raise Unavailable(NOT_SERVING)
 
-    def require(self, kinds: str | tuple[str, ...], operation: str) -> None:
-        """Refuse an operation that a model of another kind does not serve, naming the
-        model's kind."""
-        kinds = (kinds,) if isinstance(kinds, str) else kinds
+    def require(self, operation: str, *kinds: str) -> None:
+        """Refuse an operation while not serving (check_serving), and one that a model of
+        another kind does not serve, naming the model's kind."""
+        self.check_serving()
         if self.kind not in kinds:
             what, does = KINDS_SAID[self.kind]
             takes = " or ".join(KINDS_SAID[kind][0] for kind in kinds)
-            raise InvalidArgument("model", f"{self.name!r} is {what}: {does}; {operation} takes "
-                                  f"{takes}")
+            raise InvalidArgument("model", f"{self.name!r} is {what}: {does}; {operation} takes {takes}")
 
     def hold_response(self, holds: Holds, size: int, on_top: float = 0.0) -> None:
         """Hold a response of `size` bytes (several times over: see RESPONSE_COPIES) until
@@ -121,15 +114,11 @@ class ServedModel:
             return self.tokenizer.prompts[self.default_prompt] if texts and self.default_prompt else None
         prompts = self.tokenizer.prompts
         if name not in prompts:
-            known = list(prompts)
-            listed = ", ".join(map(repr, known[:PROMPTS_LISTED])) + (
-                f" and {len(known) - PROMPTS_LISTED} more" if len(known) > PROMPTS_LISTED else "")
             raise InvalidArgument("prompt_name", f"{quote(name)} is not a prompt of "
-                                  f"{self.name!r}; " + (f"its prompts: {listed}" if known else
-                                                        "it has none"))
+                                  f"{self.name!r}; " + (f"its prompts: {listed(list(prompts))}"
+                                                        if prompts else "it has none"))
         if not texts:
-            raise InvalidArgument("prompt_name", "a prompt goes before texts: token ids are "
-                                  "run as sent")
+            raise InvalidArgument("prompt_name", "a prompt goes before texts: token ids are run as sent")
         return prompts[name]
 
     @staticmethod
@@ -195,15 +184,21 @@ class ServedModel:
                                        pooling is not None, dimensions)
         return results
 
+    def output_shape(self, name: str, layers: tuple[int, ...], batch: int, seq: int) -> tuple[int, ...]:
+        """Tensor output `name`'s shape (-1: an axis of any size) with `layers` asked for."""
+        m = self.manifest
+        if name == LOGITS_OUTPUT:
+            return batch, len(m.labels)
+        if name == HIDDEN_OUTPUT:
+            return batch, seq, m.hidden_size
+        if name == ALL_ATTENTIONS:
+            return len(layers), batch, m.num_heads, seq, seq
+        return batch, m.num_heads, seq, seq
+
     def model_info(self) -> ModelInfo:
         m = self.manifest
-        if self.kind in SCORERS:
-            outputs = [TensorInfo(LOGITS_OUTPUT, "FP32", (-1, len(m.labels)))]
-        else:
-            outputs = [TensorInfo(HIDDEN_OUTPUT, "FP32", (-1, -1, m.hidden_size)),
-                       TensorInfo(ALL_ATTENTIONS, "FP32", (m.num_layers, -1, m.num_heads, -1, -1))]
-            outputs += [TensorInfo(attention_output(i), "FP32", (-1, m.num_heads, -1, -1))
-                        for i in range(m.num_layers)]
+        outputs = [TensorInfo(name, "FP32", self.output_shape(name, layers, -1, -1))
+                   for name, layers in self.output_layers.items()]
         return ModelInfo(
             model=self.name, hidden_size=m.hidden_size, num_layers=m.num_layers,
             num_heads=m.num_heads, max_positions=m.max_positions, vocab_size=m.vocab_size,

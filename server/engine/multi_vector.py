@@ -1,13 +1,12 @@
-"""Texts through a model with a multi-vector (ColBERT) head: each text's vectors, one a
-token it keeps, as the checkpoint's library makes them.
+"""Texts through a model with a multi-vector (ColBERT) head: each text's vectors, one a token it keeps, as the
+checkpoint's library makes them.
 
-A ColBERT checkpoint (PyLate's, sentence-transformers' MultiVectorEncoder) tokenizes a
-query and a document each its own way (artifact.MultiVectorInput): a marker before the
-text, a length it is cut to (the closing special token kept), and for a query, expansion
-to a fixed length with the mask token, whose positions return vectors too, attended to
-or masked as padding is. A document's punctuation (its skiplist) returns none. bge-m3
-tokenizes every text alike and leaves out its [CLS]'s vector. The vectors come back from
-the graph at every position; which ones a caller gets is decided here."""
+A ColBERT checkpoint (PyLate's, sentence-transformers' MultiVectorEncoder) tokenizes a query and a document
+each its own way (artifact.MultiVectorInput): a marker before the text, a length it is cut to (the closing
+special token kept), and for a query, expansion to a fixed length with the mask token, whose positions return
+vectors too, attended to or masked as padding is. A document's punctuation (its skiplist) returns none. bge-m3
+tokenizes every text alike and leaves out its [CLS]'s vector. The vectors come back from the graph at every
+position; which ones a caller gets is decided here."""
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass

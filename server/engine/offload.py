@@ -40,12 +40,10 @@ COPY_BYTE_S = 0.05e-9
 FLOAT_TEXT_S = 0.02e-6
 """writing one float as JSON text (orjson)"""
 CUT_CHAR_S = 0.3e-6
-"""cutting one character of a tokenized text into chunks (server/engine/chunk_cuts.py); at
-its worst, CJK text cut into 8-token chunks (0.28 µs; English into 128-token chunks:
-0.05 µs), measured on a 2-core Intel Xeon"""
+"""cutting one character of a tokenized text into chunks (server/engine/chunk_cuts.py); at its worst, CJK text
+cut into 8-token chunks (0.28 µs; English into 128-token chunks: 0.05 µs), measured on a 2-core Intel Xeon"""
 CHUNK_S = 5e-6
-"""planning one chunk: its window, its sequence or span, its vector (3.2 µs, on the same
-Xeon)"""
+"""planning one chunk: its window, its sequence or span, its vector (3.2 µs, on the same Xeon)"""
 MAXSIM_S = 2e-9
 """MaxSim: one query token against one text token, per hidden dimension (a float32 matmul
 at 0.5 GFLOP/s: an estimate, not measured)"""

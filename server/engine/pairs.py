@@ -1,8 +1,7 @@
-"""Texts scored against a query: by a reranker (a cross-encoder), each (query, text) pair
-one sequence batched with every other of its model, scored by its classifier
-(`rerank`); or by an embedding model, from the vectors of the query and each text (cosine
-of pooled vectors, MaxSim of token vectors: `score`). The scores, and the ranking every
-rerank route returns, are computed here from the outputs."""
+"""Texts scored against a query: by a reranker (a cross-encoder), each (query, text) pair one sequence batched
+with every other of its model, scored by its classifier (`rerank`); or by an embedding model, from the vectors
+of the query and each text (cosine of pooled vectors, MaxSim of token vectors: `score`). The scores, and the
+ranking every rerank route returns, are computed here from the outputs."""
 
 from collections.abc import Sequence
 
@@ -34,8 +33,7 @@ async def rerank(model: ServedModel, request: RerankRequest, holds: Holds,
                  deadline: float | None) -> Reranked:
     """Each (query, text) pair one sequence, scored by the classifier's one label (its
     sigmoid, or its logit with raw_scores); the texts ranked by score."""
-    model.check_serving()
-    model.require(RERANKER, "rerank")
+    model.require("rerank", RERANKER)
     names, labels = request.names, model.manifest.labels
     if len(labels) != 1:
         raise InvalidArgument("model", f"{model.name!r} has {len(labels)} labels "
@@ -88,8 +86,7 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
                 deadline: float | None) -> Scored:
     """The query and each text embedded (pooled vectors for COSINE, every token's for
     MAXSIM, which never leave the server), each text scored against the query."""
-    model.check_serving()
-    model.require(EMBEDDER, "scoring")
+    model.require("scoring", EMBEDDER)
     names = request.names
     _check_pairs(request.query, request.texts, names)
     count = len(request.texts)
@@ -118,34 +115,30 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
         lengths = lengths_of(ids)
     else:
         sides = [query_side, head.document]
-        query = await multi_vector.tokenize(model, [request.query], "query", query_side,
-                                            field_of, holds)
+        query = await multi_vector.tokenize(model, [request.query], "query", query_side, field_of, holds)
         texts = await multi_vector.tokenize(model, request.texts, "document", head.document,
                                             lambda i: field_of(i + 1), holds)
         ids = query.ids + texts.ids
         lengths = np.concatenate([query.lengths, texts.lengths])
         attended = np.concatenate([query.attended, texts.attended])
     size = request.size.check(lengths[1:])
-    if head is not None:
-        results = await model.run(Submission(ids, lengths, deadline=deadline,
-                                             outputs=frozenset({MULTI_VECTOR_OUTPUT}),
-                                             attended=attended), field_of, size, holds,
-                                  kept_bytes=4 * head.dim * int(lengths.sum()))
-        multi_vector.keep(model, results[:1], ids[:1], sides[0])
-        multi_vector.keep(model, results[1:], ids[1:], sides[1])
-        vectors = [r.pooled[MULTI_VECTOR_OUTPUT] for r in results]
-        work = MAXSIM_S * head.dim * int(lengths[0]) * int(lengths[1:].sum())
-        scores = await model.offload.response(work, multi_vector.maxsim, vectors[0], vectors[1:],
-                                              head.similarity == "meanmaxsim")
-    elif request.mode is ScoreMode.MAXSIM:
-        hidden = model.manifest.hidden_size
+    if request.mode is ScoreMode.MAXSIM:
+        outputs, dim = ((HIDDEN_ONLY, model.manifest.hidden_size) if head is None
+                        else (frozenset({MULTI_VECTOR_OUTPUT}), head.dim))
         # Every token's vector (float32) is kept until the texts are scored.
-        results = await model.run(Submission(ids, lengths, deadline=deadline,
-                                             outputs=HIDDEN_ONLY), field_of, size, holds,
-                                  kept_bytes=4 * hidden * int(lengths.sum()))
-        work = MAXSIM_S * hidden * int(lengths[0]) * int(lengths[1:].sum())
-        scores = await model.offload.response(work, maxsim, results[0].hidden,
-                                              [r.hidden for r in results[1:]])
+        results = await model.run(Submission(ids, lengths, deadline=deadline, outputs=outputs,
+                                             attended=attended), field_of, size, holds,
+                                  kept_bytes=4 * dim * int(lengths.sum()))
+        work = MAXSIM_S * dim * int(lengths[0]) * int(lengths[1:].sum())
+        if head is None:
+            scores = await model.offload.response(work, maxsim, results[0].hidden,
+                                                  [r.hidden for r in results[1:]])
+        else:
+            multi_vector.keep(model, results[:1], ids[:1], sides[0])
+            multi_vector.keep(model, results[1:], ids[1:], sides[1])
+            vectors = [r.pooled[MULTI_VECTOR_OUTPUT] for r in results]
+            scores = await model.offload.response(work, multi_vector.maxsim, vectors[0], vectors[1:],
+                                                  head.similarity == "meanmaxsim")
     else:
         name = pooled_output(model.manifest.default_pooling, True)
         results = await model.run_pooled(Submission(ids, lengths, deadline=deadline,
@@ -158,14 +151,8 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:
-    """1 / (1 + e^-x), without overflow for large negative x."""
-    x = logits.astype(np.float64)
-    out = np.empty_like(x)
-    positive = x >= 0
-    out[positive] = 1 / (1 + np.exp(-x[positive]))
-    e = np.exp(x[~positive])
-    out[~positive] = e / (1 + e)
-    return out.astype(np.float32)
+    """1 / (1 + e^-x), as e^-log(1 + e^-x): without overflow for large negative x."""
+    return np.exp(-np.logaddexp(0.0, -logits.astype(np.float64))).astype(np.float32)
 
 
 def ranking(scores: np.ndarray, top_n: int | None) -> np.ndarray:

@@ -1,25 +1,22 @@
-"""The data plane: the registry of the models a server holds, and what every call shares,
-behind every door (as KServe's DataPlane over its ModelRepository). A door asks it for a
-model by the name a request gives (`model`); no door checks names itself. `build_plane`
-assembles it, the same for a server of one process, a front end of a server with
---workers (the engine process's queues) and the tests."""
+"""The data plane: the registry of the models a server holds, and what every call shares, behind every door
+(as KServe's DataPlane over its ModelRepository). A door asks it for a model by the name a request gives
+(`model`); no door checks names itself. `build_plane` assembles it, the same for a server of one process, a
+front end of a server with --workers (the engine process's queues) and the tests."""
 
 import asyncio
 from collections.abc import Callable
 
 from attnserve.server.config import ServeConfig
-from attnserve.server.engine.model import NOT_SERVING, Scheduler, ServedModel
+from attnserve.server.engine.model import Scheduler, ServedModel, listed
 from attnserve.server.engine.offload import Offload
 from attnserve.server.engine.registry import NamedArtifact
 from attnserve.server.engine.tokenize import TextTokenizer
-from attnserve.server.errors import NotFound, Unavailable, quote
+from attnserve.server.errors import NotFound, quote
 from attnserve.server.memory.budget import MemoryBudget, ModelMemory
 from attnserve.server.memory.ledger import Holds, trim_after
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import Placement
 
-# A NOT_FOUND lists at most this many of the models served.
-NAMES_LISTED = 16
 # A request is held this many times over while its call lasts: the bytes received, the
 # parsed message or JSON, and the Python objects made from it (texts as str, ids as arrays).
 REQUEST_COPIES = 3
@@ -37,29 +34,21 @@ class DataPlane:
         self.memory, self.offload, self.metrics, self.serving = memory, offload, metrics, serving
 
     def model(self, name: str | None, field: str = "model", kind: str | None = None) -> ServedModel:
-        """The model a request names (`field`, as the door calls it; empty: the default, or
-        the first model of `kind` where one is served). The call's metrics carry its name
-        from here on."""
+        """The model a request names (`field`, as the door calls it; empty: the default, or the first model of
+        `kind` where one is served). The call's metrics carry its name from here on."""
         if name:
             model = self.models.get(name)
         else:
             model = next((m for m in self.models.values() if m.kind == kind), self.default)
         if model is None:
-            raise NotFound(f"{field}: unknown model {quote(name)}; this server serves "
-                           f"{self.served()}", field)
+            raise NotFound(f"{field}: unknown model {quote(name)}; this server serves {self.served()}", field)
         self.metrics.routed_to(model.name)
         return model
 
     def served(self) -> str:
-        names = list(self.models)
-        shown = ", ".join(map(repr, names[:NAMES_LISTED]))
-        more = len(names) - NAMES_LISTED
-        return shown + (f" and {more} more" if more > 0 else "")
+        return listed(list(self.models))
 
-    def check_serving(self) -> None:
-        """New work only while serving: UNAVAILABLE before warm-up ends and while draining."""
-        if not self.serving():
-            raise Unavailable(NOT_SERVING)
+    check_serving = ServedModel.check_serving  # every model's `serving` is the server's
 
     # --- a call's memory, the same for every door ------------------------------------
 
@@ -79,10 +68,9 @@ class DataPlane:
         return REQUEST_COPIES * received
 
     def end_call(self, holds: Holds, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """The answer has been sent (or the caller is gone): everything the call held goes
-        back, and a call that held much hands the heap's free pages back to the OS (on the
-        responses pool, after a moment for the transport to free what it sent). `loop`: the
-        server's event loop, for a caller outside it."""
+        """The answer has been sent (or the caller is gone): everything the call held goes back, and a call
+        that held much hands the heap's free pages back to the OS (on the responses pool, after a moment for
+        the transport to free what it sent). `loop`: the server's event loop, for a caller outside it."""
         holds.release()
         trim_after(holds, self.offload.responses_pool, loop or asyncio.get_running_loop())
 

@@ -66,7 +66,6 @@ def quantize(vectors: np.ndarray, kind: EmbeddingType, ranges: np.ndarray | None
         steps = (ranges[1, :] - starts) / 255
         steps = np.where(steps == 0, 1, steps)
         levels = np.clip(np.floor((vectors - starts) / steps), 0, 255)
-        return (levels.astype(np.uint8) if kind is EmbeddingType.UINT8
-                else (levels - 128).astype(np.int8))
+        return levels.astype(np.uint8) if kind is EmbeddingType.UINT8 else (levels - 128).astype(np.int8)
     bits = np.packbits(vectors > 0, axis=-1)
     return bits if kind is EmbeddingType.UBINARY else (bits - 128).astype(np.int8)

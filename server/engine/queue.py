@@ -33,16 +33,11 @@ import numpy as np
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine import timings
 from attnserve.server.engine.requests import Submission
-from attnserve.server.errors import (
-    DeadlineExceeded,
-    RequestError,
-    ResourceExhausted,
-    Unavailable,
-)
+from attnserve.server.errors import DeadlineExceeded, RequestError, ResourceExhausted, Unavailable
 from attnserve.server.memory.budget import ModelMemory
 from attnserve.server.metrics import Metrics
-from attnserve.server.priority import CLASSES, DEFAULT, Priority, of_call
-from attnserve.server.runtime.backend import HIDDEN_ONLY, Outputs, SequenceResult
+from attnserve.server.priority import CLASSES, Priority, of_call
+from attnserve.server.runtime.backend import SequenceResult
 
 log = logging.getLogger("attnserve.queue")
 
@@ -109,19 +104,12 @@ def check_room(limits: Limits, draining: bool, requests: int, waiting: int, toke
             "retry with backoff or send fewer texts")
 
 
-@dataclass(eq=False)
-class Job:
-    """One request's sequences, answered together; the fields a Submission has mean what
-    they mean there."""
+@dataclass(eq=False, kw_only=True)
+class Job(Submission):
+    """One request's sequences, answered together, as the queue keeps them."""
 
-    sequences: list[np.ndarray]
-    layers: tuple[int, ...]
-    deadline: float | None
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
-    alone: float = 0.0
-    """its batch's predicted peak were it to run alone: kept free in the budget while it
-    waits"""
     results: list[SequenceResult | None] = field(default_factory=list)
     waiting: int = 0
     """sequences not yet running nor dropped"""
@@ -131,28 +119,21 @@ class Job:
     """its sequences queued so far (a big request is queued a slice at a time)"""
     queued: int = 0
     """how many of its sequences have been queued, or accounted for as never queued"""
-    outputs: Outputs = HIDDEN_ONLY
     dropping: bool = False
     """its caller left and its sequences are being taken out a slice at a time"""
-    spans: list[np.ndarray] | None = None
     times: timings.CallTimes | None = None
     """its call's record (server/engine/timings.py), told when its batches ran"""
     ran: tuple[float, float] | None = None
     """(the first of its batches' starts, the last of their ends), on the monotonic clock"""
-    segments: np.ndarray | None = None
-    priority: Priority = DEFAULT
-    attended: np.ndarray | None = None
 
     def batch_ran(self, start: float, end: float, size: int, rows: int, seq: int) -> None:
-        """One of its batches ran, from `start` to `end`: `size` sequences padded to
-        [rows, seq]. Its call's record gets the batch, and once the job is answered its
-        queue and inference times."""
+        """One of its batches ran, from `start` to `end`: `size` sequences padded to [rows, seq]. Its call's
+        record gets the batch, and once the job is answered its queue and inference times."""
         first, last = self.ran or (start, end)
         self.ran = min(first, start), max(last, end)
         if self.times is None:
             return
-        self.times.add("inference", start, end, counted=False, batch_size=size,
-                       padded_shape=[rows, seq])
+        self.times.add("inference", start, end, counted=False, batch_size=size, padded_shape=[rows, seq])
         if self.unanswered == 0:
             first, last = self.ran
             self.times.add("queue", self.enqueued, first)
@@ -176,22 +157,6 @@ class Waiting:
     length: int
     state: State = State.QUEUED
 
-    @property
-    def sequence(self) -> np.ndarray:
-        return self.job.sequences[self.index]
-
-    @property
-    def segment(self) -> int | None:
-        """where its second segment starts (a reranker's pair: the text's side), if any"""
-        segments = self.job.segments
-        return None if segments is None else int(segments[self.index])
-
-    @property
-    def attended(self) -> int:
-        """its first tokens the encoder attends to (Submission.attended)"""
-        attended = self.job.attended
-        return self.length if attended is None else int(attended[self.index])
-
 
 class Lane:
     """One class's queued sequences, oldest first, as ordered dicts used as sets, and the
@@ -212,23 +177,13 @@ class Lane:
         self.started = -math.inf
         """when its latest batch started, on the monotonic clock"""
 
-    def oldest(self) -> Waiting | None:
-        return next(iter(self.index), None)
-
-    def key(self, w: Waiting) -> float:
-        """When `w` counts as having arrived, comparing classes (the module's rule)."""
-        if not self.handicap:
-            return w.job.enqueued
-        return max(w.job.enqueued, self.started) + self.handicap
-
 
 class RequestQueue:
     def __init__(self, model: str, limits: Limits, memory: ModelMemory, metrics: Metrics):
         self.model, self.limits, self.memory, self.metrics = model, limits, memory, metrics
         self.watch: Callable[[int, int], None] | None = None
         """told the queued counts (requests, tokens) whenever they change"""
-        self.lanes = {p: Lane(0.0 if rank == 0 else limits.aging_s)
-                      for rank, p in enumerate(CLASSES)}
+        self.lanes = {p: Lane(0.0 if rank == 0 else limits.aging_s) for rank, p in enumerate(CLASSES)}
         """each class's, highest first"""
         self.jobs: dict[Job, None] = {}
         """jobs with sequences waiting (queued or taken)"""
@@ -261,17 +216,14 @@ class RequestQueue:
         """Queue a request's sequences and wait for their results, in order (Submission
         says what each field asks, its class included). A big request is queued a slice at
         a time, so the event loop serves other calls in between."""
-        sequences, lengths, deadline = submission.sequences, submission.lengths, submission.deadline
-        priority = submission.priority
+        lengths, priority = submission.lengths, submission.priority
         tokens = int(lengths.sum())
         self.admit(tokens, priority=priority)
-        job = Job(sequences, submission.layers, deadline,
-                  asyncio.get_running_loop().create_future(), alone=submission.alone,
-                  outputs=submission.outputs, spans=submission.spans,
-                  segments=submission.segments, times=timings.current(), priority=priority,
-                  attended=submission.attended)
-        job.results = [None] * len(sequences)
-        job.waiting = job.unanswered = len(sequences)
+        job = Job(**vars(submission), future=asyncio.get_running_loop().create_future(),
+                  times=timings.current())
+        count = len(job.sequences)
+        job.results = [None] * count
+        job.waiting = job.unanswered = count
         self.jobs[job] = None
         lane = self.lanes[priority]
         lane.jobs += 1
@@ -283,7 +235,7 @@ class RequestQueue:
         self._keep_free()
         job.future.add_done_callback(self._answered)
         try:
-            for start in range(0, len(sequences), SUBMIT_SLICE):
+            for start in range(0, count, SUBMIT_SLICE):
                 if start:
                     await asyncio.sleep(0)
                     if job.future.done():  # dropped (failed, expired) meanwhile
@@ -291,11 +243,11 @@ class RequestQueue:
                 self._enqueue(job, start, lengths[start:start + SUBMIT_SLICE].tolist())
             self._unqueued(job, lengths)
             log.debug("event=queued model=%s priority=%s sequences=%d tokens=%d", self.model,
-                      priority.value, len(sequences), tokens)
+                      priority.value, count, tokens)
             return await job.future
         except asyncio.CancelledError:
             # The caller went away (or its deadline passed): free its place at once.
-            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+            expired = job.deadline is not None and time.monotonic() >= job.deadline - DEADLINE_SLACK_S
             self._unqueued(job, lengths)
             await self._drop_in_slices(job, "deadline" if expired else "cancelled")
             raise
@@ -332,20 +284,23 @@ class RequestQueue:
     def first(self) -> Waiting | None:
         """The sequence the next batch grows from: of each class's oldest, the one that
         counts as having arrived the earliest (`key`), the higher class on a tie."""
-        oldest = (w for lane in self.lanes.values() if (w := lane.oldest()) is not None)
+        oldest = (next(iter(lane.index)) for lane in self.lanes.values() if lane.index)
         return min(oldest, key=self.key, default=None)
 
     def key(self, w: Waiting) -> float:
-        """When `w` counts as having arrived, comparing classes: `first` takes the lowest."""
-        return self.lanes[w.job.priority].key(w)
+        """When `w` counts as having arrived, comparing classes (the module's rule): `first`
+        takes the lowest."""
+        lane = self.lanes[w.job.priority]
+        if not lane.handicap:
+            return w.job.enqueued
+        return max(w.job.enqueued, lane.started) + lane.handicap
 
     def top_arriving(self, now: float) -> bool:
-        """Whether work of the highest class is arriving: some of it waits (queued, or in a
-        batch formed and not started), or a request of it arrived or a batch of it started
-        within --interactive-window-ms. Its batch formed, or started, counts: a caller that
-        sends its next call once answered, its last call having waited past the window
-        behind a long batch, would otherwise find the lower class's batch formed beside its
-        own uncut, and wait as long again."""
+        """Whether work of the highest class is arriving: some of it waits (queued, or in a batch formed and
+        not started), or a request of it arrived or a batch of it started within --interactive-window-ms. Its
+        batch formed, or started, counts: a caller that sends its next call once answered, its last call
+        having waited past the window behind a long batch, would otherwise find the lower class's batch formed
+        beside its own uncut, and wait as long again."""
         lane = self.lanes[CLASSES[0]]
         recent = max(lane.arrived, lane.started)
         return lane.jobs > 0 or now - recent <= self.limits.interactive_window_s
@@ -355,10 +310,9 @@ class RequestQueue:
         return {p: lane.jobs for p, lane in self.lanes.items()}
 
     def neighbours(self, oldest: Waiting, reach: int) -> list[Waiting]:
-        """The queued sequences of oldest's class with its layers, sorted by length, cut to
-        `reach` either side of oldest. Within each length the older sequences sit nearer
-        to oldest, so a batch growing from it takes them first; oldest comes first among
-        its own length, being the oldest of its class."""
+        """The queued sequences of oldest's class with its layers, sorted by length, cut to `reach` either
+        side of oldest. Within each length the older sequences sit nearer to oldest, so a batch growing from
+        it takes them first; oldest comes first among its own length, being the oldest of its class."""
         lengths = self.lanes[oldest.job.priority].by_length[oldest.job.layers]
         keys = sorted(lengths)
         at = bisect.bisect_left(keys, oldest.length)
@@ -375,9 +329,8 @@ class RequestQueue:
             w.state = State.TAKEN
 
     def claim(self, items: list[Waiting]) -> list[Waiting]:
-        """On the inference thread, as a batch starts: the sequences still to run (the
-        rest were dropped, or put back, while the batch waited). Call `started` with them
-        next, on the event loop."""
+        """On the inference thread, as a batch starts: the sequences still to run (the rest were dropped, or
+        put back, while the batch waited). Call `started` with them next, on the event loop."""
         with self.claim_lock:
             claimed = [w for w in items if w.state is State.TAKEN]
             for w in claimed:
@@ -385,10 +338,9 @@ class RequestQueue:
         return claimed
 
     def put_back(self, items: list[Waiting]) -> bool:
-        """A formed batch's sequences back in their lane, at its front in the order they
-        arrived (they were next in line), unless the inference thread has started it:
-        whether it put them back. `items` (the batch's own list) is emptied meanwhile, so
-        a `claim` of it later finds nothing to run."""
+        """A formed batch's sequences back in their lane, at its front in the order they arrived (they were
+        next in line), unless the inference thread has started it: whether it put them back. `items` (the
+        batch's own list) is emptied meanwhile, so a `claim` of it later finds nothing to run."""
         with self.claim_lock:
             if any(w.state is State.CLAIMED for w in items):
                 return False

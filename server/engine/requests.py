@@ -1,9 +1,8 @@
 """What the engine takes and gives back: typed, protocol-neutral requests and results.
 
-A door turns its wire format into one of these requests and renders the result in its
-own protocol. Where the engine finds a fault in a request, it names the field with the
-door's own names (`Fields`), so an error reaches each caller in the terms of the
-request it sent, with no rewriting."""
+A door turns its wire format into one of these requests and renders the result in its own protocol. Where the
+engine finds a fault in a request, it names the field with the door's own names (`Fields`), so an error
+reaches each caller in the terms of the request it sent, with no rewriting."""
 
 import enum
 from collections.abc import Callable, Sequence
@@ -33,8 +32,7 @@ class Fields:
     top_n: str = "top_n"
     chunking: str = "chunking"
     pair_at: str = "{sequence}.text_pair"
-    """the field of an input's second text, from its sequence's (`{sequence}`) and index
-    (`{index}`)"""
+    """the field of an input's second text, from its sequence's (`{sequence}`) and index (`{index}`)"""
     top_k: str = "top_k"
 
     def sequence(self, index: int) -> str:
@@ -44,8 +42,7 @@ class Fields:
         return self.pair_at.format(sequence=self.sequence(index), index=index)
 
     def token(self, index: int, position: int) -> str:
-        return self.token_at.format(sequence=self.sequence(index), index=index,
-                                    position=position)
+        return self.token_at.format(sequence=self.sequence(index), index=index, position=position)
 
 
 @dataclass(frozen=True)
@@ -120,8 +117,7 @@ class EmbedRequest:
     prompt_name: str | None = None
     """texts only: the prompt put before each; None: the model's default prompt"""
     outputs: Outputs = frozenset()
-    """pooled outputs (artifact.pooled_output) of one pooling, and HIDDEN_OUTPUT, as the
-    response needs"""
+    """pooled outputs (artifact.pooled_output) of one pooling, and HIDDEN_OUTPUT, as the response needs"""
     dimensions: int = 0
     """cut each pooled vector to its first this many values (renormalised where it was
     normalised); 0: the hidden size"""
@@ -245,8 +241,7 @@ class ClassifyRequest:
     activation: str | None = None
     """softmax, sigmoid or none (the logits: raw_scores); None: the model's"""
     truncate: bool = False
-    """cut a text (a pair's second text) longer than the model's positions instead of
-    refusing it"""
+    """cut a text (a pair's second text) longer than the model's positions instead of refusing it"""
     truncation_direction: TruncationDirection = TruncationDirection.RIGHT
     top_k: int | None = None
     """checked here (1 or more); the door cuts each input's labels, best first, to it"""
@@ -269,12 +264,10 @@ class Classified:
 
 class ScoreMode(enum.Enum):
     COSINE = "cosine"
-    """the cosine of the query's pooled vector (the model's default pooling) and each
-    text's"""
+    """the cosine of the query's pooled vector (the model's default pooling) and each text's"""
     MAXSIM = "maxsim"
-    """for each of the query's token vectors its best cosine with the text's, summed over
-    the query's tokens (ColBERT's late interaction); every token counts, special tokens
-    included"""
+    """for each of the query's token vectors its best cosine with the text's, summed over the query's tokens
+    (ColBERT's late interaction); every token counts, special tokens included"""
 
 
 @dataclass(frozen=True)
@@ -346,10 +339,10 @@ class TensorRequest:
     names: Fields = Fields("input_ids", token_at="input_ids[{index}, {position}]")
 
 
-@dataclass
+@dataclass(eq=False)
 class Submission:
     """One request's sequences, as a scheduler (the request queue, or the engine process's
-    with --workers) queues and runs them."""
+    with --workers) queues and runs them; compared, as the queue's jobs are, by identity."""
 
     sequences: list[np.ndarray]
     lengths: np.ndarray | None = None
@@ -372,9 +365,8 @@ class Submission:
     priority: Priority = field(default_factory=of_call)
     """its call's class: the one its door set for the call (server/priority.py)"""
     attended: np.ndarray | None = None
-    """per sequence, how many of its first tokens the encoder attends to; the tokens past
-    them run and return outputs but are masked as padding is (a ColBERT query's
-    expansion tokens); None: every token"""
+    """per sequence, how many of its first tokens the encoder attends to; the tokens past them run and return
+    outputs but are masked as padding is (a ColBERT query's expansion tokens); None: every token"""
 
     def __post_init__(self) -> None:
         if self.lengths is None:

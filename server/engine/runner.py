@@ -11,7 +11,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from attnserve.artifact import MEMORY_MODEL, Artifact, ArtifactError
 from attnserve.server.config import ServeConfig
@@ -41,11 +40,9 @@ class ModelRunner:
                  limits: Limits, metrics: Metrics, probe: MemoryProbe, times: BatchTimes):
         self.name, self.artifact, self.backend = name, artifact, backend
         self.memory, self.limits, self.metrics, self.times = memory, limits, metrics, times
-        self.inference: ThreadPoolExecutor = inference_pool(name, backend.concurrency,
-                                                            backend.bind_thread)
-        beside = (inference_pool(f"{name}-beside", 1, functools.partial(backend.bind_thread,
-                                                                         beside=True))
-                  if backend.beside else None)
+        self.inference = inference_pool(name, backend.concurrency, backend.bind_thread)
+        bind_beside = functools.partial(backend.bind_thread, beside=True)
+        beside = inference_pool(f"{name}-beside", 1, bind_beside) if backend.beside else None
         self.queue = RequestQueue(name, limits, memory, metrics)
         self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, beside, metrics,
                                     probe, limits, memory, times, artifact.manifest.pad_token_id)
@@ -63,8 +60,7 @@ class ModelRunner:
         inference thread's sessions: the first caller must not pay for it."""
         shapes = self.backend.warm_up_shapes(self.limits.max_batch_tokens)
         threads, started = self.backend.concurrency, time.perf_counter()
-        log.info("event=warm_up_start model=%s shapes=%d threads=%d", self.name, len(shapes),
-                 threads)
+        log.info("event=warm_up_start model=%s shapes=%d threads=%d", self.name, len(shapes), threads)
         await asyncio.gather(*map(asyncio.wrap_future, on_every_thread(
             self.inference, threads, lambda: self.backend.warm_up(shapes))))
         log.info("event=warmed_up model=%s shapes=%d threads=%d seconds=%.2f", self.name,
@@ -97,8 +93,7 @@ class Runners:
         devices = {b.device for b in backends}
         if len(devices) > 1:
             where = ", ".join(f"{m.name} on {b.device}" for m, b in zip(models, backends, strict=True))
-            raise ArtifactError(f"--artifact: every model must run on one device ({where}); "
-                                "set --device")
+            raise ArtifactError(f"--artifact: every model must run on one device ({where}); set --device")
         self.device = devices.pop()
         self.probe = MemoryProbe(cuda=self.device == "cuda")
         budget = config.memory_budget_bytes or int(self.probe.available_bytes() * DEFAULT_BUDGET_SHARE)
@@ -119,8 +114,7 @@ class Runners:
                                    f"{backend.provider}/{backend.precision}")
             except ArtifactError as err:
                 raise ArtifactError(f"--artifact {named.source}: {err}") from err
-            memory = self.budget.for_model(named.name, memory_model, manifest.num_heads,
-                                           manifest.hidden_size)
+            memory = self.budget.for_model(named.name, memory_model, manifest.num_heads, manifest.hidden_size)
             self.models.append(ModelRunner(named.name, named.artifact, backend, memory,
                                            self.limits, metrics, self.probe, times))
 
@@ -164,5 +158,4 @@ def _fitted(artifact: Artifact, backend: Backend, load: Callable, what: str):
     try:
         return load(artifact.directory, artifact.manifest, backend.provider, backend.precision)
     except (ValueError, TypeError) as err:
-        raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid {what} model "
-                            f"({err})") from err
+        raise ArtifactError(f"{artifact.path(MEMORY_MODEL)}: not a valid {what} model ({err})") from err

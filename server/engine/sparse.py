@@ -33,8 +33,7 @@ from attnserve.server.memory.ledger import Holds
 
 async def embed_sparse(model: ServedModel, request: SparseRequest, holds: Holds,
                        deadline: float | None) -> SparseEmbedded:
-    model.check_serving()
-    model.require(EMBEDDER, "sparse embedding")
+    model.require("sparse embedding", EMBEDDER)
     names, manifest = request.names, model.manifest
     if manifest.sparse is None and manifest.lexical is None:
         raise InvalidArgument("model", f"{model.name!r} has no sparse head (its heads: "
@@ -50,18 +49,15 @@ async def embed_sparse(model: ServedModel, request: SparseRequest, holds: Holds,
     # A text's entries: at most its vocabulary row's (SPLADE), or its tokens' (lexical).
     most = np.full(count, min(top_k or vocab, vocab if splade else manifest.max_positions))
     model.scheduler.admit(count * len(model.tokenizer.empty.ids), at_least=True)
-    request.size.check(np.zeros(count, dtype=np.int64) if top_k is None else most,
-                       at_least=top_k is None)
+    request.size.check(np.zeros(count, dtype=np.int64) if top_k is None else most, at_least=top_k is None)
     prompt = model.prompt(request.prompt_name)
     encoded = await model.tokenize(request.texts, request.truncate, names.sequence, holds,
                                    prompt=prompt, left=model.left(request.truncation_direction))
     ids = [e.ids for e in encoded]
     lengths = lengths_of(ids)
-    # Held until sent: the response at its largest (no more than the door sends), and each
-    # text's row (a vocabulary's, or a weight a padded token) until it has become its
-    # entries.
-    held = min(request.size.measure(np.minimum(most, lengths) if not splade else most),
-               request.size.limit)
+    # Held until sent: the response at its largest (no more than the door sends), and each text's row (a
+    # vocabulary's, or a weight a padded token) until it has become its entries.
+    held = min(request.size.measure(np.minimum(most, lengths) if not splade else most), request.size.limit)
     output = SPARSE_OUTPUT if splade else TOKEN_WEIGHTS_OUTPUT
     row = vocab if splade else int(lengths.max())
     results = await model.run(Submission(ids, lengths, deadline=deadline,
@@ -72,16 +68,16 @@ async def embed_sparse(model: ServedModel, request: SparseRequest, holds: Holds,
         rows = await model.offload.response(
             12 * int(lengths.sum()) * COPY_BYTE_S, lexical_rows, ids, rows,
             manifest.lexical.dropped_token_ids)
-    indices, values = await model.offload.response(
-        count * row * COPY_BYTE_S, entries, rows, top_k)
+    indices, values = await model.offload.response(count * row * COPY_BYTE_S, entries, rows, top_k)
     counts = lengths_of(indices)
-    size = request.size.measure(counts)
-    if size > request.size.limit:
-        raise TooLarge(
-            f"response would be {size_text(size)}, over the {size_text(request.size.limit)} "
-            "message limit: ask for top_k ≤ "
-            f"{fitting_top_k(request.size.measure, counts, request.size.limit)}, or send fewer "
-            "texts")
+    measure, limit = request.size.measure, request.size.limit
+    size = measure(counts)
+    if size > limit:
+        # The largest top_k under which the texts fit the limit (0: none does).
+        fits = bisect.bisect_right(range(int(counts.max()) + 1), limit,
+                                   key=lambda k: measure(np.minimum(counts, k)))
+        raise TooLarge(f"response would be {size_text(size)}, over the {size_text(limit)} message "
+                       f"limit: ask for top_k ≤ {max(fits - 1, 0)}, or send fewer texts")
     return SparseEmbedded(indices, values, int(lengths.sum()), size)
 
 
@@ -97,15 +93,13 @@ def lexical_rows(ids: list[np.ndarray], rows: list[np.ndarray],
         order = np.argsort(sequence[kept], kind="stable")
         tokens, weights = sequence[kept][order], weights[kept][order]
         unique, starts = np.unique(tokens, return_index=True)
-        found.append((unique, np.maximum.reduceat(weights, starts) if unique.size
-                      else weights[:0]))
+        found.append((unique, np.maximum.reduceat(weights, starts) if unique.size else weights[:0]))
     return found
 
 
 def entries(rows: list, top_k: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Each row's non-zero entries, ids ascending: the top_k largest only (equal weights,
-    the lower id) with `top_k`. A row is a vocabulary's weights, or the (ids, weights) of
-    `lexical_rows`."""
+    """Each row's non-zero entries, ids ascending: the top_k largest only (equal weights, the lower id) with
+    `top_k`. A row is a vocabulary's weights, or the (ids, weights) of `lexical_rows`."""
     indices, values = [], []
     for row in rows:
         if isinstance(row, tuple):
@@ -120,9 +114,3 @@ def entries(rows: list, top_k: int | None) -> tuple[list[np.ndarray], list[np.nd
         values.append(weights.astype(np.float32))
     return indices, values
 
-
-def fitting_top_k(measure, counts: np.ndarray, limit: int) -> int:
-    """The largest top_k under which texts of `counts` entries fit `limit` (0: none does)."""
-    fits = bisect.bisect_right(range(int(counts.max()) + 1), limit,
-                               key=lambda top_k: measure(np.minimum(counts, top_k)))
-    return max(fits - 1, 0)

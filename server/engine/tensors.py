@@ -1,12 +1,10 @@
-"""Raw tensor inference: the model's own inputs run as sent, its outputs answered as
-tensors.
+"""Raw tensor inference: the model's own inputs run as sent, its outputs answered as tensors.
 
-The inputs are the graph's: input_ids and attention_mask, int64 [batch, seq], each row's
-mask ones then zeros (and a BERT reranker's token_type_ids, each row zeros then ones over
-its length). The outputs are those `ServedModel.output_layers` names: an embedder's
-hidden state, every layer's attention maps stacked, or one layer's; a reranker's logits.
-Each row is zero past its length, so no computed padding reaches the caller. Everything
-that can be checked from the declared shapes is checked before any of the data is read."""
+The inputs are the graph's: input_ids and attention_mask, int64 [batch, seq], each row's mask ones then zeros
+(and a BERT reranker's token_type_ids, each row zeros then ones over its length). The outputs are those
+`ServedModel.output_layers` names: an embedder's hidden state, every layer's attention maps stacked, or one
+layer's; a reranker's logits. Each row is zero past its length, so no computed padding reaches the caller.
+Everything that can be checked from the declared shapes is checked before any of the data is read."""
 
 from collections.abc import Sequence
 
@@ -32,7 +30,7 @@ async def run(model: ServedModel, request: TensorRequest, holds: Holds,
     batch, seq = _input_shape(model, request.inputs)
     names, layers = _output_names(model, request.outputs)
     model.scheduler.admit(batch, at_least=True)
-    shapes = [(name, _output_shape(model, name, layers, batch, seq)) for name in names]
+    shapes = [(name, model.output_shape(name, layers, batch, seq)) for name in names]
     response_bytes = request.size(shapes).check(np.zeros(0, np.int64))
     with timings.stage("tokenize"):
         sequences, lengths, segments = await model.offload.request(
@@ -57,8 +55,7 @@ def _input_shape(model: ServedModel, inputs: Sequence[InputTensor]) -> tuple[int
     shape = inputs[names.index("input_ids")].shape
     for t in inputs:
         if tuple(t.shape) != tuple(shape):
-            raise InvalidArgument(t.name, f"shape {list(t.shape)} differs from input_ids "
-                                  f"{list(shape)}")
+            raise InvalidArgument(t.name, f"shape {list(t.shape)} differs from input_ids {list(shape)}")
     batch, seq = shape
     if seq > model.manifest.max_positions:
         raise InvalidArgument("input_ids", f"seq {seq} is longer than the model's "
@@ -83,18 +80,6 @@ def _output_names(model: ServedModel, outputs: Sequence[str]) -> tuple[list[str]
             raise InvalidArgument(f"outputs[{i}]", f"{quote(name)} is named twice")
         layers.update(known[name])
     return names, tuple(sorted(layers))
-
-
-def _output_shape(model: ServedModel, name: str, layers: tuple[int, ...], batch: int,
-                  seq: int) -> tuple[int, ...]:
-    m = model.manifest
-    if name == LOGITS_OUTPUT:
-        return batch, len(m.labels)
-    if name == HIDDEN_OUTPUT:
-        return batch, seq, m.hidden_size
-    if name == ALL_ATTENTIONS:
-        return len(layers), batch, m.num_heads, seq, seq
-    return batch, m.num_heads, seq, seq
 
 
 def _rows(model: ServedModel, inputs: Sequence[InputTensor], batch: int,

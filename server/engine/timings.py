@@ -1,16 +1,13 @@
-"""Where one call's time went, from the data plane to the door that answers it: the
-tokenizing, the wait in the queue, the inference and the packing of the answer, and the
-tokens it ran (TEI's x-*-time and x-compute-tokens headers, gRPC's trailers of the same
-names, and the spans of a trace are made from it).
+"""Where one call's time went, from the data plane to the door that answers it: the tokenizing, the wait in
+the queue, the inference and the packing of the answer, and the tokens it ran (TEI's x-*-time and
+x-compute-tokens headers, gRPC's trailers of the same names, and the spans of a trace are made from it).
 
-A door starts a call's record (`begin`) in the task that serves the call; the data plane
-and the queue find it there (`current`), as the metrics find the call's model
-(Metrics.routed_to), so every door gets the timings of every call without handing a
-record through each signature. The queue's job keeps it while its sequences run: the
-batch loop, in a task of its own, fills it in as the job's batches are handed out. With
---workers the engine process keeps its own record for the job and sends it back with the
-results (`to_wire`), and the front end adds it to the call's (`add_wire`): the monotonic
-clock is the machine's, the same in every process."""
+A door starts a call's record (`begin`) in the task that serves the call; the data plane and the queue find it
+there (`current`), as the metrics find the call's model (Metrics.routed_to), so every door gets the timings of
+every call without handing a record through each signature. The queue's job keeps it while its sequences run:
+the batch loop, in a task of its own, fills it in as the job's batches are handed out. With --workers the
+engine process keeps its own record for the job and sends it back with the results (`to_wire`), and the front
+end adds it to the call's (`add_wire`): the monotonic clock is the machine's, the same in every process."""
 
 import time
 from collections.abc import Iterator
@@ -48,16 +45,14 @@ class CallTimes:
     spans: list[Span] = field(default_factory=list)
     """each step as it happened (inference: one a batch), at most MAX_SPANS"""
     dropped: int = 0
-    """steps past MAX_SPANS (batches past MAX_BATCH_SPANS), counted in `seconds` but not
-    kept as spans"""
+    """steps past MAX_SPANS (batches past MAX_BATCH_SPANS), counted in `seconds` but not kept as spans"""
     batches: int = 0
     """inference spans kept"""
 
     def add(self, stage: str, start: float, end: float, counted: bool = True,
             **attributes) -> None:
-        """A step of `stage` from `start` to `end`; `counted`: its time counts in
-        `seconds` (a batch's does not: the job's span from its first batch to its last
-        does, once)."""
+        """A step of `stage` from `start` to `end`; `counted`: its time counts in `seconds` (a batch's does
+        not: the job's span from its first batch to its last does, once)."""
         if counted:
             self.seconds[stage] += end - start
         batch = stage == "inference"

@@ -8,10 +8,9 @@ time: up to a cut point (`cut_points`), where nothing that follows can change th
 before it, growing the prefix only while it holds too few tokens to decide. Tokenized
 whole, a 4 MiB text takes 6 s and 625 MiB at its peak; its first 4,096 characters take a
 millisecond. A text with no cut point (one 4 MiB word, or only whitespace) is still
-tokenized whole, its working memory held first. Cut at its start instead (left
-truncation, docs/api.md#truncation-side), a text keeps its last tokens: it is tokenized a
-suffix at a time from a cut point near its end (the tokens after a cut point are the
-whole text's), and a prompt keeps its tokens after the leading special tokens.
+tokenized whole, its working memory held first. Cut at its start instead, a text is
+tokenized a suffix at a time from a cut point near its end, past which the tokens are the
+whole text's (docs/api.md#truncation-side).
 
 All of it goes through `encode_batch`, which lets the interpreter go while it works
 (`encode` holds it: 1.27 s for a 2 MiB text), in slices of a few hundred texts, so the
@@ -55,9 +54,8 @@ PREFIX_GROWTH = 4
 # normalised copy and alignments, the pre-tokenizer's splits, the encodings).
 WORK_BYTES_PER_CHAR = 600
 WORK_BYTES_PER_TEXT = 4 << 10
-# What a call keeps of each text: the ids as an array (the array itself, 8 bytes an id),
-# and for Tokenize the tokens and offsets as Python lists (a str and a tuple of two ints a
-# token: ~150 bytes).
+# What a call keeps of each text: the ids as an array (the array itself, 8 bytes an id), and for Tokenize the
+# tokens and offsets as Python lists (a str and a tuple of two ints a token: ~150 bytes).
 KEPT_BYTES_PER_TEXT = 256
 KEPT_BYTES_PER_ID = 8
 KEPT_BYTES_PER_DETAIL = 160
@@ -72,9 +70,8 @@ KEPT_BYTES_PER_WHOLE_TOKEN = 32
 _WHITESPACE_CUT = r"(?<=\S)\s"
 _SPACE_CUT = r"(?<=\S) "
 _NO_CUT = r"(?!)"
-# BERT's pre-tokenizer splits off every punctuation character (these are the ASCII ones)
-# and its normaliser every CJK ideograph: text before one is tokenized as if it ended
-# there.
+# BERT's pre-tokenizer splits off every punctuation character (these are the ASCII ones) and its normaliser
+# every CJK ideograph: text before one is tokenized as if it ended there.
 _BERT_CUT = _WHITESPACE_CUT + (r"|[!-/:-@\[-`{-~]|[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
                                r"\U00020000-\U0002a6df\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f]")
 # Where to look for the last cut point before a prefix's end.
@@ -84,14 +81,12 @@ _SPACES = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint
 
 
 def cut_points(pre_tokenizer: dict | None) -> re.Pattern:
-    """Where a text may be cut with the tokens before the cut the same as the whole
-    text's, for a tokenizer.json's pre-tokenizer: before whitespace (BERT's also before
-    punctuation and CJK characters, which it always splits off); before a space only for a
-    metaspace pre-tokenizer (XLM-RoBERTa's splits at spaces and nowhere else: a newline
-    stays inside a word) and for a byte-level one that adds a space before a text (which it
-    would add before a piece starting with a newline); none where the pre-tokenizer does
-    not split. Others than these split at least at whitespace (Whitespace,
-    WhitespaceSplit, Split on it)."""
+    """Where a text may be cut with the tokens before the cut the same as the whole text's, for a
+    tokenizer.json's pre-tokenizer: before whitespace (BERT's also before punctuation and CJK characters,
+    which it always splits off); before a space only for a metaspace pre-tokenizer (XLM-RoBERTa's splits at
+    spaces and nowhere else: a newline stays inside a word) and for a byte-level one that adds a space before
+    a text (which it would add before a piece starting with a newline); none where the pre-tokenizer does not
+    split. Others than these split at least at whitespace (Whitespace, WhitespaceSplit, Split on it)."""
     kind = (pre_tokenizer or {}).get("type")
     if kind == "BertPreTokenizer":
         return re.compile(_BERT_CUT)
@@ -140,8 +135,7 @@ class Prompt:
     included: sentence-transformers' prompt_length (the prompt tokenized alone, less the
     special token that closes it), which pooling leaves out with include_prompt false"""
     ids: np.ndarray
-    """int64: the prompt's tokens after the leading special tokens, kept by a text cut at
-    its start"""
+    """int64: the prompt's tokens after the leading special tokens, kept by a text cut at its start"""
     tokens: list[str]
     offsets: list[tuple[int, int]]
 
@@ -208,9 +202,9 @@ class TextTokenizer:
         """for a text cut at its start: its last tokens, the special tokens around them"""
         self.left.enable_truncation(max_positions + 1, direction="left")
         self.max_positions = max_positions
+        self.first_prefix = PREFIX_CHARS_PER_POSITION * max_positions
         mask = self.tokenizer.encode("a").special_tokens_mask
-        # The special tokens the post-processor puts after a text ([SEP], </s>): a cut
-        # keeps them.
+        # The special tokens the post-processor puts after a text ([SEP], </s>): a cut keeps them.
         self.tail = next((i for i, special in enumerate(reversed(mask)) if not special), len(mask))
         empty = self.tokenizer.encode("")
         self.empty = Encoded(np.asarray(empty.ids, dtype=np.int64), empty.tokens, empty.offsets)
@@ -244,20 +238,17 @@ class TextTokenizer:
     def encode(self, texts: list[str], truncate: bool, holds: Holds, details: bool = False,
                prompt: Prompt | None = None, left: bool = False,
                special_tokens: bool = True) -> list[Encoded]:
-        """Refuses (TooLong) a text longer than the model's positions unless `truncate`,
-        which cuts its end, or its start with `left`; `details`: keep the tokens, offsets
-        (into the prompt and the text, as the model reads them) and special-token flags
-        too; `prompt`: put before each text; `special_tokens`: close each text with the
-        model's special tokens. Takes its memory from `holds`: the working memory while it
+        """Refuses (TooLong) a text longer than the model's positions unless `truncate`, which cuts its end,
+        or its start with `left`; `details`: keep the tokens, offsets (into the prompt and the text, as the
+        model reads them) and special-token flags too; `prompt`: put before each text; `special_tokens`: close
+        each text with the model's special tokens. Takes its memory from `holds`: the working memory while it
         works, what it returns for good."""
         out: list[Encoded] = []
         per_token = KEPT_BYTES_PER_ID + (KEPT_BYTES_PER_DETAIL if details else 0)
-        first = self._first_prefix()
         lead = prompt.text if prompt else ""
         tail = self.tail if special_tokens else 0
-        for start, end in _slices([min(len(text), first) + len(lead) for text in texts]):
-            encodings = self._encode_slice(texts[start:end], holds, lead,
-                                           special_tokens=special_tokens)
+        for start, end in _slices([min(len(text), self.first_prefix) + len(lead) for text in texts]):
+            encodings = self._encode_slice(texts[start:end], holds, lead, special_tokens=special_tokens)
             kept = [self._keep_end(texts[start + i], prompt, holds, details, special_tokens)
                     if left and truncate and len(e) > self.max_positions
                     else self._keep(start + i, e, truncate, details, tail)
@@ -267,17 +258,13 @@ class TextTokenizer:
             out.extend(kept)
         return out
 
-    def _first_prefix(self) -> int:
-        return PREFIX_CHARS_PER_POSITION * self.max_positions
-
     def _encode_slice(self, texts: list[str], holds: Holds, lead: str = "",
                       limit: int | None = None, special_tokens: bool = True) -> list:
         """Each text's encoding after `lead`, from its shortest prefix that decides it: the
         whole text, or a prefix that already has more tokens than the model's positions.
         With `limit`: without special tokens, more than `limit` tokens deciding."""
-        limit, tokenizer = ((self.max_positions, self.tokenizer) if limit is None
-                            else (limit, self.whole))
-        cuts = [self._cut(text, 0, self._first_prefix()) for text in texts]
+        limit, tokenizer = (self.max_positions, self.tokenizer) if limit is None else (limit, self.whole)
+        cuts = [self._cut(text, 0, self.first_prefix) for text in texts]
         encodings = self._tokenize([lead + text[:end] for text, (end, _)
                                     in zip(texts, cuts, strict=True)], holds, tokenizer,
                                    special_tokens)
@@ -285,19 +272,16 @@ class TextTokenizer:
             end, size = cuts[i]
             while end < len(text) and len(encodings[i]) <= limit:
                 end, size = self._cut(text, 0, size * PREFIX_GROWTH)
-                encodings[i] = self._tokenize([lead + text[:end]], holds, tokenizer,
-                                              special_tokens)[0]
+                encodings[i] = self._tokenize([lead + text[:end]], holds, tokenizer, special_tokens)[0]
         return encodings
 
     def encode_pairs(self, query: str, texts: Sequence[str], truncate: bool, holds: Holds,
                      max_text_tokens: int | None = None,
                      left: bool = False) -> tuple[list[np.ndarray], np.ndarray | None]:
-        """Each (query, text) pair's ids, and where each pair's second segment starts
-        (None when the template has none). Refuses (TooLong) a query that leaves no room
-        for a text (index -1), and a pair over the model's positions unless `truncate`,
-        which cuts its text to fit, keeping its start (its end with `left`);
-        `max_text_tokens`: every text cut to at most that (a text it makes fit is not
-        refused)."""
+        """Each (query, text) pair's ids, and where each pair's second segment starts (None when the template
+        has none). Refuses (TooLong) a query that leaves no room for a text (index -1), and a pair over the
+        model's positions unless `truncate`, which cuts its text to fit, keeping its start (its end with
+        `left`); `max_text_tokens`: every text cut to at most that (a text it makes fit is not refused)."""
         pair = self.pair
         room = self.max_positions - pair.specials
         (asked,) = self._encode_slice([query], holds, limit=room)
@@ -311,7 +295,7 @@ class TextTokenizer:
         budget = room - len(query_ids)
         cap = budget if max_text_tokens is None else min(budget, max_text_tokens)
         pairs: list[np.ndarray] = []
-        for start, end in _slices([min(len(text), self._first_prefix()) for text in texts]):
+        for start, end in _slices([min(len(text), self.first_prefix) for text in texts]):
             encodings = self._encode_slice(list(texts[start:end]), holds, limit=budget)
             for i, encoding in enumerate(encodings, start):
                 ids = encoding.ids
@@ -332,10 +316,9 @@ class TextTokenizer:
 
     def _from_end(self, text: str, count: int, holds: Holds, tokenizer: Tokenizer,
                   special_tokens: bool = True) -> tuple[int, object]:
-        """(where its suffix starts, the suffix's encoding): a text tokenized a suffix at a
-        time from a cut point near its end, until it has more than `count` tokens or is
-        whole."""
-        start, size = self._suffix(text, self._first_prefix())
+        """(where its suffix starts, the suffix's encoding): a text tokenized a suffix at a time from a cut
+        point near its end, until it has more than `count` tokens or is whole."""
+        start, size = self._suffix(text, self.first_prefix)
         (encoding,) = self._tokenize([text[start:]], holds, tokenizer, special_tokens)
         while start > 0 and len(encoding) <= count:
             start, size = self._suffix(text, size * PREFIX_GROWTH)
@@ -392,8 +375,7 @@ class TextTokenizer:
         prompt's, the text's last tokens that fit, the closing special tokens."""
         heads, tails = (len(self.head_ids), self.tail) if special_tokens else (0, 0)
         room = self.max_positions - heads - tails - (len(prompt.ids) if prompt else 0)
-        start, encoding = self._from_end(text, room + heads + tails, holds, self.left,
-                                         special_tokens)
+        start, encoding = self._from_end(text, room + heads + tails, holds, self.left, special_tokens)
         n = len(encoding)
         return _kept(encoding, slice(heads), slice(max(heads, n - tails - room), n - tails),
                      slice(n - tails, n), details, prompt,
@@ -404,8 +386,7 @@ class TextTokenizer:
     def encode_whole(self, texts: Sequence[str], holds: Holds) -> list[TextTokens]:
         """Each text's tokens, never truncated, special tokens aside; memory taken from
         `holds` as `encode` takes it."""
-        pieces = [(i, start, end) for i, text in enumerate(texts)
-                  for start, end in self._pieces(text)]
+        pieces = [(i, start, end) for i, text in enumerate(texts) for start, end in self._pieces(text)]
         parts: list[list[TextTokens]] = [[] for _ in texts]
         for low, high in _slices([end - start for _, start, end in pieces]):
             piece_slice = pieces[low:high]
@@ -495,8 +476,7 @@ def _joined(parts: list[TextTokens]) -> TextTokens:
 def load_tokenizer(artifact: Artifact) -> TextTokenizer:
     manifest = artifact.manifest
     try:
-        tokenizer = TextTokenizer(artifact.path(TOKENIZER), manifest.max_positions,
-                                  manifest.prompts)
+        tokenizer = TextTokenizer(artifact.path(TOKENIZER), manifest.max_positions, manifest.prompts)
     except PromptTooLong as err:
         raise ArtifactError(f"{artifact.path(MANIFEST)}: {err}") from err
     except Exception as err:  # noqa: BLE001 - `tokenizers` raises a bare Exception

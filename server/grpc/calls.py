@@ -4,6 +4,7 @@ sent, and its request id, timings and trace (server/call.py): the id and
 TEI's timings go back in the trailing metadata (`x-request-id`, `x-total-time`, ...)."""
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -13,7 +14,6 @@ from contextvars import ContextVar
 from typing import NamedTuple
 
 import grpc
-from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -22,7 +22,6 @@ from attnserve.server.call import (
     CANCELLED,
     REQUEST_ID,
     TRACEPARENT,
-    Call,
     CallRecord,
     begin_call,
     current_call,
@@ -59,14 +58,11 @@ def status_of(err: RequestError) -> grpc.Status:
     """The status to abort with: the code and message, and for a field at fault a
     google.rpc.BadRequest, so a client can read the field without parsing the message
     (grpc_status.rpc_status.from_call)."""
-    code = getattr(code_pb2, err.code.name)
-    details = []
+    proto = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message)
     if isinstance(err, InvalidArgument):
-        detail = any_pb2.Any()
-        detail.Pack(error_details_pb2.BadRequest(field_violations=[
+        proto.details.add().Pack(error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.reason)]))
-        details.append(detail)
-    status = rpc_status.to_status(status_pb2.Status(code=code, message=err.message, details=details))
+    status = rpc_status.to_status(proto)
     if isinstance(err, RetryLater):
         status = status._replace(trailing_metadata=(*status.trailing_metadata,
                                                     (RETRY_AFTER, str(err.retry_after_s))))
@@ -114,11 +110,19 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
     await abort(context, refusal)
 
 
-class Undecodable:
+def answered(method):
+    """A servicer method run by `answer` as its rpc, under the priority class its request
+    names (where it has a `priority` field)."""
+    async def call(self, request, context):
+        return await answer(self.metrics, method.__name__, context, lambda: method(self, request, context),
+                            getattr(request, "priority", ""))
+    return call
+
+
+class Undecodable(NamedTuple):
     """What a request that does not parse is handed on as, so the method can refuse it."""
 
-    def __init__(self, error: Exception):
-        self.reason = f"{error.__class__.__name__}: {error}"
+    error: Exception
 
 
 class Received(NamedTuple):
@@ -129,12 +133,11 @@ class Received(NamedTuple):
     nbytes: int
 
 
-class Undecoded:
+class Undecoded(NamedTuple):
     """A request too big to parse on the event loop, as it came: parsed on a thread, in
     slices (server/grpc/wire.py), once its memory is held."""
 
-    def __init__(self, data: bytes):
-        self.data = data
+    data: bytes
 
     def decode(self, cls: type[Message], max_entries: int) -> Message | Undecodable:
         try:
@@ -172,12 +175,8 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: Metrics, plane: DataPlane, pool: Executor, max_entries: int,
                  keys: ApiKeys, tracing: Tracing | None = None):
-        self.metrics = metrics
-        self.tracing = tracing
-        self.plane = plane
-        self.pool = pool
-        self.max_entries = max_entries
-        self.keys = keys
+        self.metrics, self.plane, self.pool, self.max_entries, self.keys, self.tracing = (
+            metrics, plane, pool, max_entries, keys, tracing)
 
     def _authenticate(self, details) -> tuple[ApiKey | None, Unauthenticated | None]:
         """The call's key (None when keys are off or the method is open), or its refusal."""
@@ -210,9 +209,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         async def refuse(err: RequestError, context) -> None:
             self.metrics.answered(rpc, err.code.name, 0.0)
-            call = current_call()
-            if call is not None:
-                call.code = err.code.name
+            current_call().code = err.code.name  # refused inside `running`, which began the call
             await abort(context, err)
 
         async def decoded(received: Received, context, holds: Holds):
@@ -226,8 +223,9 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             except RequestError as err:
                 await refuse(err, context)
             if isinstance(request, Undecodable):
+                err = request.error
                 await refuse(InvalidArgument("request", f"not a valid {rpc} message "
-                                             f"({request.reason})"), context)
+                                             f"({err.__class__.__name__}: {err})"), context)
             return request, held
 
         async def checked(requests, context, holds: Holds):
@@ -241,41 +239,35 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         inner = getattr(handler, kind)
         method = details.method
         tracing = None if method.startswith(UNTRACED_METHODS) else self.tracing
+        service = method.lstrip("/").rpartition("/")[0]
 
-        def begin(context) -> Call:
-            metadata = dict(pair for pair in context.invocation_metadata() or () if isinstance(pair[1], str))
-            return begin_call(method.lstrip("/"), metadata.get(REQUEST_ID), metadata.get(TRACEPARENT),
-                              tracing)
-
-        async def admitted(context) -> Callable[[], None]:
-            """The call's class set and its place under its key's cap taken (ApiKeys.admit),
-            or the call refused; returns what gives the place back."""
-            named = next((value for name, value in context.invocation_metadata() or ()
-                          if name == HEADER and isinstance(value, str)), None)
+        @contextlib.asynccontextmanager
+        async def running(context):
+            """The call begun, then refused (its key) or its class set and its place under its
+            key's cap taken (ApiKeys.admit); at its end that place given back and, if it
+            returned (a refusal has sent its trailers already), its id and timings sent."""
+            metadata = context.invocation_metadata() or ()
+            given = dict(pair for pair in metadata if isinstance(pair[1], str))
+            call = begin_call(method.lstrip("/"), given.get(REQUEST_ID), given.get(TRACEPARENT), tracing)
+            answered, release = False, None
             try:
-                return self.keys.admit(key, named, HEADER)
-            except RequestError as err:
-                await refuse(err, context)
-                raise
-
-        def end(call: Call, context, answered: bool, release: Callable[[], None] | None) -> None:
-            """`answered`: the call returned (a refusal has sent its trailers already);
-            `release`: what gives its place under its key's cap back, once taken."""
-            if release is not None:
-                release()
-            if answered:
-                context.set_trailing_metadata(tuple(call.metadata()))
-            service, _, name = method.lstrip("/").rpartition("/")
-            finish_call(call, tracing, {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
-
-        if refused is not None:
-            async def unauthenticated(request, context):
-                call = begin(context)
-                try:
+                if refused is not None:
                     await refuse(refused, context)
-                finally:
-                    end(call, context, False, None)
-            return handler._replace(request_deserializer=lambda data: None, **{kind: unauthenticated})
+                named = next((value for name, value in metadata if name == HEADER and isinstance(value, str)),
+                             None)
+                try:
+                    release = self.keys.admit(key, named, HEADER)
+                except RequestError as err:
+                    await refuse(err, context)
+                    raise
+                yield
+                answered = True
+            finally:
+                if release is not None:
+                    release()
+                if answered:
+                    context.set_trailing_metadata(tuple(call.metadata()))
+                finish_call(call, tracing, {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc})
 
         async def received(request, context):
             """The call's request (or requests) read, with its Holds, given back when gRPC
@@ -290,25 +282,16 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         if inspect.isasyncgenfunction(inner):
             async def behaviour(request, context):
-                call, answered, release = begin(context), False, None
-                try:
-                    release = await admitted(context)
+                async with running(context):
                     async for response in inner(await received(request, context), context):
                         yield response
-                    answered = True
-                finally:
-                    end(call, context, answered, release)
         else:
             async def behaviour(request, context):
-                call, answered, release = begin(context), False, None
-                try:
-                    release = await admitted(context)
-                    response = await inner(await received(request, context), context)
-                    answered = True
-                    return response
-                finally:
-                    end(call, context, answered, release)
-        return handler._replace(request_deserializer=deserialize, **{kind: behaviour})
+                async with running(context):
+                    return await inner(await received(request, context), context)
+        # A call refused its key is answered before its request is read.
+        return handler._replace(request_deserializer=deserialize if refused is None else lambda data: None,
+                                **{kind: behaviour})
 
 
 class QuietHungUpCalls(logging.Filter):

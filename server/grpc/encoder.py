@@ -4,6 +4,8 @@ ranked against a query (Rerank, Score), their requests and responses sized befor
 work is done for them; through the data plane."""
 
 import dataclasses
+import enum
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,7 +45,7 @@ from attnserve.server.engine.requests import (
 )
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.errors import InvalidArgument
-from attnserve.server.grpc.calls import answer, call_holds, deadline_of
+from attnserve.server.grpc.calls import answer, answered, call_holds, deadline_of
 from attnserve.server.grpc.encoder_pack import (
     POOLING_NAMES,
     SPARSE_ENTRY_BYTES,
@@ -60,31 +62,27 @@ from attnserve.server.grpc.wire import field_bytes
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 
+
+def _codes(prefix: str, values: type[enum.Enum], unspecified: enum.Enum) -> dict:
+    """The protobuf enum's code `prefix`NAME for each of `values`, and UNSPECIFIED's."""
+    codes = {getattr(pb, prefix + value.name): value for value in values}
+    return {getattr(pb, f"{prefix}UNSPECIFIED"): unspecified, **codes}
+
+
 DTYPES = {pb.DTYPE_UNSPECIFIED: np.float32, pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_FLOAT16: np.float16}
-EMBEDDING_TYPES = {pb.EMBEDDING_TYPE_UNSPECIFIED: EmbeddingType.FLOAT,
-                   pb.EMBEDDING_TYPE_FLOAT: EmbeddingType.FLOAT,
-                   pb.EMBEDDING_TYPE_INT8: EmbeddingType.INT8,
-                   pb.EMBEDDING_TYPE_UINT8: EmbeddingType.UINT8,
-                   pb.EMBEDDING_TYPE_BINARY: EmbeddingType.BINARY,
-                   pb.EMBEDDING_TYPE_UBINARY: EmbeddingType.UBINARY}
+EMBEDDING_TYPES = _codes("EMBEDDING_TYPE_", EmbeddingType, EmbeddingType.FLOAT)
 EMBED_ADVICE = ("ask for fewer attention layers or heads, set average_heads, use "
                 "dtype=DTYPE_FLOAT16, or send fewer texts")
 CHUNKED_ADVICE = "raise chunking.max_tokens, use dtype=DTYPE_FLOAT16, or send less text"
 TOKENIZE_ADVICE = "send fewer texts per request"
-CHUNKING_MODES = {pb.CHUNKING_MODE_UNSPECIFIED: ChunkingMode.LATE,
-                  pb.CHUNKING_MODE_LATE: ChunkingMode.LATE,
-                  pb.CHUNKING_MODE_ISOLATED: ChunkingMode.ISOLATED}
-DIRECTIONS = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: TruncationDirection.RIGHT,
-              pb.TRUNCATION_DIRECTION_RIGHT: TruncationDirection.RIGHT,
-              pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT}
+CHUNKING_MODES = _codes("CHUNKING_MODE_", ChunkingMode, ChunkingMode.LATE)
+DIRECTIONS = _codes("TRUNCATION_DIRECTION_", TruncationDirection, TruncationDirection.RIGHT)
 TEXTS = Fields("texts", token_at="{sequence}")
 IDS = Fields("token_ids", token_at="{sequence}.ids[{position}]")
 SCORE_MODES = {pb.SCORE_MODE_COSINE: ScoreMode.COSINE, pb.SCORE_MODE_MAXSIM: ScoreMode.MAXSIM}
 RERANK_ADVICE = "set top_n, leave return_texts unset, or send fewer texts"
-SCORE_ADVICE = "send fewer texts"
 CLASSIFY = Fields("inputs", token_at="{sequence}.text", pair_at="{sequence}.text_pair")
 CLASSIFY_ADVICE = "set top_k, or send fewer inputs"
-SPARSE_ADVICE = "set top_k, or send fewer texts"
 # A SparseVector's entry (its length prefix) and its two packed fields' tags and lengths,
 # at the largest.
 SPARSE_VECTOR_BYTES = (1 + 5) + 2 * (1 + 5)
@@ -98,7 +96,7 @@ RESULT_BYTES = (1 + 5) + (1 + 4) + (1 + 5)
 UTF8_MAX = 4
 
 
-class IdLists:
+class IdLists(Sequence):
     """A request's TokenIds entries as lists of ids, each read when the data plane reads it
     (off the event loop for a big request)."""
 
@@ -110,9 +108,6 @@ class IdLists:
 
     def __getitem__(self, index: int):
         return self.entries[index].ids
-
-    def __iter__(self):
-        return (entry.ids for entry in self.entries)
 
 
 def _indexes(values, count: int, field: str, what: str) -> tuple[int, ...]:
@@ -133,10 +128,14 @@ def _tokenization(e: Encoded) -> pb.Tokenization:
                            offsets=[x for pair in e.offsets for x in pair])
 
 
+def _known(codes: dict, value: int, field: str):
+    if value not in codes:
+        raise InvalidArgument(field, f"unknown value {value}")
+    return codes[value]
+
+
 def direction(value: int) -> TruncationDirection:
-    if value not in DIRECTIONS:
-        raise InvalidArgument("truncation_direction", f"unknown value {value}")
-    return DIRECTIONS[value]
+    return _known(DIRECTIONS, value, "truncation_direction")
 
 
 def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> EmbedPlan:
@@ -151,8 +150,7 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
                               "embedding_type is sent as, not a dtype: set embedding_type"
                               if request.dtype in pb.DType.values()
                               else f"unknown value {request.dtype}")
-    if request.embedding_type not in EMBEDDING_TYPES:
-        raise InvalidArgument("embedding_type", f"unknown value {request.embedding_type}")
+    kind = _known(EMBEDDING_TYPES, request.embedding_type, "embedding_type")
     # A model without dense vectors (SPLADE, ColBERT) pools nothing unless asked: the data
     # plane refuses a pooling, or a request for none of its heads, naming the model.
     pooling = request.pooling or (POOLING_NAMES.get(manifest.default_pooling, pb.POOLING_MEAN)
@@ -170,7 +168,6 @@ def plan_embed(request: pb.EmbedRequest, manifest: Manifest, model: str) -> Embe
                                   options.average_heads)
     plan = EmbedPlan(pooling, request.normalize, request.return_token_embeddings, DTYPES[request.dtype],
                      attention, _chunking(request, manifest), **_heads(request, manifest, model))
-    kind = EMBEDDING_TYPES[request.embedding_type]
     if kind is EmbeddingType.FLOAT:
         return plan
     source = (pooled_output(plan.chunking.mode.pooling(manifest.default_pooling), plan.normalize)
@@ -191,12 +188,10 @@ def _heads(request: pb.EmbedRequest, manifest: Manifest, model: str) -> dict:
                                    manifest.multi_vector),
                                   ("return_sparse", request.return_sparse,
                                    manifest.sparse or manifest.lexical)):
-        if not asked:
-            continue
-        if present is None:
+        if asked and present is None:
             raise InvalidArgument(field, f"model {model!r} has no {field[7:].replace('_', '-')} "
                                   f"head (its heads: {heads})")
-        if request.HasField("chunking"):
+        if asked and request.HasField("chunking"):
             raise InvalidArgument(field, "not with chunking, which returns one vector per chunk")
     if request.return_multi_vector:
         plan["multi_vector"] = (manifest.multi_vector.dim, manifest.multi_vector.skip_leading)
@@ -212,9 +207,7 @@ def _chunking(request: pb.EmbedRequest, manifest: Manifest) -> Chunking | None:
     if not request.HasField("chunking"):
         return None
     options = request.chunking
-    if options.mode not in CHUNKING_MODES:
-        raise InvalidArgument("chunking.mode", f"unknown value {options.mode}")
-    mode = CHUNKING_MODES[options.mode]
+    mode = _known(CHUNKING_MODES, options.mode, "chunking.mode")
     pooling = POOLING_NAMES[mode.pooling(manifest.default_pooling)]
     if request.pooling not in (pb.POOLING_UNSPECIFIED, pooling):
         raise InvalidArgument("pooling", f"{mode.value} chunk vectors are pooled by "
@@ -231,9 +224,7 @@ def _chunking(request: pb.EmbedRequest, manifest: Manifest) -> Chunking | None:
 
 class EncoderService(pb_grpc.EncoderServiceServicer):
     def __init__(self, plane: DataPlane, metrics: Metrics, max_message_bytes: int):
-        self.plane = plane
-        self.metrics = metrics
-        self.max_message_bytes = max_message_bytes
+        self.plane, self.metrics, self.max_message_bytes = plane, metrics, max_message_bytes
         # Per model, the smallest Tokenization (an empty text's): a request's cheap size bound.
         self.least_tokenization = {name: _tokenization(m.tokenizer.empty).ByteSize()
                                    for name, m in plane.models.items()}
@@ -258,9 +249,9 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         return await model.pack(results * RESULT_S + embedded.response_bytes * COPY_BYTE_S,
                                 embed_response, embedded, plan, model.name)
 
+    @answered
     async def Embed(self, request, context):
-        return await answer(self.metrics, "Embed", context, lambda: self._embed(
-            request, call_holds(), deadline_of(context)), request.priority)
+        return await self._embed(request, call_holds(), deadline_of(context))
 
     async def EmbedStream(self, request_iterator, context):
         holds = call_holds()
@@ -275,20 +266,19 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             finally:
                 holds.give_back(holds.total - before)
 
+    @answered
     async def Tokenize(self, request, context):
-        async def handle():
-            model = self.plane.model(request.model)
-            count, least = len(request.texts), self.least_tokenization[model.name]
-            ResponseSize(lambda _: count * field_bytes(least), self.max_message_bytes,
-                         TOKENIZE_ADVICE).check(None, at_least=True)
-            holds = call_holds()
-            encoded = await embed.tokenize(model, TokenizeRequest(
-                TEXTS, request.texts, request.truncate, direction(request.truncation_direction),
-                request.prompt_name), holds)
-            tokens = sum(len(e.ids) for e in encoded)
-            return await model.pack(count * RESULT_S + tokens * TOKEN_S,
-                                    self._tokenize_response, model, encoded, holds)
-        return await answer(self.metrics, "Tokenize", context, handle)
+        model = self.plane.model(request.model)
+        count, least = len(request.texts), self.least_tokenization[model.name]
+        ResponseSize(lambda _: count * field_bytes(least), self.max_message_bytes,
+                     TOKENIZE_ADVICE).check(None, at_least=True)
+        holds = call_holds()
+        encoded = await embed.tokenize(model, TokenizeRequest(
+            TEXTS, request.texts, request.truncate, direction(request.truncation_direction),
+            request.prompt_name), holds)
+        tokens = sum(len(e.ids) for e in encoded)
+        return await model.pack(count * RESULT_S + tokens * TOKEN_S, self._tokenize_response, model,
+                                encoded, holds)
 
     def _tokenize_response(self, model: ServedModel, encoded: list[Encoded],
                            holds: Holds) -> pb.TokenizeResponse:
@@ -300,71 +290,64 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         model.hold_response(holds, size)
         return response
 
+    @answered
     async def GetModelInfo(self, request, context):
-        return await answer(self.metrics, "GetModelInfo", context,
-                            lambda: self._info(self.plane.model(request.model)))
+        return _info(self.plane.model(request.model))
 
+    @answered
     async def ListModels(self, request, context):
-        async def handle():
-            return pb.ListModelsResponse(models=[await self._info(m) for m in self.plane.models.values()],
-                                         default_model=self.plane.default.name)
-        return await answer(self.metrics, "ListModels", context, handle)
+        return pb.ListModelsResponse(models=[_info(m) for m in self.plane.models.values()],
+                                     default_model=self.plane.default.name)
 
+    @answered
     async def Rerank(self, request, context):
-        async def handle():
-            model = self.plane.model(request.model, kind=RERANKER)
-            reranked = await pairs.rerank(model, _rerank_request(request, model.name, self.max_message_bytes),
-                                          call_holds(), deadline_of(context))
-            return await model.pack(len(reranked.order) * RESULT_S + reranked.response_bytes * COPY_BYTE_S,
-                                    _rerank_response, reranked, request, model.name)
-        return await answer(self.metrics, "Rerank", context, handle, request.priority)
+        model = self.plane.model(request.model, kind=RERANKER)
+        reranked = await pairs.rerank(model, _rerank_request(request, model.name, self.max_message_bytes),
+                                      call_holds(), deadline_of(context))
+        return await model.pack(len(reranked.order) * RESULT_S + reranked.response_bytes * COPY_BYTE_S,
+                                _rerank_response, reranked, request, model.name)
 
+    @answered
     async def Score(self, request, context):
-        async def handle():
-            model = self.plane.model(request.model, kind=EMBEDDER)
-            scored = await pairs.score(model, _score_request(request, model.name, self.max_message_bytes),
-                                       call_holds(), deadline_of(context))
-            return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored, model.name)
-        return await answer(self.metrics, "Score", context, handle, request.priority)
+        model = self.plane.model(request.model, kind=EMBEDDER)
+        scored = await pairs.score(model, _score_request(request, model.name, self.max_message_bytes),
+                                   call_holds(), deadline_of(context))
+        return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored, model.name)
 
+    @answered
     async def Classify(self, request, context):
-        async def handle():
-            model = self.plane.model(request.model, kind=CLASSIFIER)
-            classified = await classify.classify(model, _classify_request(
-                request, model, self.max_message_bytes), call_holds(), deadline_of(context))
-            top_k = request.top_k if request.HasField("top_k") else None
-            return await model.pack(classified.scores.size * RESULT_S, _classify_response,
-                                    classified, top_k, model)
-        return await answer(self.metrics, "Classify", context, handle, request.priority)
+        model = self.plane.model(request.model, kind=CLASSIFIER)
+        classified = await classify.classify(model, _classify_request(request, model, self.max_message_bytes),
+                                             call_holds(), deadline_of(context))
+        top_k = request.top_k if request.HasField("top_k") else None
+        return await model.pack(classified.scores.size * RESULT_S, _classify_response, classified, top_k,
+                                model)
 
+    @answered
     async def EmbedSparse(self, request, context):
-        async def handle():
-            model = self.plane.model(request.model)
-            head = head_bytes(model.name)
-            size = ResponseSize(lambda counts: head + len(counts) * SPARSE_VECTOR_BYTES + SPARSE_ENTRY_BYTES
-                                * int(counts.sum()), self.max_message_bytes, SPARSE_ADVICE)
-            embedded = await sparse.embed_sparse(model, SparseRequest(
-                TEXTS, size, request.texts, request.truncate, direction(request.truncation_direction),
-                request.prompt_name, request.top_k if request.HasField("top_k") else None),
-                call_holds(), deadline_of(context))
-            return await model.pack(embedded.response_bytes * COPY_BYTE_S, _sparse_response,
-                                    embedded, model.name)
-        return await answer(self.metrics, "EmbedSparse", context, handle, request.priority)
-
-    async def _info(self, model: ServedModel) -> pb.GetModelInfoResponse:
-        info = model.model_info()
-        return pb.GetModelInfoResponse(
-            model=info.model, hidden_size=info.hidden_size, num_layers=info.num_layers,
-            num_heads=info.num_heads, max_positions=info.max_positions, vocab_size=info.vocab_size,
-            default_pooling=POOLING_NAMES[info.default_pooling], execution_provider=info.provider,
-            precision=info.precision, artifact_sha256=info.artifact_sha256, platform=info.platform,
-            family=info.family, kind=info.kind, labels={str(i): label for i, label in enumerate(info.labels)},
-            prompts=info.prompts, default_prompt_name=info.default_prompt_name or "",
-            matryoshka_dims=info.matryoshka_dims, embedding_size=info.embedding_size)
+        model = self.plane.model(request.model)
+        head = head_bytes(model.name)
+        size = ResponseSize(lambda counts: head + len(counts) * SPARSE_VECTOR_BYTES + SPARSE_ENTRY_BYTES
+                            * int(counts.sum()), self.max_message_bytes, "set top_k, or send fewer texts")
+        embedded = await sparse.embed_sparse(model, SparseRequest(
+            TEXTS, size, request.texts, request.truncate, direction(request.truncation_direction),
+            request.prompt_name, request.top_k if request.HasField("top_k") else None),
+            call_holds(), deadline_of(context))
+        return await model.pack(embedded.response_bytes * COPY_BYTE_S, _sparse_response, embedded, model.name)
 
 
-def _classify_request(request: pb.ClassifyRequest, model: ServedModel,
-                      limit: int) -> ClassifyRequest:
+def _info(model: ServedModel) -> pb.GetModelInfoResponse:
+    info = model.model_info()
+    # The fields named as the response's, and those it names or encodes otherwise.
+    same = {name: getattr(info, name) for name in pb.GetModelInfoResponse.DESCRIPTOR.fields_by_name
+            if hasattr(info, name)}
+    return pb.GetModelInfoResponse(**same | dict(
+        default_pooling=POOLING_NAMES[info.default_pooling], execution_provider=info.provider,
+        labels={str(i): label for i, label in enumerate(info.labels)},
+        default_prompt_name=info.default_prompt_name or ""))
+
+
+def _classify_request(request: pb.ClassifyRequest, model: ServedModel, limit: int) -> ClassifyRequest:
     inputs = request.inputs
     # Every label's name at its longest, as each input's answer may carry them all.
     per_input = field_bytes(sum(LABEL_BYTES + UTF8_MAX * len(label) for label in model.manifest.labels))
@@ -377,8 +360,7 @@ def _classify_request(request: pb.ClassifyRequest, model: ServedModel,
                            request.top_k if request.HasField("top_k") else None)
 
 
-def _classify_response(classified: Classified, top_k: int | None,
-                       model: ServedModel) -> pb.ClassifyResponse:
+def _classify_response(classified: Classified, top_k: int | None, model: ServedModel) -> pb.ClassifyResponse:
     labels = model.manifest.labels
     response = pb.ClassifyResponse(model=model.name, total_tokens=classified.total_tokens)
     for index in range(len(classified.scores)):
@@ -422,8 +404,8 @@ def _score_request(request: pb.ScoreRequest, model: str, limit: int) -> ScoreReq
         what = (pb.ScoreMode.Name(request.mode) if request.mode in pb.ScoreMode.values()
                 else f"unknown value {request.mode}")
         raise InvalidArgument("mode", f"{what}; name one: SCORE_MODE_COSINE or SCORE_MODE_MAXSIM")
-    size = ResponseSize(lambda lengths: head_bytes(model) + field_bytes(4 * len(lengths)),
-                        limit, SCORE_ADVICE)
+    size = ResponseSize(lambda lengths: head_bytes(model) + field_bytes(4 * len(lengths)), limit,
+                        "send fewer texts")
     return ScoreRequest(TEXTS, size, request.query, request.texts, SCORE_MODES[request.mode],
                         request.truncate)
 

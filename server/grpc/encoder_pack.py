@@ -18,8 +18,7 @@ from attnserve.server.runtime.backend import Outputs, SequenceResult
 POOLING_NAMES = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "lasttoken": pb.POOLING_LAST_TOKEN}
 POOLINGS = {code: name for name, code in POOLING_NAMES.items()}
 _WIRE = {np.float32: (pb.DTYPE_FLOAT32, "<f4"), np.float16: (pb.DTYPE_FLOAT16, "<f2")}
-QUANTIZED_DTYPES = {EmbeddingType.INT8: pb.DTYPE_INT8, EmbeddingType.UINT8: pb.DTYPE_UINT8,
-                    EmbeddingType.BINARY: pb.DTYPE_BINARY, EmbeddingType.UBINARY: pb.DTYPE_UBINARY}
+QUANTIZED_DTYPES = {kind: getattr(pb, f"DTYPE_{kind.name}") for kind in EmbeddingType if kind.name != "FLOAT"}
 
 
 @dataclass(frozen=True)
@@ -72,33 +71,25 @@ class EmbedPlan:
     def pooled_bytes(self, hidden: int) -> int:
         """The wire size of one pooled vector's Tensor."""
         kind = self.embedding_type
-        if kind is EmbeddingType.FLOAT:
-            return tensor_bytes((hidden,), np.dtype(self.dtype).itemsize)
-        return tensor_bytes((kind.dimensions(hidden),), 1)
+        value_bytes = np.dtype(self.dtype).itemsize if kind is EmbeddingType.FLOAT else 1
+        return tensor_bytes((kind.dimensions(hidden),), value_bytes)
 
 
 def tensor(array: np.ndarray, dtype: type) -> pb.Tensor:
     code, wire = _WIRE[dtype]
-    data = np.ascontiguousarray(array, dtype=wire).tobytes()
-    return pb.Tensor(shape=array.shape, dtype=code, data=data)
+    return pb.Tensor(shape=array.shape, dtype=code, data=np.ascontiguousarray(array, dtype=wire).tobytes())
 
 
 def pooled_name(plan: EmbedPlan) -> str | None:
     """The graph output an Embed response's pooled vector is, None for POOLING_NONE."""
-    if plan.pooling == pb.POOLING_NONE:
-        return None
-    return pooled_output(POOLINGS[plan.pooling], plan.normalize)
+    return None if plan.pooling == pb.POOLING_NONE else pooled_output(POOLINGS[plan.pooling], plan.normalize)
 
 
 def outputs_for(plan: EmbedPlan) -> Outputs:
     """The graph outputs an Embed response is built from: only the pooled vector unless
     the caller asked for token embeddings (attention maps are asked for by layer)."""
-    names = {pooled_name(plan), plan.sparse} - {None}
-    if plan.return_token_embeddings:
-        names.add(HIDDEN_OUTPUT)
-    if plan.multi_vector is not None:
-        names.add(MULTI_VECTOR_OUTPUT)
-    return frozenset(names)
+    return frozenset({pooled_name(plan), plan.sparse, HIDDEN_OUTPUT if plan.return_token_embeddings else None,
+                      MULTI_VECTOR_OUTPUT if plan.multi_vector is not None else None} - {None})
 
 
 def sparse_vector(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.SparseVector:
@@ -111,15 +102,11 @@ def sparse_vector(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> p
 def attention_maps(result: SequenceResult, plan: EmbedPlan) -> np.ndarray:
     """(layers, heads or 1, n, n) in the caller's layer and head order."""
     options = plan.attention
-    maps = []
-    for layer in options.layers:
-        probs = result.attentions[layer]
-        if options.heads is not None:
-            probs = probs[list(options.heads)]
-        if options.average_heads:
-            probs = probs.mean(axis=0, keepdims=True, dtype=np.float32)
-        maps.append(probs)
-    return np.stack(maps)
+    heads = slice(None) if options.heads is None else list(options.heads)
+    maps = (result.attentions[layer][heads] for layer in options.layers)
+    if options.average_heads:  # a layer at a time: each one's copy of its heads goes once averaged
+        maps = (probs.mean(axis=0, keepdims=True, dtype=np.float32) for probs in maps)
+    return np.stack([*maps])
 
 
 def embedding(result: SequenceResult, ids: np.ndarray, plan: EmbedPlan) -> pb.Embedding:
@@ -171,17 +158,16 @@ def tensor_bytes(shape: tuple[int, ...], value_bytes: float) -> int:
     return field_bytes(sum(varint_bytes(d) for d in shape)) + 2 + field_bytes(data)
 
 
-def embedding_bytes(length: int, plan: EmbedPlan, hidden: int, vector: int, heads: int,
-                    vocab: int, value_bytes: float) -> int:
-    """One pb.Embedding of a `length`-token sequence, ids counted at the largest; `vector`:
-    a pooled vector's size (past any Dense layers)."""
+def embedding_bytes(length: int, plan: EmbedPlan, manifest: Manifest) -> int:
+    """One pb.Embedding of a `length`-token sequence, ids counted at the largest."""
+    vocab, value_bytes = manifest.vocab_size, np.dtype(plan.dtype).itemsize
     total = field_bytes(length * varint_bytes(vocab - 1)) + 1 + varint_bytes(length)
     if pooled_name(plan) is not None:
-        total += field_bytes(plan.pooled_bytes(vector))
+        total += field_bytes(plan.pooled_bytes(manifest.embedding_size))
     if plan.return_token_embeddings:
-        total += field_bytes(tensor_bytes((length, hidden), value_bytes))
+        total += field_bytes(tensor_bytes((length, manifest.hidden_size), value_bytes))
     if plan.attention is not None:
-        maps = (len(plan.attention.layers), plan.attention.returned_heads(heads), length, length)
+        maps = (len(plan.attention.layers), plan.attention.returned_heads(manifest.num_heads), length, length)
         total += field_bytes(tensor_bytes(maps, value_bytes))
     if plan.multi_vector is not None:
         dim, skip = plan.multi_vector
@@ -205,14 +191,10 @@ def head_bytes(model: str, tokens: int = INT64_MAX) -> int:
 def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifest,
                          model: str) -> int:
     """The EmbedResponse of `model` for sequences of `lengths` tokens, in bytes."""
-    value_bytes = np.dtype(plan.dtype).itemsize
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
-    total = head_bytes(model, int(lengths.sum()))
-    for length in np.flatnonzero(counts).tolist():
-        one = embedding_bytes(length, plan, manifest.hidden_size, manifest.embedding_size,
-                              manifest.num_heads, manifest.vocab_size, value_bytes)
-        total += int(counts[length]) * field_bytes(one)
-    return total
+    return head_bytes(model, int(lengths.sum())) + sum(
+        int(counts[length]) * field_bytes(embedding_bytes(length, plan, manifest))
+        for length in np.flatnonzero(counts).tolist())
 
 
 # A chunk's start, end and num_tokens: a one-byte tag and a uint32 varint each, at the

@@ -13,7 +13,7 @@ from attnserve.server.engine.offload import COPY_BYTE_S
 from attnserve.server.engine.plane import DataPlane
 from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRequest
 from attnserve.server.errors import InvalidArgument
-from attnserve.server.grpc.calls import answer, call_holds, deadline_of
+from attnserve.server.grpc.calls import answered, call_holds, deadline_of
 from attnserve.server.grpc.wire import field_bytes
 from attnserve.server.kserve import MODEL_VERSION, find_model, input_tensor, model_metadata, repository_index
 from attnserve.server.metrics import Metrics
@@ -23,9 +23,7 @@ INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"
 
 class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, plane: DataPlane, metrics: Metrics, max_message_bytes: int):
-        self.plane = plane
-        self.metrics = metrics
-        self.max_message_bytes = max_message_bytes
+        self.plane, self.metrics, self.max_message_bytes = plane, metrics, max_message_bytes
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -33,27 +31,24 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.plane.serving())
 
+    @answered
     async def ModelReady(self, request, context):
-        async def handle():
-            model = find_model(self.plane, request.name, request.version, "name", "version")
-            return pb.ModelReadyResponse(ready=model.serving())
-        return await answer(self.metrics, "ModelReady", context, handle)
+        model = find_model(self.plane, request.name, request.version, "name", "version")
+        return pb.ModelReadyResponse(ready=model.serving())
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION)
 
+    @answered
     async def ModelMetadata(self, request, context):
-        async def handle():
-            meta = model_metadata(find_model(self.plane, request.name, request.version, "name", "version"))
-            return pb.ModelMetadataResponse(**msgspec.to_builtins(meta))
-        return await answer(self.metrics, "ModelMetadata", context, handle)
+        meta = model_metadata(find_model(self.plane, request.name, request.version, "name", "version"))
+        return pb.ModelMetadataResponse(**msgspec.to_builtins(meta))
 
+    @answered
     async def RepositoryIndex(self, request, context):
-        async def handle():
-            entry = pb.RepositoryIndexResponse.ModelIndex
-            return pb.RepositoryIndexResponse(models=[
-                entry(**msgspec.structs.asdict(e)) for e in repository_index(self.plane, request.ready)])
-        return await answer(self.metrics, "RepositoryIndex", context, handle)
+        entry = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(models=[
+            entry(**msgspec.structs.asdict(e)) for e in repository_index(self.plane, request.ready)])
 
     def _size(self, request: pb.ModelInferRequest, model: str) -> ResponseSize:
         """The response's size, exactly: its fields but the output data, sized by protobuf
@@ -75,16 +70,15 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         return [input_tensor(i, t.name, t.datatype, t.shape, raw[i] if raw else t.contents.int64_contents)
                 for i, t in enumerate(request.inputs)]
 
+    @answered
     async def ModelInfer(self, request, context):
-        async def handle():
-            model = find_model(self.plane, request.model_name, request.model_version, "model_name",
-                               "model_version")
-            outputs = await tensors.run(model, TensorRequest(
-                self._inputs(request), [o.name for o in request.outputs],
-                self._size(request, model.name)), call_holds(), deadline_of(context))
-            nbytes = sum(array.nbytes for _, array in outputs)
-            return await model.pack(nbytes * COPY_BYTE_S, self._response, model.name, request.id, outputs)
-        return await answer(self.metrics, "ModelInfer", context, handle)
+        model = find_model(self.plane, request.model_name, request.model_version, "model_name",
+                           "model_version")
+        outputs = await tensors.run(model, TensorRequest(
+            self._inputs(request), [o.name for o in request.outputs], self._size(request, model.name)),
+            call_holds(), deadline_of(context))
+        nbytes = sum(array.nbytes for _, array in outputs)
+        return await model.pack(nbytes * COPY_BYTE_S, self._response, model.name, request.id, outputs)
 
     def _response(self, model: str, request_id: str, outputs) -> pb.ModelInferResponse:
         response = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request_id)

@@ -31,11 +31,9 @@ def credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
         return None
     if config.tls_cert is None or config.tls_key is None:
         raise ValueError("--tls-cert and --tls-key go together")
-    chain = [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
-    if config.tls_client_ca is None:
-        return grpc.ssl_server_credentials(chain)
-    return grpc.ssl_server_credentials(chain, root_certificates=config.tls_client_ca.read_bytes(),
-                                       require_client_auth=True)
+    ca = config.tls_client_ca
+    return grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+                                       root_certificates=ca and ca.read_bytes(), require_client_auth=bool(ca))
 
 
 class GrpcServer:

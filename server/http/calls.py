@@ -63,12 +63,9 @@ class RequestTimeout(RequestError):
 
 
 def http_status(err: RequestError) -> int:
-    if isinstance(err, UnsupportedMediaType):
-        return 415
-    if isinstance(err, RequestTimeout):
-        return 408
-    if isinstance(err, TooLarge):
-        return 413
+    for kind, status in ((UnsupportedMediaType, 415), (RequestTimeout, 408), (TooLarge, 413)):
+        if isinstance(err, kind):
+            return status
     return HTTP_STATUS.get(err.code, 500)
 
 
@@ -91,8 +88,6 @@ def _peer(request: web.Request) -> str | None:
 
 
 class HttpCalls:
-    """Shared by the routes of one server: its plane, metrics and limits."""
-
     def __init__(self, plane: DataPlane, metrics: Metrics, keys: ApiKeys, max_body_bytes: int,
                  body_timeout_s: float, max_entries: int, tracing: Tracing | None = None):
         self.plane = plane
@@ -186,8 +181,6 @@ class HttpCalls:
         return await self.plane.offload.request(len(body) * JSON_BYTE_S, work)
 
     async def json_body(self, request: web.Request, holds: Holds, schema: type[S]) -> S:
-        """A JSON route's body, decoded as `schema`, once the server serves and the body is
-        JSON."""
         self.plane.check_serving()
         self.check_type(request, ("application/json",))
         return await self.json(await self.body(request, holds), schema)
@@ -211,8 +204,6 @@ class HttpCalls:
             try:
                 release = self.keys.admit(request.get(API_KEY), request.headers.get(HEADER), HEADER)
                 response = await handler(holds)
-            except asyncio.CancelledError:
-                raise
             except Exception as err:  # noqa: BLE001 - every failure is answered
                 error = record.refusal(err)
                 response = refusal(error, http_status(error))

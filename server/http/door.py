@@ -23,12 +23,10 @@ encode = msgspec.json.Encoder().encode
 
 
 def json_response(body: object, status: int = 200) -> web.Response:
-    """An answer of JSON: a schema's Struct, or a list of them (or of plain values)."""
     return web.Response(body=encode(body), status=status, content_type="application/json")
 
 
 async def packed(model: ServedModel, seconds: float, build: Callable[..., bytes], *args) -> web.Response:
-    """An answer of the JSON `build(*args)` writes, built as ServedModel.pack builds it."""
     return web.Response(body=await model.pack(seconds, build, *args), content_type="application/json")
 
 
@@ -55,7 +53,6 @@ class Door(ABC):
         return json_response(KServeError(err.message), status)
 
     def size(self, measure: Callable, advice: str) -> ResponseSize:
-        """An answer's size by `measure`, refused past the door's limit with `advice`."""
         return ResponseSize(measure, self.max_response_bytes, advice)
 
     def route(self, method: str, path: str, handler: Handler, rpc: str | None = None) -> web.RouteDef:

@@ -15,19 +15,9 @@ from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
 from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRequest
 from attnserve.server.errors import InvalidArgument, quote
+from attnserve.server.http import schemas as s
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
 from attnserve.server.http.door import Door, encode, json_response, numbers
-from attnserve.server.http.schemas import (
-    Infer,
-    InferParameters,
-    Inferred,
-    Live,
-    OutputTensor,
-    OutputTensorParameters,
-    Ready,
-    RepositoryIndex,
-    ServerMetadata,
-)
 from attnserve.server.kserve import MODEL_VERSION, find_model, input_tensor, model_metadata, repository_index
 from attnserve.server.memory.ledger import Holds
 
@@ -38,18 +28,14 @@ ADVICE = "request fewer attentions.K outputs, binary_data outputs, or a smaller 
 _DIGITS = re.compile(r"[0-9]{1,12}")
 
 
-def _health(body: Live | Ready, ok: bool) -> web.Response:
-    return json_response(body, status=200 if ok else 400)
+def _readiness(ready: s.Ready) -> web.Response:
+    return json_response(ready, status=200 if ready.ready else 400)
 
 
 def _at(index: int, dims: list[int]) -> str:
     """`[i][j]…`: where the index-th list (row-major) of a level whose lists' dimensions
     are `dims` sits in a tensor's data."""
-    path = []
-    for size in reversed(dims):
-        index, i = divmod(index, size)
-        path.append(f"[{i}]")
-    return "".join(reversed(path))
+    return "".join(f"[{i}]" for i in np.unravel_index(index, dims))
 
 
 def _values(data, shape: list[int], field: str) -> list:
@@ -71,8 +57,7 @@ def _values(data, shape: list[int], field: str) -> list:
     for i, value in enumerate(data):
         if type(value) is not int:  # bool is an int to Python, not to JSON
             if isinstance(value, list):
-                raise InvalidArgument(field, f"nested deeper than shape {shape}: "
-                                      f"{_at(i, shape)} is a list")
+                raise InvalidArgument(field, f"nested deeper than shape {shape}: {_at(i, shape)} is a list")
             raise InvalidArgument(field, f"{quote(value)} is not an INT64 value")
     return data
 
@@ -81,21 +66,20 @@ class InferCall:
     """One infer request, read: its tensors, the outputs asked for and which of them
     travel as binary data, its id and deadline."""
 
-    def __init__(self, header: Infer, binary: bytes):
+    def __init__(self, header: s.Infer, binary: bytes):
         self.inputs = self._inputs(header, binary)
         self.id = header.id
-        parameters = header.parameters or InferParameters()
+        parameters = header.parameters or s.InferParameters()
         self.outputs = [output.name for output in header.outputs]
         every = parameters.binary_data_output
         self.binary = {o.name for o in header.outputs
                        if (every if o.parameters is None or o.parameters.binary_data is None
                            else o.parameters.binary_data)}
         self.every_binary = every and not self.outputs
-        timeout = parameters.timeout
-        self.deadline = None if timeout is None else time.monotonic() + timeout / 1e6
+        self.deadline = None if parameters.timeout is None else time.monotonic() + parameters.timeout / 1e6
 
     @staticmethod
-    def _inputs(header: Infer, binary: bytes) -> list[InputTensor]:
+    def _inputs(header: s.Infer, binary: bytes) -> list[InputTensor]:
         tensors, offset = [], 0
         for i, tensor in enumerate(header.inputs):
             field = f"inputs[{i}]"
@@ -133,15 +117,14 @@ class InferCall:
         """(the body, the JSON header's length when binary data follows it)"""
         entries, chunks = [], []
         for name, array in outputs:
-            entry = OutputTensor(name, "FP32", list(array.shape))
+            entry = s.OutputTensor(name, "FP32", list(array.shape))
             if self.travels_binary(name):
-                raw = array.tobytes()
-                entry.parameters = OutputTensorParameters(len(raw))
-                chunks.append(raw)
+                entry.parameters = s.OutputTensorParameters(array.nbytes)
+                chunks.append(array.tobytes())
             else:
                 entry.data = numbers(array.ravel())
             entries.append(entry)
-        header = encode(Inferred(model, MODEL_VERSION, entries, *(() if self.id is None else (self.id,))))
+        header = encode(s.Inferred(model, MODEL_VERSION, entries, *(() if self.id is None else (self.id,))))
         if not chunks:
             return header, None
         return b"".join([header, *chunks]), len(header)
@@ -163,28 +146,26 @@ class KServeDoor(Door):
                           request.match_info.get("version"), "model", "version")
 
     async def live(self, request: web.Request) -> web.Response:
-        return _health(Live(True), True)
+        return json_response(s.Live(True))
 
     async def ready(self, request: web.Request) -> web.Response:
-        serving = self.plane.serving()
-        return _health(Ready(serving), serving)
+        return _readiness(s.Ready(self.plane.serving()))
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return json_response(ServerMetadata(SERVER_NAME, SERVER_VERSION, EXTENSIONS))
+        return json_response(s.ServerMetadata(SERVER_NAME, SERVER_VERSION, EXTENSIONS))
 
     async def model_metadata(self, request: web.Request, holds: Holds) -> web.Response:
         return json_response(model_metadata(self._model(request)))
 
     async def model_ready(self, request: web.Request, holds: Holds) -> web.Response:
         model = self._model(request)
-        serving = model.serving()
-        return _health(Ready(serving, model.name), serving)
+        return _readiness(s.Ready(model.serving(), model.name))
 
     async def repository_index(self, request: web.Request, holds: Holds) -> web.Response:
         """Triton's extension: {"ready": bool} in an optional body, the models as a list."""
         self.calls.check_type(request, ("application/json",), optional=True)
         body = await self.calls.body(request, holds)
-        options = await self.calls.json(body, RepositoryIndex) if body.strip() else RepositoryIndex()
+        options = await self.calls.json(body, s.RepositoryIndex) if body.strip() else s.RepositoryIndex()
         return json_response(repository_index(self.plane, options.ready))
 
     async def infer(self, request: web.Request, holds: Holds) -> web.Response:
@@ -200,7 +181,7 @@ class KServeDoor(Door):
             raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
         split = len(body) if length is None else int(length)
         header, binary = body[:split], body[split:]
-        call = await self.calls.json(header, Infer, lambda parsed: InferCall(parsed, binary))
+        call = await self.calls.json(header, s.Infer, lambda parsed: InferCall(parsed, binary))
         outputs = await tensors.run(model, TensorRequest(
             call.inputs, call.outputs, call.size(self.max_response_bytes)), holds, call.deadline)
         values = sum(array.size for _, array in outputs)

@@ -1,8 +1,8 @@
-"""OpenAI's POST /v1/embeddings, and Infinity's (OpenAI's without /v1) and vLLM's /classify,
-through the data plane, in their bodies, answers and error shapes, with attnserve's fields
-beside OpenAI's (docs/api.md, "HTTP: OpenAI", "HTTP: Infinity" and "Classification"). `model` names one of
-the server's models; without it, the default (the first) answers, as TEI's, Infinity's and
-vLLM's do. How the vectors are written: server/http/vectors.py."""
+"""OpenAI's POST /v1/embeddings and GET /v1/models, Infinity's (OpenAI's without /v1, with its `id`,
+`created`, `backend`, `capabilities` and `stats`) and vLLM's /classify, through the data plane, in their
+bodies, answers and error shapes, with attnserve's fields beside OpenAI's (docs/api.md, "HTTP: OpenAI",
+"HTTP: Infinity" and "Classification"). `model` names one of the server's models; without it, the
+default (the first) answers, as TEI's, Infinity's and vLLM's do. Vectors: server/http/vectors.py."""
 
 import time
 import uuid
@@ -26,25 +26,9 @@ from attnserve.server.engine.requests import (
     SparseRequest,
 )
 from attnserve.server.errors import InvalidArgument, RequestError, quote
+from attnserve.server.http import schemas as s
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
 from attnserve.server.http.door import Door, encode, json_response, numbers, packed
-from attnserve.server.http.schemas import (
-    Classification,
-    Classify,
-    ClassifyData,
-    ClassifyUsage,
-    Embedding,
-    EmbeddingList,
-    Embeddings,
-    InfinityEmbeddings,
-    Model,
-    ModelList,
-    OpenAIError,
-    OpenAIErrorDetail,
-    Usage,
-    direction,
-    sequences,
-)
 from attnserve.server.http.vectors import VectorFormat
 from attnserve.server.memory.ledger import Holds
 
@@ -73,11 +57,6 @@ ERROR_KINDS = {400: ("invalid_request_error", None), 401: ("invalid_request_erro
 
 
 class OpenAIDoor(Door):
-    """POST /v1/embeddings, and the models listed as OpenAI lists them: GET /v1/models and
-    GET /v1/models/{model}; Infinity's POST /embeddings and GET /models, OpenAI's without
-    /v1, their bodies Infinity's (the answer's `id` and `created`, each model's `backend`,
-    `capabilities` and `stats`)."""
-
     def __init__(self, *args):
         super().__init__(*args)
         self.created = int(time.time())
@@ -87,16 +66,16 @@ class OpenAIDoor(Door):
         return [self.route("POST", "/v1/embeddings", self.embeddings),
                 self.route("GET", "/v1/models", self.list_models),
                 self.route("GET", "/v1/models/{model:.+}", self.get_model, "http:/v1/models/{model}"),
-                self.route("POST", "/embeddings", partial(self.embeddings, schema=InfinityEmbeddings)),
+                self.route("POST", "/embeddings", partial(self.embeddings, schema=s.InfinityEmbeddings)),
                 self.route("POST", "/classify", self.classify),
                 self.route("GET", "/models", partial(self.list_models, infinity=True))]
 
     @staticmethod
     def refusal(err: RequestError, status: int) -> web.Response:
         kind, code = ERROR_KINDS.get(status, ("server_error", None))
-        return json_response(OpenAIError(OpenAIErrorDetail(err.message, kind, err.field, code)), status)
+        return json_response(s.OpenAIError(s.OpenAIErrorDetail(err.message, kind, err.field, code)), status)
 
-    def _request(self, body: Embeddings, model: ServedModel, vectors: VectorFormat) -> EmbedRequest:
+    def _request(self, body: s.Embeddings, model: ServedModel, vectors: VectorFormat) -> EmbedRequest:
         """The model's request for a body: the response's size depends on the model."""
         item = ITEM_BYTES + vectors.vector_bytes(model.manifest.embedding_size)
         head = head_bytes(model)
@@ -108,9 +87,9 @@ class OpenAIDoor(Door):
                              CHUNKED_ADVICE)
             chunking = Chunking(body.chunking.max_tokens, ChunkingMode(body.chunking.mode),
                                 body.chunking.window_overlap)
-        inputs, names = sequences(body.input, "input")
+        inputs, names = s.sequences(body.input, "input")
         return EmbedRequest(names=names, size=size, truncate=body.truncate, prompt_name=body.prompt_name,
-                            truncation_direction=direction(body.truncation_direction),
+                            truncation_direction=s.direction(body.truncation_direction),
                             outputs=frozenset({pooled(model)}), dimensions=body.dimensions or 0,
                             chunking=chunking, normalize=True, **inputs)
 
@@ -120,17 +99,16 @@ class OpenAIDoor(Door):
         pooled_vectors = [result.pooled[name] for result in embedded.results]
         pooled_vectors += [vector for text in embedded.chunked for vector in text.vectors]
         fields = iter(vectors.fields(np.stack(pooled_vectors), ranges) if pooled_vectors else ())
-        data = [Embedding("embedding", index, *next(fields)) for index in range(len(embedded.results))]
+        data = [s.Embedding("embedding", index, *next(fields)) for index in range(len(embedded.results))]
         for text_index, text in enumerate(embedded.chunked):
-            for (start, end), count in zip(text.spans.tolist(), text.token_counts.tolist(),
-                                           strict=True):
-                data.append(Embedding("embedding", len(data), *next(fields), text_index, start, end, count))
+            for (start, end), count in zip(text.spans.tolist(), text.token_counts.tolist(), strict=True):
+                data.append(s.Embedding("embedding", len(data), *next(fields), text_index, start, end, count))
         return embedding_list(model, data, embedded.total_tokens, infinity)
 
     async def embeddings(self, request: web.Request, holds: Holds,
-                         schema: type[Embeddings] = Embeddings) -> web.Response:
+                         schema: type[s.Embeddings] = s.Embeddings) -> web.Response:
         body = await self.calls.json_body(request, holds, schema)
-        infinity = schema is InfinityEmbeddings
+        infinity = schema is s.InfinityEmbeddings
         if infinity:
             if body.modality != "text":
                 raise InvalidArgument("modality", f"{quote(body.modality)}; this server embeds text only")
@@ -139,8 +117,7 @@ class OpenAIDoor(Door):
         if "sparse" in (body.embedding_types or ()):
             return await self._sparse(body, model, holds, infinity)
         if body.sparse_top_k is not None:
-            raise InvalidArgument("sparse_top_k", "cuts sparse vectors: ask for embedding_types "
-                                  '["sparse"]')
+            raise InvalidArgument("sparse_top_k", 'cuts sparse vectors: ask for embedding_types ["sparse"]')
         vectors = VectorFormat.of(body)
         embedded = await embed.embed(model, self._request(body, model, vectors), holds, None)
         count = len(embedded.results) + int(embedded.chunk_counts.sum())
@@ -149,9 +126,7 @@ class OpenAIDoor(Door):
                             self._answer, model, embedded, vectors, ranges, infinity)
 
     async def classify(self, request: web.Request, holds: Holds) -> web.Response:
-        """vLLM's /classify: each text's score of every label, by label id, and its best
-        label."""
-        body = await self.calls.json_body(request, holds, Classify)
+        body = await self.calls.json_body(request, holds, s.Classify)
         if body.messages is not None:
             raise InvalidArgument("messages", "chat messages are not classified here; send the "
                                   "texts in `input`")
@@ -159,7 +134,7 @@ class OpenAIDoor(Door):
             raise InvalidArgument("truncate_prompt_tokens", f"{body.truncate_prompt_tokens}; "
                                   "expected -1 (cut at the model's positions) or none")
         model = self.plane.model(body.model, kind=CLASSIFIER)
-        inputs, names = sequences(body.input, "input", ids=False)
+        inputs, names = s.sequences(body.input, "input", ids=False)
         labels = model.manifest.labels
         item = (CLASS_BYTES + max(map(len, labels), default=0) * JSON_CHAR_BYTES
                 + len(labels) * JSON_FLOAT_BYTES)
@@ -168,18 +143,18 @@ class OpenAIDoor(Door):
             names, self.size(lambda counts: head + len(counts) * item, "send fewer inputs per request"),
             inputs["texts"], activation="none" if body.use_activation is False else None,
             truncate=body.truncate_prompt_tokens == -1,
-            truncation_direction=direction(body.truncation_side)), holds, None)
+            truncation_direction=s.direction(body.truncation_side)), holds, None)
 
         def answer() -> bytes:
             tokens = classified.total_tokens
-            return encode(Classification(
+            return encode(s.Classification(
                 f"classify-{uuid.uuid4().hex}", "list", int(time.time()), model.name,
-                [ClassifyData(i, labels[int(row.argmax())], row.tolist(), len(labels))
-                 for i, row in enumerate(classified.scores)], ClassifyUsage(tokens, tokens)))
+                [s.ClassifyData(i, labels[int(row.argmax())], row.tolist(), len(labels))
+                 for i, row in enumerate(classified.scores)], s.ClassifyUsage(tokens, tokens)))
 
         return await packed(model, classified.scores.size * RESULT_S, answer)
 
-    async def _sparse(self, body: Embeddings, model: ServedModel, holds: Holds,
+    async def _sparse(self, body: s.Embeddings, model: ServedModel, holds: Holds,
                       infinity: bool) -> web.Response:
         """embedding_types ["sparse"]: each text's sparse vector as `embeddings.sparse`,
         {"indices", "values"} (the field names of Qdrant's, Pinecone's and fastembed's)."""
@@ -189,41 +164,38 @@ class OpenAIDoor(Door):
         for name in ("chunking", "dimensions"):
             if getattr(body, name) is not None:
                 raise InvalidArgument(name, "applies to dense vectors, not sparse ones")
-        inputs, names = sequences(body.input, "input", ids=False)
+        inputs, names = s.sequences(body.input, "input", ids=False)
         head = head_bytes(model)
         size = self.size(lambda counts: head + len(counts) * ITEM_BYTES
                          + int(counts.sum()) * SPARSE_ENTRY_BYTES, "set sparse_top_k, or send fewer inputs")
         embedded = await sparse.embed_sparse(model, SparseRequest(
-            names, size, inputs["texts"], body.truncate, direction(body.truncation_direction),
+            names, size, inputs["texts"], body.truncate, s.direction(body.truncation_direction),
             body.prompt_name, body.sparse_top_k), holds, None)
 
         def answer() -> bytes:
             empty = numbers(np.zeros(0, np.float32))
-            data = [Embedding("embedding", i, empty, {"sparse": msgspec.Raw(orjson.dumps(
+            data = [s.Embedding("embedding", i, empty, {"sparse": msgspec.Raw(orjson.dumps(
                 {"indices": indices, "values": values}, option=orjson.OPT_SERIALIZE_NUMPY))})
                 for i, (indices, values) in enumerate(zip(embedded.indices, embedded.values, strict=True))]
             return embedding_list(model, data, embedded.total_tokens, infinity)
 
         return await packed(model, embedded.response_bytes * COPY_BYTE_S, answer)
 
-    def _model(self, model: ServedModel, infinity: bool = False) -> Model:
-        if not infinity:
-            return Model(model.name, "model", self.created, OWNED_BY)
-        return Model(model.name, "model", self.created, INFINITY_OWNER, model.placement.platform,
-                     ["embed"], {})
+    def _model(self, model: ServedModel, infinity: bool = False) -> s.Model:
+        owner = (INFINITY_OWNER, model.placement.platform, ["embed"], {}) if infinity else (OWNED_BY,)
+        return s.Model(model.name, "model", self.created, *owner)
 
-    async def list_models(self, request: web.Request, holds: Holds,
-                          infinity: bool = False) -> web.Response:
-        return json_response(ModelList("list", [self._model(m, infinity)
-                                                for m in self.plane.models.values()]))
+    async def list_models(self, request: web.Request, holds: Holds, infinity: bool = False) -> web.Response:
+        return json_response(s.ModelList("list", [self._model(m, infinity)
+                                                  for m in self.plane.models.values()]))
 
     async def get_model(self, request: web.Request, holds: Holds) -> web.Response:
         return json_response(self._model(self.plane.model(request.match_info["model"])))
 
 
-def embedding_list(model: ServedModel, data: list[Embedding], tokens: int, infinity: bool) -> bytes:
+def embedding_list(model: ServedModel, data: list[s.Embedding], tokens: int, infinity: bool) -> bytes:
     """The answer of /v1/embeddings, or with Infinity's `id` and `created`, /embeddings."""
-    return encode(EmbeddingList("list", data, model.name, Usage(tokens, tokens), *(
+    return encode(s.EmbeddingList("list", data, model.name, s.Usage(tokens, tokens), *(
         (f"attnserve-{uuid.uuid4()}", int(time.time())) if infinity else ())))
 
 

@@ -18,10 +18,8 @@ from attnserve.server.http.docs_page import FILES
 from attnserve.server.kserve import ModelMetadata, RepositoryModel
 from attnserve.server.priority import CLASSES, DEFAULT, HEADER
 
-REASONS = {200: "the answer",
-           400: "the request names a field that is wrong, and why",
-           401: "no valid API key (when the server has keys)",
-           404: "no such model, version or route",
+REASONS = {200: "the answer", 400: "the request names a field that is wrong, and why",
+           401: "no valid API key (when the server has keys)", 404: "no such model, version or route",
            408: "the body did not arrive within --http-body-timeout-seconds",
            413: "the body, or what it asks for, is larger than the server takes",
            415: "a content type or encoding the route does not take",
@@ -33,6 +31,8 @@ REASONS = {200: "the answer",
 # The statuses of a route that reads a body and runs the model, per protocol.
 RUNS = (400, 401, 404, 408, 413, 415, 429, 503, 504)
 TEI_RUNS = (400, 401, 408, 413, 415, 422, 424, 429, 503)
+TEI_TEXT = (400, 401, 408, 413, 415, 422, 429, 503)
+"""TEI's routes that only tokenize or decode"""
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,8 @@ ROUTES = [
     Route("POST", "/embed", TEI, "One vector per input, the model's pooling", s.TeiVectors, s.TeiEmbed),
     Route("POST", "/embed_all", TEI, "Every token's vector of each input, special tokens included",
           s.TeiTokenVectors, s.TeiEmbedAll),
-    Route("POST", "/tokenize", TEI, "Each text's tokens", list[list[s.TeiToken]], s.TeiTokenize,
-          statuses=(400, 401, 408, 413, 415, 422, 429, 503)),
-    Route("POST", "/decode", TEI, "Token ids back to text", s.TeiTexts, s.TeiDecode,
-          statuses=(400, 401, 408, 413, 415, 422, 429, 503)),
+    Route("POST", "/tokenize", TEI, "Each text's tokens", list[list[s.TeiToken]], s.TeiTokenize, TEI_TEXT),
+    Route("POST", "/decode", TEI, "Token ids back to text", s.TeiTexts, s.TeiDecode, TEI_TEXT),
     Route("GET", "/info", TEI, "The model served and the server's limits", s.TeiInfo, statuses=(401,)),
     Route("POST", "/rerank", TEI, "A reranker's score of each (query, text) pair, highest first",
           list[s.TeiRank], s.TeiRerank, (*TEI_RUNS, 404)),
@@ -115,9 +113,8 @@ ROUTES = [
           "highest first", s.TeiPredictions, s.TeiPredict, (*TEI_RUNS, 404)),
     Route("POST", "/similarity", TEI, "The cosine of the source sentence's pooled vector and "
           "each sentence's, in order", s.TeiScores, s.TeiSimilarity, (*TEI_RUNS, 404)),
-    *(Route("POST", path, COHERE, "A reranker's relevance_score (sigmoid) of each (query, "
-            "document) pair", s.CohereRanking, s.CohereRerank) for path in ("/v1/rerank",
-                                                                            "/v2/rerank")),
+    *(Route("POST", path, COHERE, "A reranker's relevance_score (sigmoid) of each (query, document) pair",
+            s.CohereRanking, s.CohereRerank) for path in ("/v1/rerank", "/v2/rerank")),
     Route("GET", "/v2/health/live", KSERVE, "Live", s.Live, statuses=(), refused=True),
     Route("GET", "/v2/health/ready", KSERVE, "Ready", s.Ready, statuses=(), refused=True),
     Route("GET", "/v2", KSERVE, "Server metadata", s.ServerMetadata, statuses=(401,)),
@@ -125,8 +122,7 @@ ROUTES = [
           list[RepositoryModel], s.RepositoryIndex, (400, 401, 408, 413, 415)),
     *(route for base in (MODEL, VERSION) for route in (
         Route("GET", base, KSERVE, "Model metadata", ModelMetadata, statuses=(401, 404)),
-        Route("GET", base + "/ready", KSERVE, "Model readiness", s.Ready, statuses=(401, 404),
-              refused=True),
+        Route("GET", base + "/ready", KSERVE, "Model readiness", s.Ready, statuses=(401, 404), refused=True),
         Route("POST", base + "/infer", KSERVE, "Inference on tensors: input_ids and "
               "attention_mask, INT64 [batch, seq]", s.Inferred, s.Infer,
               content=("application/json", "application/octet-stream")))),
@@ -156,11 +152,10 @@ def _nullable(schema):
     return schema
 
 
-PRIORITY_HEADER = {
-    "name": HEADER, "in": "header", "required": False,
-    "schema": {"type": "string", "enum": [p.value for p in CLASSES], "default": DEFAULT.value},
-    "description": "the call's priority class: interactive work is batched ahead of bulk "
-                   "work; an API key that carries a class overrides it"}
+PRIORITY_HEADER = {"name": HEADER, "in": "header", "required": False,
+                   "schema": {"type": "string", "enum": [p.value for p in CLASSES], "default": DEFAULT.value},
+                   "description": "the call's priority class: interactive work is batched ahead of bulk "
+                                  "work; an API key that carries a class overrides it"}
 
 
 def _parameters(path: str) -> list[dict]:
@@ -178,10 +173,9 @@ def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
             content["application/json"]["example"] = example
         if route.path.endswith("/infer"):
             content["application/octet-stream"] = {"schema": BINARY}
-            parameters.append({
-                "name": "Inference-Header-Content-Length", "in": "header", "required": False,
-                "schema": {"type": "integer", "minimum": 0},
-                "description": "with binary tensor data: the JSON header's length in bytes"})
+            parameters.append({"name": "Inference-Header-Content-Length", "in": "header", "required": False,
+                               "schema": {"type": "integer", "minimum": 0},
+                               "description": "with binary tensor data: the JSON header's length in bytes"})
         operation["requestBody"] = {"required": route.path != "/v2/repository/index", "content": content}
         parameters.append({"$ref": "#/components/parameters/priority"})
     if parameters:
@@ -215,13 +209,10 @@ def openapi_document(infos: list[ModelInfo]) -> bytes:
     paths: dict[str, dict] = {}
     for route in routes:
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schema, example)
+    served = ", ".join(f"{i.model} ({i.hidden_size} dimensions, {i.max_positions} positions)" for i in infos)
     return orjson.dumps({
-        "openapi": "3.0.3",
-        "info": {"title": "attnserve HTTP API", "version": SERVER_VERSION,
-                 "description": "Serving " + ", ".join(
-                     f"{info.model} ({info.hidden_size} dimensions, {info.max_positions} "
-                     "positions)" for info in infos) + f"; the default is {infos[0].model}."},
-        "components": {"schemas": _nullable(components),
-                       "parameters": {"priority": PRIORITY_HEADER},
+        "openapi": "3.0.3", "info": {"title": "attnserve HTTP API", "version": SERVER_VERSION,
+                                     "description": f"Serving {served}; the default is {infos[0].model}."},
+        "components": {"schemas": _nullable(components), "parameters": {"priority": PRIORITY_HEADER},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": paths})

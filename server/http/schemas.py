@@ -4,11 +4,7 @@ encoded from them, and /openapi.json's components are generated from them (opena
 
 Each protocol keeps its peer's rule for a field it does not know (docs/api.md, "Fields a
 route does not know"). A fault is refused naming the field in the caller's terms
-(`chunking.max_tokens`, `input[2]`), in the door's error shape.
-
-A field that holds texts or token ids (`input`, `inputs`, `ids`) is declared as what JSON
-can hold (a string, or a list of strings, ids or id lists) and checked for one kind of
-entry, and for emptiness, where the door reads it (`sequences`)."""
+(`chunking.max_tokens`, `input[2]`), in the door's error shape."""
 
 import re
 from typing import Annotated, Any, Literal, TypeVar
@@ -29,10 +25,10 @@ Vector = Annotated[Raw, Meta(extra_json_schema={"oneOf": [
     {"type": "object", "description": "a sparse vector: token ids ascending, their weights",
      "properties": {"indices": {"type": "array", "items": {"type": "integer"}},
                     "values": {"type": "array", "items": {"type": "number"}}}}]})]
-"""a vector, written by the door itself (as numbers, or as base64; a sparse one as
-{"indices", "values"})"""
+"""a vector, written by the door itself (server/http/vectors.py)"""
 Sequences = str | list[str | int | list[int]]
-"""a text, a list of texts, a list of token ids or a list of lists of them"""
+"""texts or token ids (`input`, `inputs`, `ids`) as JSON can hold them, checked for one kind of entry,
+and for emptiness, where the door reads them (`sequences`)"""
 Side = Literal["right", "left", "Right", "Left"]
 """which end a cut keeps: a text's start (right) or its end (left), in TEI's names"""
 Nested = Annotated[list, Meta(description="the values, flat (row-major) or nested as `shape`")]
@@ -72,11 +68,9 @@ class Embeddings(Struct, forbid_unknown_fields=True):
     truncation_direction: Side | None = None
     prompt_name: PromptName = None
     chunking: Chunking | None = None
-    embedding_types: Annotated[
-        list[Literal["float", "int8", "uint8", "binary", "ubinary", "sparse"]],
-        Meta(min_length=1, description=(
-            "Cohere's: each item carries `embeddings`, one vector per type asked for, and an "
-            "empty `embedding`; `sparse` (alone, of a SPLADE model): {indices, values}"))] | None = None
+    embedding_types: Annotated[list[Literal["float", "int8", "uint8", "binary", "ubinary", "sparse"]], Meta(
+        min_length=1, description="Cohere's: each item carries `embeddings`, one vector per type asked for, "
+        "and an empty `embedding`; `sparse` (alone, of a SPLADE model): {indices, values}")] | None = None
     sparse_top_k: Annotated[Positive | None, Meta(description=(
         "with embedding_types [\"sparse\"]: each text's top_k largest weights only"))] = None
     embedding_dtype: Annotated[Literal["float32", "float16"] | None, Meta(description=(
@@ -486,9 +480,7 @@ _NAMED = re.compile(r"`([^`]*)`")
 
 def decode(body: bytes, schema: type[T]) -> T:
     """`body` as `schema`, validated as it is decoded; refused naming the field at fault."""
-    decoder = _DECODERS.get(schema)
-    if decoder is None:
-        decoder = _DECODERS[schema] = msgspec.json.Decoder(schema)
+    decoder = _DECODERS.get(schema) or _DECODERS.setdefault(schema, msgspec.json.Decoder(schema))
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as err:
@@ -561,10 +553,9 @@ def sequences(value: Sequences, field: str, empty: type[InvalidArgument] = Inval
         return {"texts": [value]}, Fields(field, single=True)
     if not value:
         raise empty(field, "an empty list; expected one that is not empty")
-    first = value[0]
-    kind = type(first)
+    kind = type(value[0])
     if not ids and kind is not str:
-        raise InvalidArgument(f"{field}[0]", f"{quote(first)}; expected a string")
+        raise InvalidArgument(f"{field}[0]", f"{quote(value[0])}; expected a string")
     for i, entry in enumerate(value):
         if type(entry) is not kind:
             raise InvalidArgument(f"{field}[{i}]", f"{quote(entry)}; expected "

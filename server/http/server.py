@@ -71,12 +71,10 @@ def _open(request: web.Request) -> bool:
     return request.path.startswith(OPEN_PATHS) or (request.path == "/" and request.method in ("GET", "HEAD"))
 
 
-def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, doors: list[Door], cors: Cors,
-            document: bytes) -> web.Application:
+def api_app(calls: HttpCalls, doors: list[Door], cors: Cors, document: bytes) -> web.Application:
     """The port's routes: health, the API's description and its page, and each door's,
     whose refusals outside a route (401, 405) come in the door's shape; outside every
     door's routes, OpenAI's under /v1/, else {"error": ...}."""
-    metrics = calls.metrics
     routes = [(door, route) for door in doors for route in door.routes()]
     shapes = {route.path: door.refusal for door, route in routes}
 
@@ -88,10 +86,10 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, doors: list[Door]
             OpenAIDoor.refusal if request.path.startswith("/v1/") else Door.refusal)
         try:
             if not _open(request):
-                request[API_KEY] = keys.check(request.headers.get("Authorization"))
+                request[API_KEY] = calls.keys.check(request.headers.get("Authorization"))
             return await handler(request)
         except Unauthenticated as err:
-            record = CallRecord(metrics, "http:auth")
+            record = CallRecord(calls.metrics, "http:auth")
             record.refusal(err)
             record.end()
             response = render(err, 401)
@@ -108,7 +106,7 @@ def api_app(calls: HttpCalls, plane: DataPlane, keys: ApiKeys, doors: list[Door]
 
     async def health(request: web.Request) -> web.Response:
         """Also TEI's (GET / too): 503 carries TEI's error and error_type beside status."""
-        if plane.serving():
+        if calls.plane.serving():
             return json_response(Health("serving"))
         return json_response(Health("not_serving", NOT_SERVING, "Unhealthy"), 503)
 
@@ -137,8 +135,8 @@ class HttpServers:
                   "max_batch_requests": config.max_batch_size, "max_client_batch_size": max_entries}
         doors = [OpenAIDoor(*door), TeiDoor(*door, limits=limits), CohereDoor(*door), KServeDoor(*door)]
         self.document = openapi_document([m.model_info() for m in plane.models.values()])
-        self.api = Listener(api_app(self.calls, plane, keys, doors, Cors(config.cors_allow_origin),
-                                    self.document), config.http_header_timeout_seconds)
+        self.api = Listener(api_app(self.calls, doors, Cors(config.cors_allow_origin), self.document),
+                            config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)
                         if metrics_port and config.metrics_port else None)
         logging.getLogger("aiohttp.server").addFilter(QuietMalformedRequests())
@@ -146,12 +144,9 @@ class HttpServers:
     async def start(self, reuse_port: bool = False) -> tuple[int, int]:
         """(the HTTP port, the metrics port) bound, 0 for one that is off."""
         config = self.config
-        http_port = 0
-        if config.http_port:
-            http_port = await self.api.start(config.host, config.http_port, server_ssl(
-                config.tls_cert, config.tls_key, config.tls_client_ca), reuse_port)
-        metrics_port = self.scrapes.start() if self.scrapes else 0
-        return http_port, metrics_port
+        http_port = config.http_port and await self.api.start(config.host, config.http_port, server_ssl(
+            config.tls_cert, config.tls_key, config.tls_client_ca), reuse_port)
+        return http_port, self.scrapes.start() if self.scrapes else 0
 
     async def stop(self) -> None:
         if self.config.http_port:

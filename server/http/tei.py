@@ -26,40 +26,16 @@ from attnserve.server.engine.requests import (
 )
 from attnserve.server.engine.tokenize import Encoded
 from attnserve.server.errors import InvalidArgument, RequestError
+from attnserve.server.http import schemas as s
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
 from attnserve.server.http.door import Door, encode, json_response, packed
-from attnserve.server.http.schemas import (
-    SimilarityParameters,
-    TeiDecode,
-    TeiEmbed,
-    TeiEmbedAll,
-    TeiEmbedding,
-    TeiEmbedSparse,
-    TeiError,
-    TeiInfo,
-    TeiModelType,
-    TeiPredict,
-    TeiPrediction,
-    TeiRank,
-    TeiReranker,
-    TeiSimilarity,
-    TeiSparseValue,
-    TeiToken,
-    TeiTokenize,
-    direction,
-    sequences,
-)
-from attnserve.server.http.schemas import TeiRerank as TeiRerankBody
 from attnserve.server.memory.ledger import Holds
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
 # Answer sizes: the brackets and comma around each vector or list, one token's object but
 # its text ({"id":N,"text":"","special":false,"start":N,"stop":N},), a rank's around its
 # text ({"index":N,"score":F,"text":""}) and a score's text.
-LIST_BYTES = 4
-TOKEN_BYTES = 64
-RANK_BYTES = 64
-SCORE_BYTES = 16
+LIST_BYTES, TOKEN_BYTES, RANK_BYTES, SCORE_BYTES = 4, 64, 64, 16
 ADVICE = "send fewer inputs per request"
 # What the data plane reports -> TEI's status and error_type; Empty is TEI's 400.
 STATUSES = {400: (422, "Validation"), 429: (429, "Overloaded"), 500: (424, "Backend"),
@@ -70,7 +46,6 @@ SIMILARITY = Fields("inputs.sentences", query="inputs.source_sentence")
 PREDICTION_BYTES = 40
 # A sparse entry at its longest ({"index":250001,"value":-1.1754944e-38},).
 SPARSE_VALUE_BYTES = 42
-
 # TEI's name of a pooling where it differs from ours (its /info).
 TEI_POOLINGS = {"lasttoken": "last_token"}
 
@@ -88,12 +63,12 @@ def byte_offsets(text: str) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(widths)])
 
 
-def tei_tokens(text: str, encoded: Encoded) -> list[TeiToken]:
+def tei_tokens(text: str, encoded: Encoded) -> list[s.TeiToken]:
     """TEI's SimpleTokens: a special token as its own text, the others as the text they
     cover with its UTF-8 offsets."""
     places = byte_offsets(text)
-    return [TeiToken(token_id, token, True, None, None) if special else
-            TeiToken(token_id, text[start:end], False, int(places[start]), int(places[end]))
+    return [s.TeiToken(token_id, token, True, None, None) if special else
+            s.TeiToken(token_id, text[start:end], False, int(places[start]), int(places[end]))
             for token_id, token, (start, end), special in zip(
                 encoded.ids.tolist(), encoded.tokens, encoded.offsets, encoded.special, strict=True)]
 
@@ -124,7 +99,6 @@ def predict_inputs(inputs: str | list) -> tuple[bool, list[str], list[str | None
 
 
 async def _arrays(model: ServedModel, seconds: float, arrays: list[np.ndarray]) -> web.Response:
-    """A list of arrays as JSON numbers."""
     return await packed(model, seconds, orjson.dumps, arrays, None, orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -149,23 +123,21 @@ class TeiDoor(Door):
     def refusal(err: RequestError, status: int) -> web.Response:
         status, kind = (400, "Empty") if isinstance(err, Empty) else STATUSES.get(
             status, (status, "Validation"))
-        return json_response(TeiError(err.message, kind), status)
+        return json_response(s.TeiError(err.message, kind), status)
 
-    async def _embedded(self, body: TeiEmbedAll, model: ServedModel, holds: Holds, output: str,
+    async def _embedded(self, body: s.TeiEmbedAll, model: ServedModel, holds: Holds, output: str,
                         per_sequence: int, per_token: int, dimensions: int = 0):
         """The inputs' `output`, each answered in `per_sequence` bytes and `per_token` a token."""
-        inputs, names = sequences(body.inputs, "inputs", Empty)
+        inputs, names = s.sequences(body.inputs, "inputs", Empty)
         size = self.size(lambda lengths: 2 + len(lengths) * per_sequence + int(lengths.sum())
                          * per_token, ADVICE)
         return await embed.embed(model, EmbedRequest(
             names=names, size=size, truncate=bool(body.truncate),
-            truncation_direction=direction(body.truncation_direction), prompt_name=body.prompt_name,
+            truncation_direction=s.direction(body.truncation_direction), prompt_name=body.prompt_name,
             outputs=frozenset({output}), dimensions=dimensions, **inputs), holds, None)
 
-    # --- /embed, / and /embed_all -------------------------------------------------------
-
     async def embed(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self.calls.json_body(request, holds, TeiEmbed)
+        body = await self.calls.json_body(request, holds, s.TeiEmbed)
         model = self.plane.model(None)
         size = body.dimensions or model.manifest.embedding_size
         pooled = pooled_output(model.manifest.default_pooling, body.normalize)
@@ -175,7 +147,7 @@ class TeiDoor(Door):
                              [r.pooled[pooled] for r in embedded.results])
 
     async def embed_all(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self.calls.json_body(request, holds, TeiEmbedAll)
+        body = await self.calls.json_body(request, holds, s.TeiEmbedAll)
         model = self.plane.model(None)
         hidden = model.manifest.hidden_size
         embedded = await self._embedded(body, model, holds, HIDDEN_OUTPUT, LIST_BYTES,
@@ -184,23 +156,21 @@ class TeiDoor(Door):
         return await _arrays(model, seconds, [np.ascontiguousarray(r.hidden) for r in embedded.results])
 
     async def embed_sparse(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self.calls.json_body(request, holds, TeiEmbedSparse)
+        body = await self.calls.json_body(request, holds, s.TeiEmbedSparse)
         model = self.plane.model(None)
-        inputs, names = sequences(body.inputs, "inputs", Empty, ids=False)
+        inputs, names = s.sequences(body.inputs, "inputs", Empty, ids=False)
         size = self.size(lambda counts: 2 + len(counts) * LIST_BYTES + int(counts.sum()) * SPARSE_VALUE_BYTES,
                          "set top_k, or send fewer inputs")
         embedded = await sparse.embed_sparse(model, SparseRequest(
-            names, size, inputs["texts"], bool(body.truncate), direction(body.truncation_direction),
+            names, size, inputs["texts"], bool(body.truncate), s.direction(body.truncation_direction),
             body.prompt_name, body.top_k), holds, None)
 
         def answer() -> bytes:
-            return encode([[TeiSparseValue(i, v) for i, v in zip(
+            return encode([[s.TeiSparseValue(i, v) for i, v in zip(
                 indices.tolist(), values.tolist(), strict=True)]
                 for indices, values in zip(embedded.indices, embedded.values, strict=True)])
 
         return await packed(model, embedded.response_bytes * COPY_BYTE_S, answer)
-
-    # --- /tokenize and /decode ----------------------------------------------------------
 
     def _checked(self, model: ServedModel, holds: Holds, value) -> bytes:
         """`value` as JSON, once it is known to fit the response limit, held until sent."""
@@ -210,9 +180,9 @@ class TeiDoor(Door):
         return payload
 
     async def tokenize(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self.calls.json_body(request, holds, TeiTokenize)
+        body = await self.calls.json_body(request, holds, s.TeiTokenize)
         model = self.plane.model(None)
-        inputs, names = sequences(body.inputs, "inputs", Empty, ids=False)
+        inputs, names = s.sequences(body.inputs, "inputs", Empty, ids=False)
         texts = inputs["texts"]
         least = len(model.tokenizer.empty.ids) if body.add_special_tokens else 0
         self.size(lambda _: len(texts) * (LIST_BYTES + least * TOKEN_BYTES), ADVICE).check(
@@ -231,17 +201,15 @@ class TeiDoor(Door):
         return await packed(model, len(texts) * RESULT_S + sum(len(e.ids) for e in encoded) * TOKEN_S, answer)
 
     async def decode(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self.calls.json_body(request, holds, TeiDecode)
+        body = await self.calls.json_body(request, holds, s.TeiDecode)
         model = self.plane.model(None)
-        inputs, names = sequences(body.ids, "ids", Empty)
+        inputs, names = s.sequences(body.ids, "ids", Empty)
         texts = await embed.decode(model, DecodeRequest(names, inputs["token_ids"],
                                                         body.skip_special_tokens), holds)
         return await packed(model, sum(map(len, texts)) * COPY_BYTE_S, self._checked, model, holds, texts)
 
-    # --- /rerank, /predict and /similarity ------------------------------------------------
-
     async def rerank(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self.calls.json_body(request, holds, TeiRerankBody)
+        body = await self.calls.json_body(request, holds, s.TeiRerank)
         model = self.plane.model(body.model, kind=RERANKER)
         texts = body.texts
 
@@ -252,10 +220,10 @@ class TeiDoor(Door):
         reranked = await pairs.rerank(model, RerankRequest(
             RERANK, self.size(measure, "send fewer texts, or leave return_text unset"), body.query, texts,
             raw_scores=body.raw_scores, truncate=bool(body.truncate),
-            truncation_direction=direction(body.truncation_direction)), holds, None)
+            truncation_direction=s.direction(body.truncation_direction)), holds, None)
 
         def answer() -> bytes:
-            return encode([TeiRank(i, score, *((texts[i],) if body.return_text else ())) for i, score
+            return encode([s.TeiRank(i, score, *((texts[i],) if body.return_text else ())) for i, score
                            in zip(reranked.order.tolist(), reranked.scores.tolist(), strict=True)])
 
         return await packed(model, len(texts) * RESULT_S, answer)
@@ -263,7 +231,7 @@ class TeiDoor(Door):
     async def predict(self, request: web.Request, holds: Holds) -> web.Response:
         """Every label's score of each input, highest first: a list for one input, a list of
         them for a batch (and always, nested as the Inference API's, with `parameters`)."""
-        body = await self.calls.json_body(request, holds, TeiPredict)
+        body = await self.calls.json_body(request, holds, s.TeiPredict)
         model = self.plane.model(body.model, kind=CLASSIFIER)
         batch, texts, text_pairs, names = predict_inputs(body.inputs)
         parameters = body.parameters
@@ -273,11 +241,11 @@ class TeiDoor(Door):
         label_bytes = sum(PREDICTION_BYTES + JSON_CHAR_BYTES * len(label) for label in labels)
         classified = await classify.classify(model, ClassifyRequest(
             names, self.size(lambda counts: 2 + len(counts) * (LIST_BYTES + label_bytes), ADVICE), texts,
-            text_pairs, activation, bool(body.truncate), direction(body.truncation_direction), top_k),
+            text_pairs, activation, bool(body.truncate), s.direction(body.truncation_direction), top_k),
             holds, None)
 
         def answer() -> bytes:
-            predictions = [[TeiPrediction(score, labels[label])
+            predictions = [[s.TeiPrediction(score, labels[label])
                             for label, score in classified.ranked(i, top_k)]
                            for i in range(len(texts))]
             return encode(predictions if batch or parameters is not None else predictions[0])
@@ -285,28 +253,26 @@ class TeiDoor(Door):
         return await packed(model, classified.scores.size * RESULT_S, answer)
 
     async def similarity(self, request: web.Request, holds: Holds) -> web.Response:
-        body = await self.calls.json_body(request, holds, TeiSimilarity)
+        body = await self.calls.json_body(request, holds, s.TeiSimilarity)
         model = self.plane.model(body.model, kind=EMBEDDER)
-        parameters = body.parameters or SimilarityParameters()
+        parameters = body.parameters or s.SimilarityParameters()
         scored = await pairs.score(model, ScoreRequest(
             SIMILARITY, self.size(lambda lengths: 64 + len(lengths) * SCORE_BYTES, "send fewer sentences"),
             body.inputs.source_sentence, body.inputs.sentences, ScoreMode.COSINE, bool(parameters.truncate),
-            direction(parameters.truncation_direction), parameters.prompt_name), holds, None)
+            s.direction(parameters.truncation_direction), parameters.prompt_name), holds, None)
         return await packed(model, len(scored.scores) * RESULT_S, encode, scored.scores.tolist())
-
-    # --- /info ----------------------------------------------------------------------------
 
     async def info(self, request: web.Request, holds: Holds) -> web.Response:
         info = self.plane.model(None).model_info()
         if info.kind in (RERANKER, CLASSIFIER):
-            labels = TeiReranker({str(i): label for i, label in enumerate(info.labels)},
-                                 {label: i for i, label in enumerate(info.labels)})
-            kind = TeiModelType(**{info.kind: labels})
+            labels = s.TeiReranker({str(i): label for i, label in enumerate(info.labels)},
+                                   {label: i for i, label in enumerate(info.labels)})
+            kind = s.TeiModelType(**{info.kind: labels})
         else:
             splade = self.plane.default.manifest.sparse is not None
-            kind = TeiModelType(embedding=TeiEmbedding("splade" if splade else TEI_POOLINGS.get(
+            kind = s.TeiModelType(embedding=s.TeiEmbedding("splade" if splade else TEI_POOLINGS.get(
                 info.default_pooling, info.default_pooling)))
-        return json_response(TeiInfo(
+        return json_response(s.TeiInfo(
             model_id=info.model, model_sha=info.artifact_sha256, served_model_name=info.model,
             model_dtype=DTYPES.get(info.precision, info.precision), model_type=kind, auto_truncate=False,
             max_input_length=info.max_positions, tokenization_workers=1, version=SERVER_VERSION, sha=None,

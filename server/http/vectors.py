@@ -37,12 +37,11 @@ class VectorFormat:
         if float16 and not base64:
             raise InvalidArgument("embedding_dtype", "float16 travels as base64 only: set "
                                   "encoding_format to 'base64'")
-        kinds: list[EmbeddingType] = []
-        for i, name in enumerate(body.embedding_types or ()):
-            if EmbeddingType(name) in kinds:
-                raise InvalidArgument(f"embedding_types[{i}]", f"{quote(name)} is listed twice")
-            kinds.append(EmbeddingType(name))
-        return cls(tuple(kinds), base64, float16)
+        kinds = tuple(map(EmbeddingType, body.embedding_types or ()))
+        for i, kind in enumerate(kinds):
+            if kind in kinds[:i]:
+                raise InvalidArgument(f"embedding_types[{i}]", f"{quote(kind.value)} is listed twice")
+        return cls(kinds, base64, float16)
 
     def value_bytes(self, kind: EmbeddingType) -> float:
         if self.base64:

@@ -9,17 +9,8 @@ none at all), measured batch times stand in (`BatchTimes`)."""
 
 from pathlib import Path
 
-from attnserve.artifact import MEMORY_MODEL, SCORERS, Manifest
-from attnserve.server.memory.model import (
-    ATTENTION,
-    EMBEDDINGS,
-    SCORES,
-    GraphModels,
-    ShapeModel,
-    graph_kinds,
-    model_key,
-    read_entries,
-)
+from attnserve.artifact import MEMORY_MODEL, Manifest
+from attnserve.server.memory.model import GraphModels, ShapeModel, graph_kinds, model_key, read_entries
 
 TIME = "time"
 """the key of a memory_model.json entry that holds the graph's time model"""
@@ -36,8 +27,7 @@ class TimeModels(GraphModels):
     """Each graph's TimeModel."""
 
 
-def load_time_model(directory: Path, manifest: Manifest, provider: str,
-                    precision: str) -> TimeModels | None:
+def load_time_model(directory: Path, manifest: Manifest, provider: str, precision: str) -> TimeModels | None:
     """The fitted time models of the graphs the server runs on `provider` at `precision`;
     None when memory_model.json lacks one of them. Raises ValueError (or TypeError) for
     a damaged entry."""
@@ -52,9 +42,7 @@ def load_time_model(directory: Path, manifest: Manifest, provider: str,
             found[kind] = TimeModel.from_entry(entry[TIME])
         except (ValueError, TypeError) as err:
             raise ValueError(f"{key}: {TIME}: {err}") from err
-    if manifest.kind in SCORERS:
-        return TimeModels(found[SCORES], found[SCORES])
-    return TimeModels(found[EMBEDDINGS], found[ATTENTION])
+    return TimeModels.by_kind(found)
 
 
 class BatchTimes:

@@ -37,7 +37,6 @@ class MemoryBudget:
         self.ledger = Ledger(totals if totals is not None else
                              budget_bytes if responses_in_budget or host_bytes is None
                              else host_bytes)
-        self.response_copies = RESPONSE_COPIES
         self._reserved: dict[str, float] = {}
         self._in_flight: dict[str, float] = {}
         self._waiting: dict[str, Callable[[], None]] = {}
@@ -88,22 +87,11 @@ class ModelMemory:
         self.shared_budget, self.name, self.model = budget, name, model
         self.heads, self.hidden = heads, hidden
 
-    @property
-    def budget(self) -> int:
-        return self.shared_budget.budget
-
-    @property
-    def ledger(self) -> Ledger:
-        return self.shared_budget.ledger
-
-    @property
-    def shared(self) -> bool:
-        """the ledger and the batches share one budget (the CPU)"""
-        return self.shared_budget.shared
-
-    @property
-    def response_copies(self) -> int:
-        return self.shared_budget.response_copies
+    budget = property(lambda self: self.shared_budget.budget)
+    ledger = property(lambda self: self.shared_budget.ledger)
+    shared = property(lambda self: self.shared_budget.shared)
+    """the ledger and the batches share one budget (the CPU)"""
+    response_copies = RESPONSE_COPIES
 
     def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
         return self.model.predict(batch, seq, self.heads, layers)
@@ -135,13 +123,12 @@ class ModelMemory:
         beside = peak if self.shared else 0.0
         if extra and beside + extra > self.ledger.limit:
             raise ResourceExhausted(
-                f"the response, about {response_bytes / MIB:.1f} MiB, takes about "
-                f"{extra / MIB:.0f} MiB to build and send on top of the batch's "
-                f"{beside / MIB:.0f} MiB at peak, over the memory budget of "
-                f"{self.ledger.limit / MIB:.0f} MiB; what fits: a response of up to "
-                f"{max(0.0, self.ledger.limit - beside) / self.response_copies / MIB:.1f} MiB "
-                "(send fewer texts per request, ask for fewer attention layers or heads, set "
-                "average_heads, or use dtype=DTYPE_FLOAT16)")
+                f"the response, about {response_bytes / MIB:.1f} MiB, takes about {extra / MIB:.0f} MiB "
+                f"to build and send on top of the batch's {beside / MIB:.0f} MiB at peak, over the memory "
+                f"budget of {self.ledger.limit / MIB:.0f} MiB; what fits: a response of up to "
+                f"{max(0.0, self.ledger.limit - beside) / self.response_copies / MIB:.1f} MiB (send fewer "
+                "texts per request, ask for fewer attention layers or heads, set average_heads, or use "
+                "dtype=DTYPE_FLOAT16)")
         return peak
 
     def _alone_bytes(self, seq: int, layers: int) -> float:
@@ -155,9 +142,7 @@ class ModelMemory:
                        default=0)
         fits_layers = max((k for k in range(layers) if self._alone_bytes(length, k) <= self.budget),
                           default=0)
-        return (
-            f"{field}: {length} tokens with {layers} attention layer(s) returned needs "
-            f"about {need / MIB:.0f} MiB at peak, over the memory budget of "
-            f"{self.budget / MIB:.0f} MiB; what fits: up to {fits_len} tokens with {layers} "
-            f"layer(s), or {fits_layers} layer(s) at {length} tokens"
-        )
+        return (f"{field}: {length} tokens with {layers} attention layer(s) returned needs about "
+                f"{need / MIB:.0f} MiB at peak, over the memory budget of {self.budget / MIB:.0f} MiB; "
+                f"what fits: up to {fits_len} tokens with {layers} layer(s), or {fits_layers} layer(s) at "
+                f"{length} tokens")

@@ -82,8 +82,7 @@ def predict(phases: list[np.ndarray], row: Measured, heads: int) -> float:
     return max(float(np.dot(p, values)) for p in phases)
 
 
-def _mean_error(phases: list[np.ndarray], rows: list[Measured], heads: int,
-                target: Target) -> float:
+def _mean_error(phases: list[np.ndarray], rows: list[Measured], heads: int, target: Target) -> float:
     return float(np.mean([abs(predict(phases, r, heads) - target.of(r)) / max(target.of(r), target.floor)
                           for r in rows]))
 
@@ -157,13 +156,10 @@ def fit_with_holdout(rows: list[Measured], heads: int, every: int, target: Targe
             train_fits[kind] = fit_phases(kept, heads, target)
             held += out
             train += kept
-    holdout = None
-    if held:
-        holdout = relative_errors(train_fits, held, heads, target) | {
-            "every": every, "train_shapes": len(train),
-            "by_graph": {kind: relative_errors(train_fits, [r for r in held if r.graph == kind],
-                                               heads, target)
-                         for kind in train_fits}}
+    holdout = None if not held else relative_errors(train_fits, held, heads, target) | {
+        "every": every, "train_shapes": len(train),
+        "by_graph": {kind: relative_errors(train_fits, [r for r in held if r.graph == kind], heads, target)
+                     for kind in train_fits}}
     return {"fits": fits, "holdout": holdout, "in_sample": relative_errors(fits, rows, heads, target),
             "held": {i for i, f in enumerate(flags) if f}}
 

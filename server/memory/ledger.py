@@ -14,6 +14,7 @@ import contextlib
 import math
 import threading
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 from attnserve.server.errors import ResourceExhausted
 from attnserve.server.host import TRIM_AFTER_BYTES, trim_heap
@@ -28,30 +29,32 @@ PER_CONNECTION_SHARE = 0.25
 TRIM_DELAY_S = 0.05
 
 
+@dataclass(eq=False)
 class Totals:
     """The ledger's totals, for one process: what is held, under what limit, and what is
     kept free for batches. With --workers, a server's processes share theirs instead
     (server/workers/shared.py: SharedTotals), so the budget covers the group."""
 
-    def __init__(self, limit: float):
-        self.limit = limit
-        self.held = 0
-        self.reserve = 0.0
-        """kept free beside what is held: the peak of the largest batch an admitted
-        request still has to run alone (set by the request queue where the batches and
-        the ledger share one budget)"""
-        self.batches = 0.0
-        """kept free too: what the batches in flight hold (set by the batch loop, ditto)"""
+    limit: float
+    held: int = 0
+    reserve: float = 0.0
+    """kept free beside what is held: the peak of the largest batch an admitted request
+    still has to run alone (set by the request queue where the batches and the ledger
+    share one budget)"""
+    batches: float = 0.0
+    """kept free too: what the batches in flight hold (set by the batch loop, ditto)"""
 
     def add(self, nbytes: int) -> None:
         self.held += nbytes
 
     def exclusive(self) -> contextlib.AbstractContextManager:
         """Held while a take is checked and made: the ledger's own lock suffices here."""
-        return _NOTHING
+        return contextlib.nullcontext()
 
 
-_NOTHING = contextlib.nullcontext()
+def _of_totals(name: str) -> property:
+    return property(lambda ledger: getattr(ledger.totals, name),
+                    lambda ledger, value: setattr(ledger.totals, name, value))
 
 
 class Ledger:
@@ -63,39 +66,16 @@ class Ledger:
         self.lock = threading.Lock()
         self.by_connection: dict[str, int] = {}
 
-    @property
-    def limit(self) -> float:
-        return self.totals.limit
-
-    @property
-    def held(self) -> int:
-        return self.totals.held
-
-    @property
-    def reserve(self) -> float:
-        return self.totals.reserve
-
-    @reserve.setter
-    def reserve(self, value: float) -> None:
-        self.totals.reserve = value
-
-    @property
-    def batches(self) -> float:
-        return self.totals.batches
-
-    @batches.setter
-    def batches(self, value: float) -> None:
-        self.totals.batches = value
+    limit = property(lambda self: self.totals.limit)
+    held = property(lambda self: self.totals.held)
+    reserve = _of_totals("reserve")
+    batches = _of_totals("batches")
 
     def holds(self, connection: str | None = None) -> "Holds":
         """A call's holds; `connection` (its peer) is charged its share, None for none."""
         return Holds(self, connection)
 
-    def connection_limit(self) -> float:
-        return self.limit * PER_CONNECTION_SHARE
-
-    def _take(self, nbytes: int, connection: str | None, what: str, on_top: float,
-              own: int) -> None:
+    def _take(self, nbytes: int, connection: str | None, what: str, on_top: float, own: int) -> None:
         """Refuse, or add `nbytes` with `on_top` more still free after it; `own`: what
         the calling call holds already (its connection's other calls hold the rest)."""
         with self.totals.exclusive():
@@ -106,12 +86,12 @@ class Ledger:
                     f"{f' beside {on_top / MIB:.0f} MiB for its batch' if on_top else ''}, more "
                     f"than the whole memory budget of {limit / MIB:.0f} MiB")
             mine = self.by_connection.get(connection, 0) if connection else 0
-            if mine > own and mine + nbytes > self.connection_limit():
+            share = limit * PER_CONNECTION_SHARE
+            if mine > own and mine + nbytes > share:
                 raise ResourceExhausted(
-                    f"{what}: this connection's other calls already hold {(mine - own) / MIB:.1f} "
-                    f"MiB of requests and answers not yet sent, and one connection may hold "
-                    f"{self.connection_limit() / MIB:.0f} MiB: read the answers already sent, or "
-                    "spread calls over more connections")
+                    f"{what}: this connection's other calls already hold {(mine - own) / MIB:.1f} MiB of "
+                    f"requests and answers not yet sent, and one connection may hold {share / MIB:.0f} MiB: "
+                    "read the answers already sent, or spread calls over more connections")
             # Batches run in what the ledger leaves: it keeps free what those in flight hold,
             # and at least what the largest still waiting (or this call's own) needs alone.
             kept = max(totals.reserve, totals.batches, on_top)
@@ -119,9 +99,9 @@ class Ledger:
             if nbytes > limit - held - kept:
                 raise ResourceExhausted(
                     f"{what}: needs about {nbytes / MIB:.1f} MiB, but of the memory budget of "
-                    f"{limit / MIB:.0f} MiB, {held / MIB:.0f} MiB is held by requests "
-                    f"being parsed or tokenized and answers not yet sent and {kept / MIB:.0f} MiB "
-                    "is kept for batches; retry with backoff")
+                    f"{limit / MIB:.0f} MiB, {held / MIB:.0f} MiB is held by requests being parsed or "
+                    f"tokenized and answers not yet sent and {kept / MIB:.0f} MiB is kept for batches; "
+                    "retry with backoff")
             totals.add(nbytes)
             if connection:
                 self.by_connection[connection] = mine + nbytes
@@ -129,10 +109,8 @@ class Ledger:
     def _give_back(self, nbytes: int, connection: str | None) -> None:
         self.totals.add(-nbytes)
         if connection:
-            left = self.by_connection[connection] - nbytes
-            if left:
-                self.by_connection[connection] = left
-            else:
+            self.by_connection[connection] -= nbytes
+            if not self.by_connection[connection]:
                 del self.by_connection[connection]
 
 
@@ -143,8 +121,7 @@ class Holds:
     def __init__(self, ledger: Ledger, connection: str | None):
         self.ledger = ledger
         self.connection = connection
-        self.total = 0
-        self.peak = 0
+        self.total = self.peak = 0
         self.released = False
 
     def take(self, nbytes: float, what: str, on_top: float = 0.0) -> None:

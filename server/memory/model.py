@@ -111,6 +111,12 @@ class GraphModels:
     embeddings: ShapeModel
     attention: ShapeModel
 
+    @classmethod
+    def by_kind(cls, models: dict[str, ShapeModel]):
+        """From the models of graph_kinds' graphs: a scorer's one graph stands for both."""
+        scores = models.get(SCORES)
+        return cls(models.get(EMBEDDINGS, scores), models.get(ATTENTION, scores))
+
     @property
     def source(self) -> str:
         if self.embeddings.source == self.attention.source:
@@ -147,13 +153,8 @@ def analytic_bound(manifest: Manifest) -> MemoryModel:
     widening = max(4 * hidden, manifest.intermediate_size)
     vocabulary = 2 * manifest.vocab_size if manifest.sparse else 0
     heads = (manifest.lexical is not None) + (manifest.multi_vector.dim if manifest.multi_vector else 0)
-    return MemoryModel(
-        a=64 * 1024 * 1024,
-        b=4.0 * (8 * hidden + 2 * widening + vocabulary + heads),
-        c=4.0 * 4,
-        d=4.0 * 4,
-        source="analytic bound",
-    )
+    return MemoryModel(a=64 * 1024 * 1024, b=4.0 * (8 * hidden + 2 * widening + vocabulary + heads),
+                       c=4.0 * 4, d=4.0 * 4, source="analytic bound")
 
 
 def read_entries(path: Path) -> dict[str, dict]:
@@ -204,6 +205,4 @@ def load_memory_model(directory: Path, manifest: Manifest, provider: str = "CPUE
     missing = f"analytic bound (memory_model.json has no {provider}/{precision} fit)"
     models = {kind: MemoryModel.from_entry(entry) if entry else replace(bound, source=missing)
               for kind, entry in fitted.items()}
-    if manifest.kind in SCORERS:
-        return MemoryModels(models[SCORES], models[SCORES])
-    return MemoryModels(models[EMBEDDINGS], models[ATTENTION])
+    return MemoryModels.by_kind(models)

@@ -105,14 +105,11 @@ class MemoryProbe:
 
     def device_memory(self) -> DeviceMemory:
         if self.cuda:
-            used, total, _ = host.nvml_memory()
-            return DeviceMemory(self.device, used, total)
+            return DeviceMemory(self.device, *host.nvml_memory()[:2])
         return DeviceMemory(self.device, host.resident_bytes(), host.machine_total_bytes())
 
     def available_bytes(self) -> int:
-        if self.cuda:
-            return host.nvml_memory()[2]
-        return host.machine_available_bytes()
+        return host.nvml_memory()[2] if self.cuda else host.machine_available_bytes()
 
     def start_batch(self) -> int:
         """Call before a batch, then `batch_peak` after it, from one thread at a time;
@@ -130,14 +127,12 @@ class MemoryProbe:
 
     def batch_peak(self, baseline: int) -> int:
         """Bytes the batch added at its peak over `baseline`."""
-        if self.cuda:
-            return max(0, self.device_memory().used - baseline)
         if self.exact:
             return alloc_hook.peak()
-        if self.sampler is not None:
-            return max(0, self.sampler.stop() - baseline)
-        if not self.hwm_resettable:
-            return max(0, host.resident_bytes() - baseline)
-        return max(0, max(host.status_bytes("VmHWM"), host.resident_bytes()) - baseline)
-
-
+        if self.cuda:
+            after = self.device_memory().used
+        elif self.sampler is not None:
+            after = self.sampler.stop()
+        else:
+            after = max(host.status_bytes("VmHWM") if self.hwm_resettable else 0, host.resident_bytes())
+        return max(0, after - baseline)

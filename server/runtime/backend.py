@@ -112,12 +112,10 @@ class Backend(Protocol):
     def release_memory(self) -> None:
         """Hand back to the OS what earlier batches left allocated (arenas, heap); called
         on an inference thread when the server goes idle after a large batch."""
-        ...
 
     def padded_shape(self, batch: int, longest: int) -> Shape:
         """The (batch, seq) shape a batch of `batch` sequences, the longest `longest`
         tokens, is run at: at least as large in both axes. Extra rows are all padding."""
-        ...
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray,
             layers: tuple[int, ...] = (), outputs: Outputs = HIDDEN_ONLY,
@@ -127,36 +125,30 @@ class Backend(Protocol):
         reranker's pairs: 0 for the query's side, 1 for the text's), for a graph that
         takes them (artifact.TOKEN_TYPES in the manifest's inputs); None: every token 0.
         Safe from up to `concurrency` threads at once."""
-        ...
 
     def project(self, vectors: np.ndarray) -> np.ndarray:
         """float32 [n, hidden_size] vectors pooled outside the graph (a span's mean)
         through the checkpoint's Dense layers, as the graph's pooled outputs went:
         [n, embedding_size]; the vectors as they are where it has none. Safe from any
         thread."""
-        ...
 
     def bind_thread(self, beside: bool = False) -> None:
         """Called once by each inference thread as it starts: the thread keeps the same
         sessions for its life (CUDA graphs belong to the thread that captured them).
         `beside`: the thread that runs batches beside the others (`beside`)."""
-        ...
 
     def warm_up_shapes(self, max_batch_tokens: int) -> list[Shape]:
         """The shapes worth running before the first caller, for batches of up to
         `max_batch_tokens` padded tokens: every shape bucket when buckets are on."""
-        ...
 
     def warm_up(self, shapes: Iterable[Shape]) -> None:
         """Run the graphs at each shape on the calling inference thread's sessions."""
-        ...
 
 
 class BackendKind(Protocol):
     def place(self, manifest: Manifest, device: str, precision: str) -> Placement:
         """Where `serve --device DEVICE --precision PRECISION` would run the artifact; raises
         ConfigError or a DeviceError for a choice that cannot be served."""
-        ...
 
     def create(self, artifact: Artifact, device: str, precision: str, intra_op_threads: int,
                strategy: Strategy) -> Backend:

@@ -12,19 +12,18 @@ import time
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from attnserve.artifact import (
-    CLASSIFIER,
     DENSE_INPUT,
     DENSE_OUTPUT,
     HIDDEN_OUTPUT,
     LOGITS_OUTPUT,
     MULTI_VECTOR_OUTPUT,
-    RERANKER,
     SCORERS,
     SPARSE_OUTPUT,
     TOKEN_TYPES,
@@ -63,10 +62,6 @@ CPU = "CPUExecutionProvider"
 # What onnxruntime raises for a file it cannot load as a graph: the artifact's fault.
 GRAPH_ERRORS = (ort_errors.InvalidProtobuf, ort_errors.InvalidGraph, ort_errors.NoSuchFile,
                 ort_errors.NoModel, ort_errors.NotImplemented, ort_errors.Fail)
-# The output fetched when a batch's requests need none at all (only token ids back, or a
-# warm-up): the smallest there is.
-CHEAPEST_OUTPUT = {"embedder": pooled_output("cls", False), RERANKER: LOGITS_OUTPUT,
-                   CLASSIFIER: LOGITS_OUTPUT}
 # Progress lines while warming up: about this many per lane.
 WARM_UP_LOG_LINES = 10
 
@@ -206,8 +201,7 @@ class BoundRunner:
 
     RUNS_TO_CAPTURE = 3
 
-    def __init__(self, session: ort.InferenceSession, device: str, manifest: Manifest,
-                 cuda_graph: bool):
+    def __init__(self, session: ort.InferenceSession, device: str, manifest: Manifest, cuda_graph: bool):
         self.session, self.device, self.manifest, self.cuda_graph = session, device, manifest, cuda_graph
         self.slots: dict[Shape, _Slot] = {}
         self.inputs = [i.name for i in session.get_inputs()]
@@ -287,8 +281,10 @@ class OrtBackend:
         self.attn_graph = (None if manifest.kind in SCORERS
                            else manifest.graph(attention=True, precision=self.precision))
         self.sequence_outputs = sequence_outputs(manifest)
-        self.cheapest = (CHEAPEST_OUTPUT[manifest.kind] if manifest.kind in SCORERS
-                         or manifest.dense else HIDDEN_OUTPUT)  # SPLADE: no pooled vector
+        # The output fetched when a batch's requests need none at all (only token ids back, or
+        # a warm-up): the smallest there is (SPLADE has no pooled vector).
+        self.cheapest = (LOGITS_OUTPUT if manifest.kind in SCORERS else
+                         pooled_output("cls", False) if manifest.dense else HIDDEN_OUTPUT)
         try:
             self._build(provider, intra_op_threads)
         except Exception as err:
@@ -402,10 +398,8 @@ class OrtBackend:
             lane.seen.add(key)
             runner = lane.attend if layers else lane.embed
             got = runner.run(input_ids, attention_mask, names or [self.cheapest], token_type_ids)
-        return BatchOutput(got.get(HIDDEN_OUTPUT),
-                           {layer: got[attention_output(layer)] for layer in layers},
-                           {name: got[name] for name in self.sequence_outputs if name in outputs},
-                           new_shape)
+        return BatchOutput(got.get(HIDDEN_OUTPUT), {layer: got[attention_output(layer)] for layer in layers},
+                           {name: got[name] for name in self.sequence_outputs if name in outputs}, new_shape)
 
     def project(self, vectors: np.ndarray) -> np.ndarray:
         return vectors if self.dense is None else self.dense.run([DENSE_OUTPUT], {DENSE_INPUT: vectors})[0]
@@ -453,11 +447,5 @@ class OrtBackend:
                              lane.index, done, len(shapes), *shape, time.perf_counter() - started)
 
 
-class OnnxKind:
-    """The "onnx" artifacts: graphs run by onnxruntime."""
-
-    place = staticmethod(place)
-    create = OrtBackend
-
-
-KIND = OnnxKind()
+# The "onnx" artifacts' backend.BackendKind: graphs run by onnxruntime.
+KIND = SimpleNamespace(place=place, create=OrtBackend)

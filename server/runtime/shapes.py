@@ -2,11 +2,10 @@
 
 On CUDA the first run of a (batch, seq) shape costs ~55 ms (later runs of it ~1.2 ms; an
 H200 with onnxruntime-gpu 1.31.1), and dynamic batching of mixed lengths makes nearly
-every batch a new shape. Padding each batch
-to a bucket (rows to a power of two, length to a multiple of `seq_multiple`) bounds the
-shapes to a few dozen, all of which run once before the server says SERVING. The rows
-added are all padding (masked), and their results are thrown away.
-"""
+every batch a new shape. Padding each batch to a bucket (rows to a power of two, length
+to a multiple of `seq_multiple`) bounds the shapes to a few dozen, all of which run once
+before the server says SERVING. The rows added are all padding (masked), and their
+results are thrown away."""
 
 from dataclasses import dataclass
 

@@ -1,12 +1,9 @@
 """One connection between a front end and the engine process: whole messages over a Unix
-SOCK_SEQPACKET socket, on the event loop.
-
-A message is a small JSON header (lists, numbers, strings: nothing a peer could make run)
-and a list of arrays. Under INLINE_BYTES it travels in one datagram; larger, it is written
-once into a memfd whose descriptor travels instead (SCM_RIGHTS), and the receiver maps it:
-the arrays it gets are views of that mapping, with no copy on the way (the mapping lives
-as long as the arrays do). A memfd belongs to no path, so nothing is left behind when a
-process dies."""
+SOCK_SEQPACKET socket, on the event loop. A message is a small JSON header (lists, numbers,
+strings: nothing a peer could make run) and a list of arrays, in one datagram under
+INLINE_BYTES, else written once into a memfd whose descriptor travels instead (SCM_RIGHTS):
+the receiver's arrays are views of its mapping, which lives as long as they do. A memfd
+belongs to no path, so nothing is left behind when a process dies."""
 
 import asyncio
 import collections

@@ -8,13 +8,12 @@ import os
 import socket
 import struct
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from attnserve.server.config import config_from_json
 from attnserve.server.engine import timings
-from attnserve.server.engine.offload import COPY_BYTE_S, INLINE_S
+from attnserve.server.engine.offload import COPY_BYTE_S, Offload
 from attnserve.server.engine.queue import RequestQueue
 from attnserve.server.engine.registry import load_models, log_default_prompts
 from attnserve.server.engine.requests import Submission
@@ -70,12 +69,7 @@ class FrontEndLink:
             header, entries = messages.results(job, results, submission.layers, times)
             del results
             nbytes = sum(part.nbytes for parts in entries for part in parts)
-            # Copying a large result into its message is done off the event loop.
-            if nbytes * COPY_BYTE_S < INLINE_S:
-                frame = encode(header, entries)
-            else:
-                frame = await asyncio.get_running_loop().run_in_executor(
-                    self.process.encoding, encode, header, entries)
+            frame = await self.process.offload.response(nbytes * COPY_BYTE_S, encode, header, entries)
             self.channel.send_frame(frame)
         except RequestError as err:
             self.channel.send(*messages.error(job, err))
@@ -111,7 +105,7 @@ class EngineProcess:
         self.facts = messages.EngineFacts(runners.limits.memory_budget_bytes, runners.budget.shared,
                                           [m.backend.placement for m in runners.models])
         self.links: set[FrontEndLink] = set()
-        self.encoding = ThreadPoolExecutor(1, thread_name_prefix="encode")
+        self.offload = Offload()
         shared.fields.budget, shared.fields.engine_pid = self.facts.budget, os.getpid()
         shared.fields.engine_loaded = 1
 

@@ -1,10 +1,9 @@
-"""A front-end process of a server with --workers: the doors on the shared ports (parsing,
-tokenizing and packing on an event loop of its own) before every model's engine in the
-engine process, reached through `RemoteEngine`, one `RemoteScheduler` a model. It serves
-while the engine is warm and nothing drains, whatever becomes of the other front ends; if
-the engine process goes, every call waiting on it and every new one gets UNAVAILABLE."""
+"""A front-end process of a server with --workers (docs/architecture.md, "Worker processes"):
+the doors on the shared ports before every model's engine in the engine process, reached
+through `RemoteEngine`, one `RemoteScheduler` a model."""
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -193,10 +192,8 @@ class FrontProcess:
             if serving != said:
                 await self.ports.set_health(serving)
                 said = serving
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
-            except TimeoutError:
-                pass
         await self.drain()
 
     async def drain(self) -> None:

@@ -1,11 +1,6 @@
 """Which signals stop the processes of a group (--workers), and who sends them: SIGINT and
-SIGTERM are the supervisor's alone (sent to the whole process group, they would reach
-every process at once, and the group must stop in order: the front ends drain first, then
-the engine), and it sends each child STOP in turn. A child is started with all three
-blocked (`starting_a_child`), so none ends it while the interpreter starts; from
-`become_child` on a STOP ends it at once (it has accepted no work yet), from `take_stop` on
-a STOP makes it drain. A child dies with the supervisor (PR_SET_PDEATHSIG): none outlives
-one killed with SIGKILL, holding the ports or the engine's memory."""
+SIGTERM are the supervisor's alone, and it sends each child STOP in turn, so that the group
+stops in order (docs/architecture.md, "Worker processes", says why)."""
 
 import asyncio
 import contextlib

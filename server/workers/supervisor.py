@@ -1,10 +1,6 @@
-"""`attnserve serve --workers N`: the process that starts the group and keeps it whole
-(docs/architecture.md, "Worker processes", says how). It reserves the ports (`reserve_port`),
-makes the shared state and the engine's socket, starts the engine process, then N front
-ends and a standby; it replaces a front end that dies with the standby, stops the group
-(exit non-zero) if the engine dies, drains it on SIGTERM or SIGINT, and writes the ready
-file (every pid but the standby's) once the engine is warm, every front end is up and the
-standby waits."""
+"""`attnserve serve --workers N`: the process that starts the group (the engine process, N
+front ends and a standby), keeps it whole and drains it (docs/architecture.md, "Worker
+processes"). Its ready file lists every pid but the standby's, written once the standby waits."""
 
 import ctypes
 import dataclasses
