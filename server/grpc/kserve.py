@@ -2,6 +2,8 @@
 tritonclient and KServe tooling work unchanged; the tensors go to the data plane's `infer`
 (inputs and outputs: docs/api.md, "gRPC: the Open Inference Protocol")."""
 
+from collections.abc import Callable
+
 import msgspec
 import numpy as np
 
@@ -19,6 +21,8 @@ from attnserve.server.kserve import MODEL_VERSION, find_model, input_tensor, mod
 from attnserve.server.metrics import Metrics
 
 INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"
+# Each output named with its shape, as the engine decides them.
+Shapes = list[tuple[str, tuple[int, ...]]]
 
 
 class KServeService(pb_grpc.GRPCInferenceServiceServicer):
@@ -50,10 +54,10 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryIndexResponse(models=[
             entry(**msgspec.structs.asdict(e)) for e in repository_index(self.plane, request.ready)])
 
-    def _size(self, request: pb.ModelInferRequest, model: str) -> ResponseSize:
-        """The response's size, exactly: its fields but the output data, sized by protobuf
-        itself, and the data's length-prefixed bytes."""
-        def measure(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    def _size(self, request: pb.ModelInferRequest, model: str) -> Callable[[Shapes], ResponseSize]:
+        """What sizes the response once its outputs' shapes are known, exactly: its fields but
+        the output data, sized by protobuf itself, and the data's length-prefixed bytes."""
+        def measure(shapes: Shapes) -> int:
             skeleton = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request.id)
             data = 0
             for name, shape in shapes:

@@ -2,6 +2,7 @@
 front ends and a standby), keeps it whole and drains it (docs/architecture.md, "Worker
 processes"). Its ready file lists every pid but the standby's, written once the standby waits."""
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -103,8 +104,10 @@ class Group:
         taking = standby is not None and standby[0].poll() is None
         worker = self.workers[index] = standby[0] if taking else self._front_end(str(index))
         self.shared.fields.worker_pids[index] = worker.pid  # before the standby connects
-        if taking:
-            os.write(standby[1], f"{index}\n".encode())
+        if standby is not None:  # its pipe closed, taken or found dead
+            if taking:
+                with contextlib.suppress(BrokenPipeError):  # died since: the next poll sees it
+                    os.write(standby[1], f"{index}\n".encode())
             os.close(standby[1])
 
     def _standby_waits(self) -> bool:

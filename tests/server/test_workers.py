@@ -619,3 +619,33 @@ def test_the_groups_processes_die_with_a_killed_supervisor(tiny_artifact):
         for port in (server.port, server.http_port):
             listen_once_free(port)
     print(f"\nsupervisor killed: its {len(pids)} processes gone with it, the ports free")
+
+
+def pipes(pid: int) -> int:
+    return sum(os.readlink(fd).startswith("pipe:") for fd in Path(f"/proc/{pid}/fd").iterdir())
+
+
+def test_a_dead_standby_leaves_no_pipe_open_when_a_front_end_takes_its_place(tiny_artifact):
+    """The standby and a front end die at once (the supervisor stopped meanwhile, so its
+    next poll finds both): a new process takes the front end's place, a new standby is
+    started, and the supervisor holds as many pipes as before, the dead standby's closed."""
+    with serve(tiny_artifact, "--workers", "2") as server:
+        supervisor = server.proc.pid
+        group = children(supervisor)
+        held = pipes(supervisor)
+        front, standby = group["front"][0], group["standby"][0]
+        os.kill(supervisor, signal.SIGSTOP)
+        try:
+            for pid in (standby, front):
+                os.kill(pid, signal.SIGKILL)
+            assert wait_for(lambda: gone(standby) and gone(front), 30)
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
+
+        def whole() -> bool:
+            now = children(supervisor)
+            return replaced(server, front) and len(now["standby"]) == 1 and standby not in now["standby"]
+
+        assert wait_for(whole, WHOLE_WITHIN_S), server.output()[-4000:]
+        assert pipes(supervisor) == held, server.output()[-4000:]
+        assert "event=worker_died" in server.output()
