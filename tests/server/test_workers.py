@@ -584,8 +584,11 @@ def test_a_signal_to_the_whole_process_group_drains_it_and_exits_0(tiny_artifact
                   if status == grpc.StatusCode.UNAVAILABLE and "draining" in details)
     for started, _, status, details in calls:
         if started < signalled:
-            # Accepted and answered, or refused as new work by a group already draining.
-            assert status == grpc.StatusCode.OK or (
+            # Accepted and answered, or refused as new work by a group already draining, or
+            # never accepted: sent before the signal, it can still wait inside gRPC for a
+            # handler when the ports close, and gRPC cancels it (server/grpc/server.py). The
+            # group's own count below shows it cancelled none that it had accepted.
+            assert status == grpc.StatusCode.OK or status == grpc.StatusCode.CANCELLED or (
                 status == grpc.StatusCode.UNAVAILABLE and "draining" in details), (status, details)
     # Every call the group answered reached its caller, with the answer it gave.
     assert counted.get("OK", 0) == ok and counted.get("UNAVAILABLE", 0) == refused, \
