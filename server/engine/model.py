@@ -24,7 +24,7 @@ from attnserve.server.engine.pooling import POOLED, finish, prompt_spans
 from attnserve.server.engine.requests import ModelInfo, Submission, TensorInfo, TruncationDirection
 from attnserve.server.engine.tokenize import Encoded, Prompt, TextTokenizer, TooLong
 from attnserve.server.errors import InvalidArgument, Unavailable, quote
-from attnserve.server.memory.budget import ModelMemory
+from attnserve.server.memory.budget import RESPONSE_COPIES, ModelMemory
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 from attnserve.server.runtime.backend import Placement, SequenceResult
@@ -98,7 +98,7 @@ class ServedModel:
     def hold_response(self, holds: Holds, size: int, on_top: float = 0.0) -> None:
         """Hold a response of `size` bytes (several times over: see RESPONSE_COPIES) until
         it has been sent."""
-        holds.take(self.memory.response_copies * size, "the response", on_top=on_top)
+        holds.take(RESPONSE_COPIES * size, "the response", on_top=on_top)
 
     async def pack(self, seconds: float, build: Callable[..., T], *args) -> T:
         """`build(*args)`: a door's response built from a result, inline when it costs

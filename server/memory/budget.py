@@ -91,7 +91,6 @@ class ModelMemory:
     ledger = property(lambda self: self.shared_budget.ledger)
     shared = property(lambda self: self.shared_budget.shared)
     """the ledger and the batches share one budget (the CPU)"""
-    response_copies = RESPONSE_COPIES
 
     def batch_bytes(self, batch: int, seq: int, layers: int) -> float:
         return self.model.predict(batch, seq, self.heads, layers)
@@ -119,14 +118,14 @@ class ModelMemory:
         peak = self.batch_bytes(1, longest, layers)
         if peak > self.budget:
             raise ResourceExhausted(self._too_big(field, longest, layers, peak))
-        extra = self.response_copies * response_bytes
+        extra = RESPONSE_COPIES * response_bytes
         beside = peak if self.shared else 0.0
         if extra and beside + extra > self.ledger.limit:
             raise ResourceExhausted(
                 f"the response, about {response_bytes / MIB:.1f} MiB, takes about {extra / MIB:.0f} MiB "
                 f"to build and send on top of the batch's {beside / MIB:.0f} MiB at peak, over the memory "
                 f"budget of {self.ledger.limit / MIB:.0f} MiB; what fits: a response of up to "
-                f"{max(0.0, self.ledger.limit - beside) / self.response_copies / MIB:.1f} MiB (send fewer "
+                f"{max(0.0, self.ledger.limit - beside) / RESPONSE_COPIES / MIB:.1f} MiB (send fewer "
                 "texts per request, ask for fewer attention layers or heads, set average_heads, or use "
                 "dtype=DTYPE_FLOAT16)")
         return peak
@@ -135,7 +134,7 @@ class ModelMemory:
         """One sequence alone with its response at the largest (every head, float32 maps,
         token embeddings): what the alternatives a refusal offers must fit in."""
         response = 4 * (layers * self.heads * seq * seq + (seq + 1) * self.hidden)
-        return self.batch_bytes(1, seq, layers) + (self.response_copies * response if self.shared else 0)
+        return self.batch_bytes(1, seq, layers) + (RESPONSE_COPIES * response if self.shared else 0)
 
     def _too_big(self, field: str, length: int, layers: int, need: float) -> str:
         fits_len = max((n for n in range(1, length) if self._alone_bytes(n, layers) <= self.budget),
