@@ -5,6 +5,7 @@ or with --workers N (server/workers/) front-end processes around one engine proc
 import asyncio
 import logging
 import signal
+import time
 
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine.offload import Offload
@@ -62,7 +63,9 @@ class Server:
         log.info("event=draining seconds=%.0f", self.config.drain_seconds)
         self.draining = True
         await self.ports.set_health(False)
+        deadline = time.monotonic() + self.config.drain_seconds
         finished = await self.runners.drain(self.config.drain_seconds)
+        finished = await self.plane.answers_sent(deadline - time.monotonic()) and finished
         await self.ports.stop()
         log.info("event=stopped all_finished=%s answered=%s", finished, self.ports.answered())
 

@@ -32,6 +32,10 @@ class DataPlane:
         model warm and the server not draining."""
         self.models, self.default = {m.name: m for m in models}, models[0]
         self.memory, self.offload, self.metrics, self.serving = memory, offload, metrics, serving
+        self.owed: set[Holds] = set()
+        """the calls (by their holds) whose answer is owed: a request taken, its answer not yet sent"""
+        self.none_owed = asyncio.Event()
+        self.none_owed.set()
 
     def model(self, name: str | None, field: str = "model", kind: str | None = None) -> ServedModel:
         """The model a request names (`field`, as the door calls it; empty: the default, or the first model of
@@ -72,7 +76,33 @@ class DataPlane:
         that held much hands the heap's free pages back to the OS (on the responses pool, after a moment for
         the transport to free what it sent). `loop`: the server's event loop, for a caller outside it."""
         holds.release()
+        self.answer_sent(holds)
         trim_after(holds, self.offload.responses_pool, loop or asyncio.get_running_loop())
+
+    # --- answers owed, which a drain waits for before it closes the ports -------------
+    # A finished batch is not a sent answer: packing a large one and writing it to a slow
+    # reader can take longer than any fixed grace, and the ports' close would cut it off.
+
+    def answer_owed(self, holds: Holds) -> None:
+        """The call of `holds` has taken a request; its answer is owed until `answer_sent`
+        (or `end_call`)."""
+        self.owed.add(holds)
+        self.none_owed.clear()
+
+    def answer_sent(self, holds: Holds) -> None:
+        self.owed.discard(holds)
+        if not self.owed:
+            self.none_owed.set()
+
+    async def answers_sent(self, seconds: float) -> bool:
+        """Wait at most `seconds` for every answer owed to be sent; True when it has been."""
+        if self.none_owed.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self.none_owed.wait(), max(seconds, 0.0))
+            return True
+        except TimeoutError:
+            return False
 
 
 def build_plane(config: ServeConfig, named: list[NamedArtifact], tokenizers: list[TextTokenizer],

@@ -231,8 +231,11 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         async def checked(requests, context, holds: Holds):
             async for request in requests:
                 request, held = await decoded(request, context, holds)
+                self.plane.answer_owed(holds)
                 yield request
-                holds.give_back(held)  # the handler asked for the next: done with this one
+                # The handler asked for the next: this one's answer has been written.
+                self.plane.answer_sent(holds)
+                holds.give_back(held)
 
         kind = ("stream" if handler.request_streaming else "unary") + "_" + (
             "stream" if handler.response_streaming else "unary")
@@ -271,13 +274,16 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         async def received(request, context):
             """The call's request (or requests) read, with its Holds, given back when gRPC
-            reports the call over."""
+            reports the call over; its answer owed until then (each of a stream's until the
+            method asks for the next request; none for a stream of answers to one request)."""
             holds = self.plane.holds(context.peer())
             _holds.set(holds)
             loop = asyncio.get_running_loop()
             context.add_done_callback(lambda _: self.plane.end_call(holds, loop))
             if handler.request_streaming:
                 return checked(request, context, holds)
+            if not handler.response_streaming:  # a stream of answers (health's Watch) never ends
+                self.plane.answer_owed(holds)
             return (await decoded(request, context, holds))[0]
 
         if inspect.isasyncgenfunction(inner):

@@ -91,7 +91,7 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def stop(self) -> None:
-        # Give answered requests a moment to reach their callers, then close. Calls still
-        # waiting inside gRPC for a handler at this instant were never accepted; gRPC
-        # cancels them (CANCELLED).
+        # Every answer owed has been written (DataPlane.answers_sent), or the drain ran out
+        # of time: a moment for gRPC to flush, then close. Calls still waiting inside gRPC
+        # for a handler at this instant were never accepted; gRPC cancels them (CANCELLED).
         await self.server.stop(grace=1.0)

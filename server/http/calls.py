@@ -199,6 +199,7 @@ class HttpCalls:
         and its connection's share of it, as a gRPC caller does."""
         record = CallRecord(self.metrics, rpc)
         holds = self.plane.holds(_peer(request))
+        self.plane.answer_owed(holds)
         stalled, release = False, None
         try:
             try:

@@ -112,7 +112,8 @@ class FramedAppRunner(web.AppRunner):
                             handler_cancellation=made.handler_cancellation, **made._kwargs)
 
 LISTEN_BACKLOG = 1024
-# After the request queue has drained, answers already computed get this long to be sent.
+# Once every answer owed has been written (DataPlane.answers_sent), or the drain ran out of
+# time, what is left gets this long before the connections close.
 SEND_GRACE_S = 1.0
 MAX_LINE_BYTES = 8190
 

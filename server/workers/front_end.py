@@ -179,9 +179,9 @@ class FrontProcess:
                 manifest.num_heads, manifest.hidden_size)
             runs.append((RemoteScheduler(self.remote, i, limits, manifest.num_heads,
                                          manifest.hidden_size), memory, placement))
-        plane = build_plane(config, self.named, self.tokenizers, runs, budget, offload,
-                            self.metrics, self.serving)
-        await self.ports.start(plane, offload.requests_pool, shared_ports=True, metrics_port=False)
+        self.plane = build_plane(config, self.named, self.tokenizers, runs, budget, offload,
+                                 self.metrics, self.serving)
+        await self.ports.start(self.plane, offload.requests_pool, shared_ports=True, metrics_port=False)
         self.shared.fields.worker_up[self.index] = 1
         log.info("event=front_end_up worker=%d port=%d http_port=%d", self.index, self.ports.port,
                  self.ports.http_port)
@@ -208,6 +208,7 @@ class FrontProcess:
             await asyncio.wait_for(self.remote.idle.wait(), self.config.drain_seconds)
         except TimeoutError:
             finished = False
+        finished = await self.plane.answers_sent(deadline - asyncio.get_running_loop().time()) and finished
         fields = self.shared.fields
         fields.worker_drained[self.index] = DRAINED if finished else DRAIN_TIMED_OUT
         while (not all(fields.worker_drained[i] for i in range(fields.workers))

@@ -245,13 +245,39 @@ def _header(name: str, value: str) -> bytes:
     return b"\x00" + string(name) + string(value)
 
 
+def stalled_http_infer(server: ServerProcess, model: str, ids: list[int]) -> socket.socket:
+    """One KServe infer over HTTP asking for every layer's maps as binary (a 63 MiB
+    answer), on a socket with a 4 KiB receive buffer that is never read."""
+    body = json.dumps({
+        "inputs": [{"name": name, "shape": [1, len(ids)], "datatype": "INT64", "data": data}
+                   for name, data in (("input_ids", ids), ("attention_mask", [1] * len(ids)))],
+        "outputs": [{"name": "attentions", "parameters": {"binary_data": True}}]}).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.http_port))
+    sock.sendall(f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                 + body)
+    return sock
+
+
+def answering(sock: socket.socket) -> bool:
+    """The server has begun to write its answer of 200 on `sock` (a refusal's 429 is written
+    too, but is no held answer)."""
+    try:
+        return sock.recv(12, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"HTTP/1.1 200"
+    except BlockingIOError:
+        return False
+
+
 class ZeroWindowClient:
     """A gRPC caller that never reads: a raw HTTP/2 connection on a loopback socket that
     announces a receive window of 0 bytes (SETTINGS_INITIAL_WINDOW_SIZE = 0), so the
     server may send headers but not one byte of any response. It answers the server's
     SETTINGS and PINGs (as a live client does) and records every frame it gets."""
 
-    DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
+    DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
+    END_STREAM = 0x1
     FRAME_LIMIT = 1 << 14  # the default SETTINGS_MAX_FRAME_SIZE
 
     def __init__(self, address: str):
@@ -318,6 +344,22 @@ class ZeroWindowClient:
         for request in requests:
             self._send(stream, request.SerializeToString(), last=False)
         return stream
+
+    def read_all(self, stream: int) -> None:
+        """Start reading: the largest window for `stream` and the connection."""
+        increment = struct.pack(">I", (1 << 31) - 1)
+        self.sock.sendall(_frame(self.WINDOW_UPDATE, 0, 0, increment)
+                          + _frame(self.WINDOW_UPDATE, 0, stream, increment))
+
+    def ended(self, stream: int) -> bool:
+        """The server has sent `stream`'s trailers (a HEADERS frame with END_STREAM)."""
+        return any(s == stream and flags & self.END_STREAM for _, flags, s, _ in self.received(self.HEADERS))
+
+    def message(self, stream: int) -> bytes:
+        """The one gRPC message `stream`'s DATA frames carry, without its 5-byte prefix."""
+        body = b"".join(payload for _, _, s, payload in self.received(self.DATA) if s == stream)
+        assert body[:1] == b"\x00" and struct.unpack(">I", body[1:5])[0] == len(body) - 5, len(body)
+        return body[5:]
 
     def received(self, kind: int) -> list[tuple[int, int, int, bytes]]:
         with self.lock:

@@ -9,6 +9,7 @@ gRPC (CANCELLED): it was never accepted, and it can only be one sent after SIGTE
 
 import re
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,17 +18,23 @@ import grpc
 import numpy as np
 import pytest
 
+from attnserve.artifact import load_artifact
+from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.harness import sample
 from tests.server.reliability import (
     BIG,
+    MIB,
     Reference,
+    ZeroWindowClient,
+    answering,
     embed_ids,
     health,
     ids_of,
     sequences_for,
     serve,
+    stalled_http_infer,
     stub,
     wait_for,
 )
@@ -38,6 +45,9 @@ pytestmark = pytest.mark.workers
 CALLERS = 8
 LOAD_BEFORE_S = 1.5
 AFTER_SIGTERM_S = 3.0
+# Longer than the second the ports give answers to be sent once they close.
+READ_LATER_S = 3.0
+EMBED = "/attnserve.v1.EncoderService/Embed"
 
 
 def test_sigterm_under_load_answers_everything_accepted_and_exits_0(tiny_artifact):
@@ -144,3 +154,60 @@ def test_sigterm_during_a_long_request_finishes_it_and_refuses_new_work(minilm_a
         server.stop()
     print(f"\ndrain with a long request: NOT_SERVING, new work UNAVAILABLE, the {count}x512 "
           "request answered correctly, exit 0")
+
+
+def _read_http_answer(sock: socket.socket) -> tuple[bytes, int]:
+    """(status line, body length) of the one answer on `sock`, read whole."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * MIB)  # it was kept small to stall
+    sock.settimeout(60)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1 << 16)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = sock.recv(1 << 20)
+        assert chunk, f"the connection closed after {len(body)} of {length} bytes"
+        body += chunk
+    return head.split(b"\r\n", 1)[0], len(body)
+
+
+def test_answers_computed_before_sigterm_reach_callers_that_read_them_only_later(minilm_artifact):
+    """A finished batch is not an answer sent: the drain waits, within --drain-seconds, for
+    answers still being written, here to a gRPC caller whose receive window is 0 and an HTTP
+    caller that reads nothing (a 63 MiB answer), for longer than any fixed grace for sending.
+    Once they read, each gets its whole answer, correct, and the server exits 0."""
+    reference = Reference(minilm_artifact)
+    server = serve(minilm_artifact, "--drain-seconds", "60", "--max-message-bytes", str(256 * MIB))
+    rng = np.random.default_rng(11)
+    ids = ids_of(rng, 128)
+    model = load_artifact(minilm_artifact).manifest.model_name
+    stalled = ZeroWindowClient(server.address)
+    sock = None
+    try:
+        stream = stalled.call(EMBED, embed_ids([ids]))
+        assert wait_for(lambda: sample(server.scrape(), "attnserve_requests_total", rpc="Embed") >= 1, 60)
+        sock = stalled_http_infer(server, model, ids_of(rng, 480))
+        assert wait_for(lambda: answering(sock), 60)
+        server.proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: health(server.address) == "NOT_SERVING", 10)
+        time.sleep(READ_LATER_S)
+        assert server.proc.poll() is None, "the server stopped with answers unsent"
+        assert not stalled.received(ZeroWindowClient.RST_STREAM), "the gRPC answer was cut off"
+
+        stalled.read_all(stream)
+        assert wait_for(lambda: stalled.ended(stream), 30), "no trailers for the gRPC answer"
+        reference.check_embedding(ids, pb.EmbedResponse.FromString(stalled.message(stream)).embeddings[0],
+                                  atol=1e-4)
+        status, length = _read_http_answer(sock)
+        assert status == b"HTTP/1.1 200 OK" and length > 60 * MIB, (status, length)
+        assert server.proc.wait(60) == 0
+        log = server.output()
+        assert "all_finished=True" in log and "all_finished=False" not in log, log[-2000:]
+    finally:
+        stalled.close()
+        if sock is not None:
+            sock.close()
+        server.stop()
+    print(f"\ndrain with answers unread for {READ_LATER_S:.0f} s: the gRPC answer and the "
+          f"{length / MIB:.0f} MiB HTTP answer arrived whole, exit 0")

@@ -14,9 +14,6 @@ by HTTP/2 itself (REFUSED_STREAM), and what the ones it opened carry is held aga
 share of the budget.
 """
 
-import json
-import socket
-
 import grpc
 import numpy as np
 import pytest
@@ -31,9 +28,11 @@ from tests.server.reliability import (
     Peak,
     Reference,
     ZeroWindowClient,
+    answering,
     embed_ids,
     ids_of,
     serve,
+    stalled_http_infer,
     stub,
     wait_for,
 )
@@ -161,31 +160,6 @@ def test_one_connection_may_open_1000_streams_and_no_more(server):
         stub(channel).Embed(pb.EmbedRequest(texts=["still serving"]), timeout=60)
 
 
-def _stalled_http_infer(server, model: str, ids: list[int]) -> socket.socket:
-    """One KServe infer over HTTP asking for every layer's maps as binary (a 63 MiB
-    answer), on a socket with a 4 KiB receive buffer that is never read."""
-    body = json.dumps({
-        "inputs": [{"name": name, "shape": [1, len(ids)], "datatype": "INT64", "data": data}
-                   for name, data in (("input_ids", ids), ("attention_mask", [1] * len(ids)))],
-        "outputs": [{"name": "attentions", "parameters": {"binary_data": True}}]}).encode()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", server.http_port))
-    sock.sendall(f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                 + body)
-    return sock
-
-
-def _answering(sock: socket.socket) -> bool:
-    """The server has begun to write its answer of 200 on `sock` (a refusal's 429 is written
-    too, but is no held answer)."""
-    try:
-        return sock.recv(12, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"HTTP/1.1 200"
-    except BlockingIOError:
-        return False
-
-
 def test_http_callers_that_stop_reading_hold_their_answers_in_the_budget(server,
                                                                          minilm_artifact):
     """The HTTP port keeps the same promise: an answer is held in the memory budget until
@@ -200,7 +174,7 @@ def test_http_callers_that_stop_reading_hold_their_answers_in_the_budget(server,
     try:
         with HealthProbe(server.address, deadline_s=1.0) as probe:
             for _ in range(6):
-                sockets.append(_stalled_http_infer(server, model, ids_of(rng, 480)))
+                sockets.append(stalled_http_infer(server, model, ids_of(rng, 480)))
 
             def settled() -> bool:
                 now = server.scrape()
@@ -211,7 +185,7 @@ def test_http_callers_that_stop_reading_hold_their_answers_in_the_budget(server,
             # The answers held are built and being written: their first bytes are in the
             # sockets (which are never read).
             held = sample(server.scrape(), "attnserve_inflight_requests")
-            assert wait_for(lambda: sum(map(_answering, sockets)) >= held, timeout=60)
+            assert wait_for(lambda: sum(map(answering, sockets)) >= held, timeout=60)
             during = server.scrape()
             stalled_rss = server.status()["rss"]
             with grpc.insecure_channel(server.address) as channel:
