@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve.artifact import load_artifact
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
@@ -211,3 +212,37 @@ def test_answers_computed_before_sigterm_reach_callers_that_read_them_only_later
         server.stop()
     print(f"\ndrain with answers unread for {READ_LATER_S:.0f} s: the gRPC answer and the "
           f"{length / MIB:.0f} MiB HTTP answer arrived whole, exit 0")
+
+
+def test_open_streams_owed_no_answer_do_not_hold_the_drain(tiny_artifact):
+    """An EmbedStream whose one answer has been read and a health Watch are open, with no
+    answer owed: the drain does not wait for them (--drain-seconds is 60), it ends them and
+    the server exits 0 within seconds."""
+    server = serve(tiny_artifact, "--drain-seconds", "60")
+    more = threading.Event()
+
+    def requests():
+        yield pb.EmbedRequest(texts=["one answer, then nothing more"])
+        more.wait(60)
+
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stream = stub(channel).EmbedStream(requests(), timeout=120)
+            assert len(next(stream).embeddings) == 1
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(30) == 0
+            stopped_s = time.monotonic() - started
+            more.set()
+            for call in (stream, watch):
+                with pytest.raises(grpc.RpcError):
+                    list(call)
+        log = server.output()
+        assert "all_finished=True" in log and "all_finished=False" not in log, log[-2000:]
+    finally:
+        more.set()
+        server.stop()
+    assert stopped_s < 10, stopped_s
+    print(f"\ndrain with an idle EmbedStream and a health Watch open: exit 0 in {stopped_s:.1f} s")
