@@ -282,7 +282,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             context.add_done_callback(lambda _: self.plane.end_call(holds, loop))
             if handler.request_streaming:
                 return checked(request, context, holds)
-            if not handler.response_streaming:  # a stream of answers (health's Watch) never ends
+            if not handler.response_streaming:  # a stream of answers (health's Watch) may never end
                 self.plane.answer_owed(holds)
             return (await decoded(request, context, holds))[0]
 
