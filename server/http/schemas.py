@@ -6,6 +6,7 @@ Each protocol keeps its peer's rule for a field it does not know (docs/api.md, "
 route does not know"). A fault is refused naming the field in the caller's terms
 (`chunking.max_tokens`, `input[2]`), in the door's error shape."""
 
+import functools
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -470,7 +471,6 @@ class KServeError(Struct):
 
 # --- decoding ------------------------------------------------------------------------------
 
-_DECODERS: dict[type, msgspec.json.Decoder] = {}
 # What msgspec calls a JSON type, as an error says it.
 _TYPES = {"int": "an integer", "str": "a string", "bool": "true or false", "array": "a list",
           "object": "an object", "null": "null", "float": "a number"}
@@ -478,11 +478,15 @@ _PATH = re.compile(r" - at `\$(.*)`$")
 _NAMED = re.compile(r"`([^`]*)`")
 
 
+@functools.cache
+def _decoder(schema: type) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(schema)
+
+
 def decode(body: bytes, schema: type[T]) -> T:
     """`body` as `schema`, validated as it is decoded; refused naming the field at fault."""
-    decoder = _DECODERS.get(schema) or _DECODERS.setdefault(schema, msgspec.json.Decoder(schema))
     try:
-        return decoder.decode(body)
+        return _decoder(schema).decode(body)
     except msgspec.ValidationError as err:
         raise _refusal(str(err), schema) from None
     except msgspec.DecodeError as err:
