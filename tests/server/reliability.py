@@ -245,6 +245,28 @@ def _header(name: str, value: str) -> bytes:
     return b"\x00" + string(name) + string(value)
 
 
+def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
+    """One answer from `sock`: (status, headers, body); status 0 if the server closed the
+    connection without one."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0, {}, received
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", 0))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return status, headers, body
+
+
 def stalled_http_infer(server: ServerProcess, model: str, ids: list[int]) -> socket.socket:
     """One KServe infer over HTTP asking for every layer's maps as binary (a 63 MiB
     answer), on a socket with a 4 KiB receive buffer that is never read."""

@@ -33,6 +33,7 @@ from tests.server.reliability import (
     embed_ids,
     health,
     ids_of,
+    read_answer,
     sequences_for,
     serve,
     stalled_http_infer,
@@ -157,22 +158,6 @@ def test_sigterm_during_a_long_request_finishes_it_and_refuses_new_work(minilm_a
           "request answered correctly, exit 0")
 
 
-def _read_http_answer(sock: socket.socket) -> tuple[bytes, int]:
-    """(status line, body length) of the one answer on `sock`, read whole."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * MIB)  # it was kept small to stall
-    sock.settimeout(60)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(1 << 16)
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
-    while len(body) < length:
-        chunk = sock.recv(1 << 20)
-        assert chunk, f"the connection closed after {len(body)} of {length} bytes"
-        body += chunk
-    return head.split(b"\r\n", 1)[0], len(body)
-
-
 def test_answers_computed_before_sigterm_reach_callers_that_read_them_only_later(minilm_artifact):
     """A finished batch is not an answer sent: the drain waits, within --drain-seconds, for
     answers still being written, here to a gRPC caller whose receive window is 0 and an HTTP
@@ -200,8 +185,12 @@ def test_answers_computed_before_sigterm_reach_callers_that_read_them_only_later
         assert wait_for(lambda: stalled.ended(stream), 30), "no trailers for the gRPC answer"
         reference.check_embedding(ids, pb.EmbedResponse.FromString(stalled.message(stream)).embeddings[0],
                                   atol=1e-4)
-        status, length = _read_http_answer(sock)
-        assert status == b"HTTP/1.1 200 OK" and length > 60 * MIB, (status, length)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * MIB)  # kept small to stall; now read
+        sock.settimeout(60)
+        status, headers, body = read_answer(sock)
+        length = len(body)
+        assert status == 200 and length == int(headers["content-length"]) and length > 60 * MIB, \
+            (status, length, headers)
         assert server.proc.wait(60) == 0
         log = server.output()
         assert "all_finished=True" in log and "all_finished=False" not in log, log[-2000:]

@@ -23,7 +23,7 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.inference import grpc_service_pb2 as kpb
 from attnserve.server._proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.harness import delta, sample
-from tests.server.reliability import MIB, HealthProbe, serve, stub, wait_for
+from tests.server.reliability import MIB, HealthProbe, read_answer, serve, stub, wait_for
 
 # The tests marked `workers` also run against a server of several processes (make test:
 # --server-workers 2): those whose answers or accounting cross from the engine to the
@@ -70,28 +70,6 @@ def raw(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, dict, bytes
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
         return read_answer(sock)
-
-
-def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
-    """One answer from `sock`: (status, headers, body); status 0 if the server closed the
-    connection without one."""
-    received = b""
-    while b"\r\n\r\n" not in received:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return 0, {}, received
-        received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    length = int(headers.get("content-length", 0))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return status, headers, body
 
 
 def post(server, path: str, body: bytes, content_type: str = "application/json",
