@@ -564,7 +564,7 @@ def sequences(value: Sequences, field: str, empty: type[InvalidArgument] = Inval
         if type(entry) is not kind:
             raise InvalidArgument(f"{field}[{i}]", f"{quote(entry)}; expected "
                                   f"{_TYPES.get(kind.__name__, 'a list')}, as {field}[0] is")
-        if not entry:
+        if not entry and kind is not int:  # token id 0 is a token (<s> in RoBERTa's vocabulary)
             raise empty(f"{field}[{i}]", "an empty string; send text" if kind is str else
                         "an empty list; send at least one token id")
     if kind is str:

@@ -87,12 +87,14 @@ def tokenized(encoder) -> list[list[int]]:
 
 @pytest.mark.workers
 @pytest.mark.parametrize("encoding", ["float", "base64"])
-@pytest.mark.parametrize("form", ["string", "strings", "token_ids", "lists_of_token_ids"])
+@pytest.mark.parametrize("form", ["string", "strings", "token_ids", "token_ids_with_id_0",
+                                  "lists_of_token_ids"])
 def test_openai_client_gets_the_grpc_embed_vectors(minilm_server, encoder, tokenized, encoding, form):
     given, grpc_request = {
         "string": (TEXTS[0], {"texts": TEXTS[:1]}),
         "strings": (TEXTS, {"texts": TEXTS}),
         "token_ids": (tokenized[1], {"token_ids": [pb.TokenIds(ids=tokenized[1])]}),
+        "token_ids_with_id_0": ([0, *tokenized[1]], {"token_ids": [pb.TokenIds(ids=[0, *tokenized[1]])]}),
         "lists_of_token_ids": (tokenized, {"token_ids": [pb.TokenIds(ids=t) for t in tokenized]}),
     }[form]
     response = client(minilm_server).embeddings.create(model=MODEL, input=given,
