@@ -100,11 +100,6 @@ class Batch:
     beside: bool = False
     """it runs on the beside thread (BatchLoop._fill)"""
 
-    @property
-    def live(self) -> bool:
-        """Not every sequence dropped while it waited, nor put back (such a batch never runs)."""
-        return any(w.state is not State.DROPPED for w in self.items)
-
 
 @dataclass
 class Ran:
@@ -194,7 +189,8 @@ class BatchLoop:
                 return same[lo:hi + 1]
 
     def _live(self) -> list[Batch]:
-        return [b for b in self.in_flight if b.live]
+        """The batches in flight that will run: not every sequence dropped while it waited, nor put back."""
+        return [b for b in self.in_flight if any(w.state is not State.DROPPED for w in b.items)]
 
     def _form(self, oldest: Waiting) -> Batch | None:
         """The next batch, grown from `oldest` (RequestQueue.first), taken out of the queue and padded; None
@@ -327,8 +323,7 @@ class BatchLoop:
             if job.future.done():
                 continue
             job.results[w.index] = SequenceResult(
-                None if out.hidden is None or HIDDEN_OUTPUT not in job.outputs
-                else out.hidden[row, :w.length],
+                out.hidden[row, :w.length] if HIDDEN_OUTPUT in job.outputs else None,
                 {layer: maps[row, :, :w.length, :w.length] for layer, maps in out.attentions.items()},
                 {name: out.pooled[name][row, :w.length] if name in TOKEN_OUTPUTS
                  else out.pooled[name][row] for name in job.outputs if name in out.pooled},
@@ -392,7 +387,6 @@ class BatchLoop:
             await asyncio.sleep(0 if self.in_flight else self.limits.max_wait_s)
             if self.idle_trim is not None:
                 self.idle_trim.cancel()
-                self.idle_trim = None
             try:
                 self._fill()
             except Exception as err:  # the loop must outlive any one bad batch

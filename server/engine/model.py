@@ -74,11 +74,9 @@ class ServedModel:
         m = self.manifest
         self.dimensions = sorted({m.embedding_size, *m.matryoshka_dims}, reverse=True)
         """the sizes a pooled vector may be cut to"""
-        if m.kind in SCORERS:
-            self.output_layers = {LOGITS_OUTPUT: ()}
-        else:
-            self.output_layers = {HIDDEN_OUTPUT: ()} | {ALL_ATTENTIONS: tuple(range(m.num_layers))}
-            self.output_layers |= {attention_output(i): (i,) for i in range(m.num_layers)}
+        self.output_layers = {LOGITS_OUTPUT: ()} if m.kind in SCORERS else {
+            HIDDEN_OUTPUT: (), ALL_ATTENTIONS: tuple(range(m.num_layers)),
+            **{attention_output(i): (i,) for i in range(m.num_layers)}}
         """each tensor output the model answers raw tensor requests with -> the attention layers it needs"""
 
     def check_serving(self) -> None:

@@ -55,7 +55,7 @@ async def rerank(model: ServedModel, request: RerankRequest, holds: Holds,
                               names.sequence, size, holds)
     logits = np.fromiter((r.pooled[LOGITS_OUTPUT][0] for r in results), np.float32, count)
     scores = logits if request.raw_scores else sigmoid(logits)
-    order = ranking(scores, request.top_n)
+    order = np.argsort(-scores, kind="stable")[:request.top_n]
     return Reranked(order, scores[order], int(lengths.sum()), size)
 
 
@@ -106,7 +106,7 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
     # the texts as documents (or all alike, bge-m3's), scored by the head's similarity.
     head = model.manifest.multi_vector if request.mode is ScoreMode.MAXSIM else None
     query_side = None if head is None else multi_vector.side_of(model, "query", "mode")
-    attended, sides = None, [None, None]
+    attended = None
     if query_side is None:
         encoded = await model.tokenize([request.query, *request.texts], request.truncate,
                                        field_of, holds, prompt=prompt,
@@ -114,7 +114,6 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
         ids = [e.ids for e in encoded]
         lengths = lengths_of(ids)
     else:
-        sides = [query_side, head.document]
         query = await multi_vector.tokenize(model, [request.query], "query", query_side, field_of, holds)
         texts = await multi_vector.tokenize(model, request.texts, "document", head.document,
                                             lambda i: field_of(i + 1), holds)
@@ -134,8 +133,8 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
             scores = await model.offload.response(work, maxsim, results[0].hidden,
                                                   [r.hidden for r in results[1:]])
         else:
-            multi_vector.keep(model, results[:1], ids[:1], sides[0])
-            multi_vector.keep(model, results[1:], ids[1:], sides[1])
+            multi_vector.keep(model, results[:1], ids[:1], query_side)
+            multi_vector.keep(model, results[1:], ids[1:], head.document)
             vectors = [r.pooled[MULTI_VECTOR_OUTPUT] for r in results]
             scores = await model.offload.response(work, multi_vector.maxsim, vectors[0], vectors[1:],
                                                   head.similarity == "meanmaxsim")
@@ -155,17 +154,8 @@ def sigmoid(logits: np.ndarray) -> np.ndarray:
     return np.exp(-np.logaddexp(0.0, -logits.astype(np.float64))).astype(np.float32)
 
 
-def ranking(scores: np.ndarray, top_n: int | None) -> np.ndarray:
-    """The indexes of `scores`, highest first and equal ones in their order, the first
-    `top_n` of them (all with None)."""
-    order = np.argsort(-scores, kind="stable")
-    return order if top_n is None else order[:top_n]
-
-
 def cosines(query: np.ndarray, texts: list[np.ndarray]) -> np.ndarray:
     """float32 [texts]: the cosine of the query's vector (hidden,) and each text's."""
-    if not texts:
-        return np.zeros(0, dtype=np.float32)
     return unit(np.stack(texts)) @ unit(query)
 
 

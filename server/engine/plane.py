@@ -40,10 +40,8 @@ class DataPlane:
     def model(self, name: str | None, field: str = "model", kind: str | None = None) -> ServedModel:
         """The model a request names (`field`, as the door calls it; empty: the default, or the first model of
         `kind` where one is served). The call's metrics carry its name from here on."""
-        if name:
-            model = self.models.get(name)
-        else:
-            model = next((m for m in self.models.values() if m.kind == kind), self.default)
+        model = (self.models.get(name) if name else
+                 next((m for m in self.models.values() if m.kind == kind), self.default))
         if model is None:
             raise NotFound(f"{field}: unknown model {quote(name)}; this server serves {self.served()}", field)
         self.metrics.routed_to(model.name)

@@ -20,8 +20,9 @@ class NamedArtifact:
     source: ModelSource
     """the --artifact it came from"""
     default_prompt: str | None = None
-    """the prompt a request that names none gets (--default-prompt-name where the model
-    has it, else the checkpoint's default_prompt_name)"""
+    """the prompt a request that names none gets: --default-prompt-name's where the model has a prompt of that
+    name, else the checkpoint's default_prompt_name (or none), so that one flag serves models whose prompts
+    differ"""
 
 
 def load_models(config: ServeConfig, verify: tuple[str, ...] | None = None) -> list[NamedArtifact]:
@@ -38,17 +39,10 @@ def load_models(config: ServeConfig, verify: tuple[str, ...] | None = None) -> l
         if name in models:
             raise ConfigError("artifact", f"{models[name].source} and {source} are both named "
                                           f"{name!r}; name one of them: --artifact NAME=DIR")
-        models[name] = NamedArtifact(name, artifact, source,
-                                     default_prompt(artifact, config.default_prompt_name))
+        flag, manifest = config.default_prompt_name, artifact.manifest
+        models[name] = NamedArtifact(name, artifact, source, flag if flag in manifest.prompts
+                                     else manifest.default_prompt_name)
     return list(models.values())
-
-
-def default_prompt(artifact: Artifact, flag: str | None) -> str | None:
-    """The prompt of the model a request that names none gets: --default-prompt-name's
-    (`flag`) where the model has a prompt of that name, else the checkpoint's own default
-    (or none), so that one flag serves models whose prompts differ."""
-    manifest = artifact.manifest
-    return flag if flag in manifest.prompts else manifest.default_prompt_name
 
 
 def log_default_prompts(config: ServeConfig, models: list[NamedArtifact]) -> None:

@@ -34,7 +34,7 @@ DEFAULT_BUDGET_SHARE = 0.5
 
 
 class ModelRunner:
-    """One model's backend, memory, request queue and batch loop (started by `start`)."""
+    """One model's backend, memory, request queue and batch loop (started by `Runners.start`)."""
 
     def __init__(self, name: str, artifact: Artifact, backend: Backend, memory: ModelMemory,
                  limits: Limits, metrics: Metrics, probe: MemoryProbe, times: BatchTimes):
@@ -48,12 +48,6 @@ class ModelRunner:
                                     probe, limits, memory, times, artifact.manifest.pad_token_id)
         self.warm = False
         """both graphs have run on every inference thread"""
-
-    def start(self, watch: Callable[[int, int], None] | None = None) -> None:
-        """The batch loop, on the running event loop; `watch(requests, tokens)`: told the
-        queue's counts as they change."""
-        self.queue.watch = watch
-        self.batch_loop.start()
 
     async def warm_up(self) -> None:
         """Warm only once both graphs have run, every shape bucket included, on every
@@ -134,8 +128,9 @@ class Runners:
         """Every model's queue and batch loop; `watch(model, requests, tokens)`: told each
         queue's counts as they change."""
         for m in self.models:
-            m.start(None if watch is None else
-                    lambda requests, tokens, name=m.name: watch(name, requests, tokens))
+            m.queue.watch = None if watch is None else (
+                lambda requests, tokens, name=m.name: watch(name, requests, tokens))
+            m.batch_loop.start()
             self.metrics.live.queue_depth[m.name] = m.queue.depths
 
     async def warm_up(self) -> None:

@@ -126,7 +126,7 @@ def _segments(types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     ones = (types == 1) & real
     starts = np.where(ones.any(axis=1), ones.argmax(axis=1), lengths)
     expected = (np.arange(seq)[None, :] >= starts[:, None]) & real
-    bad = (((types != 0) & (types != 1)) & real) | ((types == 1) != expected) & real
+    bad = (types != expected) & real
     if bad.any():
         row, column = (int(x) for x in np.argwhere(bad)[0])
         raise InvalidArgument(f"token_type_ids[{row}, {column}]",

@@ -405,11 +405,9 @@ class OrtBackend:
         return vectors if self.dense is None else self.dense.run([DENSE_OUTPUT], {DENSE_INPUT: vectors})[0]
 
     def release_memory(self) -> None:
-        """Hand memory a long batch left behind back to the OS (glibc malloc_trim). The
-        batch loop calls it once the server is idle, not after every batch: batch after
-        batch, each would fault its memory in again. The CPU sessions run without an arena
-        (see session_options and set_malloc_for_inference); CUDA sessions keep theirs
-        (their IO-bound buffers and captured graphs point into them)."""
+        """glibc malloc_trim. The CPU sessions run without an arena (see session_options and
+        set_malloc_for_inference); CUDA sessions keep theirs (their IO-bound buffers and
+        captured graphs point into them)."""
         trim_heap()
 
     def padded_shape(self, batch: int, longest: int) -> Shape:
