@@ -314,8 +314,7 @@ class BatchLoop:
             self.queue.drop(job, "failed", RequestError(reason))
 
     def _hand_out(self, ran: Ran) -> None:
-        """Each sequence its row, trimmed to its length (rows past them were padding);
-        a request gets the outputs it asked for, whatever else its batch brought back."""
+        """Each sequence its row of the outputs its request asked for, trimmed to its length."""
         out = ran.output
         jobs = {w.job: None for w in ran.items}
         for row, w in enumerate(ran.items):

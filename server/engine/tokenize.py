@@ -20,10 +20,8 @@ ids, and tokens and offsets when asked for) stays held until the call ends.
 
 A reranker's (query, text) pairs (`encode_pairs`) are laid out as the tokenizer's
 post-processor lays out a pair ([CLS] query [SEP] text [SEP], <s> query </s></s> text
-</s>), the query and texts tokenized without special tokens, a prefix at a time: a pair
-that does not fit is refused naming its text, or with `truncate` its text is cut to fit,
-never the query, which must leave room for at least one token of text. Chunking needs a
-text whole, never truncated, with each token's place in it (`encode_whole`): it is
+</s>), the query and texts tokenized without special tokens, a prefix at a time. Chunking
+needs a text whole, never truncated, with each token's place in it (`encode_whole`): it is
 tokenized a piece at a time, each piece ending at a cut point, its offsets in code
 points, each token's start past the space that byte-level and metaspace tokens carry
 before their word (Ġword, ▁word).

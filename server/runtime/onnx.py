@@ -5,6 +5,7 @@ sessions (each running one batch at a time on its own inference thread), shape b
 shape bucket over fixed input and output buffers (IO binding).
 """
 
+import itertools
 import logging
 import os
 import threading
@@ -297,7 +298,7 @@ class OrtBackend:
         # The Dense layers are a few matmuls on [n, hidden] vectors: the CPU, one thread.
         self.dense = (None if not manifest.dense_graph else self._load(
             artifact.path(manifest.dense_graph), session_options(1, CPU), [CPU]))
-        self._local, self._bind_lock, self._bound = threading.local(), threading.Lock(), 0
+        self._local, self._bound = threading.local(), itertools.count()
         log.info("event=provider model=%s provider=%s precision=%s threads=%d sessions=%d shape_buckets=%s "
                  "cuda_graphs=%s reason=%r graphs=%s,%s", manifest.model_name, provider, self.precision,
                  self.threads, self.concurrency, "off" if self.buckets is None else
@@ -373,10 +374,8 @@ class OrtBackend:
     def bind_thread(self, beside: bool = False) -> None:
         if beside:
             self._local.lane, self._local.beside = self.lanes[0], True
-            return
-        with self._bind_lock:
-            self._local.lane = self.lanes[self._bound % len(self.lanes)]
-            self._bound += 1
+        else:  # next() of a count is atomic (a C call under the GIL): the lanes in turn
+            self._local.lane = self.lanes[next(self._bound) % len(self.lanes)]
 
     def _lane(self) -> Lane:
         # A thread that is not an inference thread (a test, a tool) uses the first lane;
