@@ -144,12 +144,6 @@ class BatchLoop:
 
     # --- forming ---------------------------------------------------------------------
 
-    def _need(self, batch: list[Waiting], layers: int) -> float:
-        # Responses are not in it: the memory ledger holds them from admission until
-        # sent (server/memory/ledger.py), and `room()` is the budget less what it holds.
-        shape = self.backend.padded_shape(len(batch), batch[-1].length)
-        return self.memory.batch_bytes(*shape, layers)
-
     def _fits(self, batch: list[Waiting], layers: int, cut_s: float | None) -> bool:
         count, longest = len(batch), batch[-1].length
         real = sum(w.length for w in batch)
@@ -166,7 +160,9 @@ class BatchLoop:
             predicted = self.times.predict(rows, seq, layers)
             if predicted is None or predicted > cut_s:
                 return False
-        return self._need(batch, layers) <= self.memory.room()
+        # Responses are not in a batch's bytes: the memory ledger holds them from admission
+        # until sent (server/memory/ledger.py), and `room()` is the budget less what it holds.
+        return self.memory.batch_bytes(rows, seq, layers) <= self.memory.room()
 
     def next_batch(self, oldest: Waiting) -> list[Waiting]:
         """The sequence the batch grows from (RequestQueue.first) and its nearest
@@ -198,13 +194,13 @@ class BatchLoop:
         (it waits for them instead of running smaller)."""
         items = self.next_batch(oldest)
         layers = oldest.job.layers
-        need = self._need(items, len(layers))
+        shape = self.backend.padded_shape(len(items), items[-1].length)
+        need = self.memory.batch_bytes(*shape, len(layers))
         held = sum(b.holds for b in self._live()) + self.memory.others_in_flight()
         if held and held + need > self.memory.room():
             self.metrics.memory_waits.labels(self.model).inc()
             return None
         self.queue.take(items)
-        shape = self.backend.padded_shape(len(items), items[-1].length)
         jobs = {w.job for w in items}
         outputs = frozenset().union(*(job.outputs for job in jobs))
         if any(job.spans is not None for job in jobs):
