@@ -74,11 +74,8 @@ def keep(model: ServedModel, results: list[SequenceResult], ids: list[np.ndarray
     head = model.manifest.multi_vector
     skipped = side.skiplist_ids if side is not None else []
     for result, sequence in zip(results, ids, strict=True):
-        vectors = result.pooled[MULTI_VECTOR_OUTPUT]
-        kept = np.arange(sequence.size) >= head.skip_leading
-        if skipped:
-            kept &= ~np.isin(sequence, skipped)
-        result.pooled[MULTI_VECTOR_OUTPUT] = vectors[kept]
+        kept = (np.arange(sequence.size) >= head.skip_leading) & ~np.isin(sequence, skipped)
+        result.pooled[MULTI_VECTOR_OUTPUT] = result.pooled[MULTI_VECTOR_OUTPUT][kept]
 
 
 def maxsim(query: np.ndarray, texts: list[np.ndarray], mean: bool) -> np.ndarray:

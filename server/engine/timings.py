@@ -22,8 +22,6 @@ STAGES = ("tokenize", "queue", "inference", "respond")
 MAX_SPANS = 64
 MAX_BATCH_SPANS = MAX_SPANS // 2
 
-Attributes = dict[str, int | str | list[int]]
-
 
 @dataclass(frozen=True)
 class Span:
@@ -32,7 +30,7 @@ class Span:
     stage: str
     start: float
     end: float
-    attributes: Attributes = field(default_factory=dict)
+    attributes: dict[str, int | str | list[int]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
