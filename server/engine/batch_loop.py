@@ -55,8 +55,7 @@ MEASURE_ALL_FROM_BYTES = 16 << 20
 SMALL_MEASURE_EVERY = 16
 
 
-def pad(items: list[Waiting], shape: Shape,
-        pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def pad(items: list[Waiting], shape: Shape, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(input_ids, attention_mask, token_type_ids) of `shape`, one sequence a row from the
     left, its first `attended` (Submission.attended) tokens unmasked, token type 1 from its
     second segment to its end (no token types when no sequence has a second segment); rows
@@ -134,7 +133,6 @@ class BatchLoop:
         self.trim_pending = False
         self.small_batches: dict[tuple[str, bool], itertools.count] = {}
         self.idle_trim: asyncio.TimerHandle | None = None
-        self.task: asyncio.Task | None = None
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()

@@ -97,8 +97,7 @@ class TextPlan:
         return [np.column_stack((bounds[chunks], bounds[chunks + 1])) - start + head
                 for (start, _), chunks in zip(self.windows.tolist(), self.pooled_from, strict=True)]
 
-    def vectors(self, results: list[SequenceResult], pooled: str, normalize: bool,
-                size: int) -> np.ndarray:
+    def vectors(self, results: list[SequenceResult], pooled: str, normalize: bool, size: int) -> np.ndarray:
         """float32 [chunks, size] in text order, from this plan's results; `pooled`: the
         graph output ISOLATED chunks come with."""
         if not results:
@@ -130,8 +129,7 @@ async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Promp
     # A text may have no tokens, and so no chunks.
     model.scheduler.admit(0, at_least=True)
     request.size.check(np.zeros(len(texts), dtype=np.int64), at_least=True)
-    with model.metrics.stage_duration.labels(model.name, "tokenize").time(), \
-            timings.stage("tokenize"):
+    with model.metrics.stage_duration.labels(model.name, "tokenize").time(), timings.stage("tokenize"):
         plans = await model.offload.request(
             cost(texts, TEXT_S, TEXT_CHAR_S + CUT_CHAR_S), _plan_chunks, model, texts, chunking,
             width, overlap, names, request.size, holds)

@@ -25,8 +25,7 @@ from attnserve.server.errors import InvalidArgument, quote
 from attnserve.server.memory.ledger import Holds
 
 
-async def embed(model: ServedModel, request: EmbedRequest, holds: Holds,
-                deadline: float | None) -> Embedded:
+async def embed(model: ServedModel, request: EmbedRequest, holds: Holds, deadline: float | None) -> Embedded:
     model.require("embedding", EMBEDDER)
     names = request.names
     count = len(request.texts) or len(request.token_ids)
@@ -113,8 +112,7 @@ def _read_ids(model: ServedModel, token_ids: Sequence[Sequence[int]], truncate: 
     return sequences, lengths_of(sequences)
 
 
-def _vocabulary_ids(model: ServedModel, entry: Sequence[int], index: int,
-                    names: Fields) -> np.ndarray:
+def _vocabulary_ids(model: ServedModel, entry: Sequence[int], index: int, names: Fields) -> np.ndarray:
     """Sequence `index`'s ids as int64, refused (naming the first) where one lies outside the vocabulary."""
     vocab = model.manifest.vocab_size
     try:

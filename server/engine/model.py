@@ -101,8 +101,7 @@ class ServedModel:
     async def pack(self, seconds: float, build: Callable[..., T], *args) -> T:
         """`build(*args)`: a door's response built from a result, inline when it costs
         less than offload.INLINE_S, else on the responses pool."""
-        with self.metrics.stage_duration.labels(self.name, "respond").time(), \
-                timings.stage("respond"):
+        with self.metrics.stage_duration.labels(self.name, "respond").time(), timings.stage("respond"):
             return await self.offload.response(seconds, build, *args)
 
     def prompt(self, name: str | None, texts: bool = True) -> Prompt | None:
@@ -135,8 +134,7 @@ class ServedModel:
         """The texts' token ids (TextTokenizer.encode), off the event loop when they are
         many or long; a text too long is refused naming its field, `field_of(index)`."""
         try:
-            with self.metrics.stage_duration.labels(self.name, "tokenize").time(), \
-                    timings.stage("tokenize"):
+            with self.metrics.stage_duration.labels(self.name, "tokenize").time(), timings.stage("tokenize"):
                 return await self.offload.request(
                     cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
                     holds, details, prompt, left, special_tokens)

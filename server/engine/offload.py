@@ -63,8 +63,7 @@ for 87,381 on the same Xeon)"""
 EVERY_THREAD_TIMEOUT_S = 600.0
 
 
-def cost(items: Sized, per_item_s: float, per_unit_s: float,
-         units: Callable[[object], int] = len) -> float:
+def cost(items: Sized, per_item_s: float, per_unit_s: float, units: Callable[[object], int] = len) -> float:
     """The time of work over `items`, at `per_item_s` each and `per_unit_s` per unit of
     each (`units(item)`); the units of more items than could run inline are not counted,
     so that estimating stays cheap whatever the request's size."""

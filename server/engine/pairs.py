@@ -82,8 +82,7 @@ def _pairs(model: ServedModel, request: RerankRequest, shown: int, left: bool,
     return ids, segments, size
 
 
-async def score(model: ServedModel, request: ScoreRequest, holds: Holds,
-                deadline: float | None) -> Scored:
+async def score(model: ServedModel, request: ScoreRequest, holds: Holds, deadline: float | None) -> Scored:
     """The query and each text embedded (pooled vectors for COSINE, every token's for
     MAXSIM, which never leave the server), each text scored against the query."""
     model.require("scoring", EMBEDDER)

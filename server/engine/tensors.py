@@ -24,7 +24,7 @@ VALUES_SLICE = 1 << 16
 
 
 async def run(model: ServedModel, request: TensorRequest, holds: Holds,
-                      deadline: float | None) -> list[tuple[str, np.ndarray]]:
+              deadline: float | None) -> list[tuple[str, np.ndarray]]:
     """The outputs asked for, (name, float32 array) in the order asked for."""
     model.check_serving()
     batch, seq = _input_shape(model, request.inputs)

@@ -47,8 +47,7 @@ class CallTimes:
     batches: int = 0
     """inference spans kept"""
 
-    def add(self, stage: str, start: float, end: float, counted: bool = True,
-            **attributes) -> None:
+    def add(self, stage: str, start: float, end: float, counted: bool = True, **attributes) -> None:
         """A step of `stage` from `start` to `end`; `counted`: its time counts in `seconds` (a batch's does
         not: the job's span from its first batch to its last does, once)."""
         if counted:
