@@ -77,8 +77,7 @@ def inference_pool(model: str, threads: int = 1,
                    bind_inference_thread: Callable[[], None] | None = None) -> ThreadPoolExecutor:
     """One model's batches, one per thread at a time, as many threads as its backend runs
     batches at once (`Backend.concurrency`: 1 on the CPU, where onnxruntime already spreads
-    a batch over the cores and a second thread would only fight it for them);
-    `bind_inference_thread` runs once in each thread as it starts."""
+    a batch over the cores and a second thread would only fight it for them)."""
     return ThreadPoolExecutor(threads, thread_name_prefix=f"inference-{model}",
                               initializer=bind_inference_thread)
 

@@ -82,8 +82,7 @@ class DataPlane:
     # reader can take longer than any fixed grace, and the ports' close would cut it off.
 
     def answer_owed(self, holds: Holds) -> None:
-        """The call of `holds` has taken a request; its answer is owed until `answer_sent`
-        (or `end_call`)."""
+        """The call of `holds` has taken a request; its answer is owed until `answer_sent` (or `end_call`)."""
         self.owed.add(holds)
         self.none_owed.clear()
 

@@ -116,8 +116,7 @@ def place(manifest: Manifest, device: str, precision: str) -> Placement:
 
 def session_options(threads: int, provider: str, precision: str = "fp32",
                     spinning: bool = True) -> ort.SessionOptions:
-    """The server's options for a session of `provider` running a graph of `precision`;
-    `spinning`: its intra-op threads may spin while they wait for work."""
+    """`spinning`: its intra-op threads may spin while they wait for work."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
