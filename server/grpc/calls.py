@@ -119,33 +119,16 @@ def answered(method):
     return call
 
 
-class Undecodable(NamedTuple):
-    """What a request that does not parse is handed on as, so the method can refuse it."""
-
-    error: Exception
-
-
 class Received(NamedTuple):
-    """A request as gRPC hands it to the method, with its size on the wire."""
+    """A request as gRPC hands it to the method, with its size on the wire: parsed; or, too
+    big to parse on the event loop, as it came (`data`: parsed on a thread, in slices,
+    server/grpc/wire.py, once its memory is held); or the error it did not parse with
+    (`error`), so the method can refuse it."""
 
-    message: object
-    """the parsed request, or Undecoded, or Undecodable"""
+    message: Message | None
     nbytes: int
-
-
-class Undecoded(NamedTuple):
-    """A request too big to parse on the event loop, as it came: parsed on a thread, in
-    slices (server/grpc/wire.py), once its memory is held."""
-
-    data: bytes
-
-    def decode(self, cls: type[Message], max_entries: int) -> Message | Undecodable:
-        try:
-            return decode_in_slices(cls, self.data, max_entries)
-        except (TooManyEntries, NestedTooLarge) as err:
-            raise ResourceExhausted(f"request: {err}; send fewer or smaller entries per request") from err
-        except (DecodeError, ValueError) as err:
-            return Undecodable(err)
+    data: bytes | None = None
+    error: Exception | None = None
 
 
 _holds: ContextVar[Holds | None] = ContextVar("attnserve_call_holds", default=None)
@@ -201,11 +184,11 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         def deserialize(data: bytes) -> Received:
             if sliceable and len(data) > INLINE_BYTES:
-                return Received(Undecoded(data), len(data))
+                return Received(None, len(data), data=data)
             try:
                 return Received(parse(data), len(data))
             except (DecodeError, ValueError) as err:
-                return Received(Undecodable(err), len(data))
+                return Received(None, len(data), error=err)
 
         async def refuse(err: RequestError, context) -> None:
             self.metrics.answered(rpc, err.code.name, 0.0)
@@ -214,18 +197,22 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
 
         async def decoded(received: Received, context, holds: Holds):
             """The request parsed, or the call refused; returns (request, bytes held)."""
-            request, held = received.message, 0
+            request, error, held = received.message, received.error, 0
             try:
                 held = self.plane.hold_request(holds, received.nbytes)
-                if isinstance(request, Undecoded):
+                if received.data is not None:
                     request = await asyncio.get_running_loop().run_in_executor(
-                        self.pool, request.decode, message_class, self.max_entries)
+                        self.pool, decode_in_slices, message_class, received.data, self.max_entries)
+            except (TooManyEntries, NestedTooLarge) as err:
+                await refuse(ResourceExhausted(f"request: {err}; send fewer or smaller entries per request"),
+                             context)
+            except (DecodeError, ValueError) as err:
+                error = err
             except RequestError as err:
                 await refuse(err, context)
-            if isinstance(request, Undecodable):
-                err = request.error
+            if error is not None:
                 await refuse(InvalidArgument("request", f"not a valid {rpc} message "
-                                             f"({err.__class__.__name__}: {err})"), context)
+                                             f"({error.__class__.__name__}: {error})"), context)
             return request, held
 
         async def checked(requests, context, holds: Holds):

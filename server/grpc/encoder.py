@@ -28,17 +28,13 @@ from attnserve.server.engine.quantize import EmbeddingType, ranges_of
 from attnserve.server.engine.requests import (
     Chunking,
     ChunkingMode,
-    Classified,
     ClassifyRequest,
     EmbedRequest,
     Fields,
-    Reranked,
     RerankRequest,
     ResponseSize,
-    Scored,
     ScoreMode,
     ScoreRequest,
-    SparseEmbedded,
     SparseRequest,
     TokenizeRequest,
     TruncationDirection,
@@ -302,26 +298,68 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
     @answered
     async def Rerank(self, request, context):
         model = self.plane.model(request.model, kind=RERANKER)
-        reranked = await pairs.rerank(model, _rerank_request(request, model.name, self.max_message_bytes),
-                                      call_holds(), deadline_of(context))
-        return await model.pack(len(reranked.order) * RESULT_S + reranked.response_bytes * COPY_BYTE_S,
-                                _rerank_response, reranked, request, model.name)
+        texts = request.texts
+
+        def measure(indexes: np.ndarray) -> int:
+            total = head_bytes(model.name) + len(indexes) * field_bytes(RESULT_BYTES)
+            if request.return_texts:
+                total += UTF8_MAX * sum(len(texts[i]) for i in indexes.tolist())
+            return total
+
+        reranked = await pairs.rerank(model, RerankRequest(
+            TEXTS, ResponseSize(measure, self.max_message_bytes, RERANK_ADVICE), request.query, texts,
+            request.top_n if request.HasField("top_n") else None, request.raw_scores, request.truncate),
+            call_holds(), deadline_of(context))
+
+        def answer() -> pb.RerankResponse:
+            response = pb.RerankResponse(model=model.name, total_tokens=reranked.total_tokens)
+            for index, score in zip(reranked.order.tolist(), reranked.scores.tolist(), strict=True):
+                response.results.append(pb.RerankResult(
+                    index=index, score=score, text=texts[index] if request.return_texts else ""))
+            return response
+
+        seconds = len(reranked.order) * RESULT_S + reranked.response_bytes * COPY_BYTE_S
+        return await model.pack(seconds, answer)
 
     @answered
     async def Score(self, request, context):
         model = self.plane.model(request.model, kind=EMBEDDER)
-        scored = await pairs.score(model, _score_request(request, model.name, self.max_message_bytes),
-                                   call_holds(), deadline_of(context))
-        return await model.pack(len(scored.scores) * RESULT_S, _score_response, scored, model.name)
+        if request.mode not in SCORE_MODES:
+            what = (pb.ScoreMode.Name(request.mode) if request.mode in pb.ScoreMode.values()
+                    else f"unknown value {request.mode}")
+            raise InvalidArgument("mode", f"{what}; name one: SCORE_MODE_COSINE or SCORE_MODE_MAXSIM")
+        size = ResponseSize(lambda lengths: head_bytes(model.name) + field_bytes(4 * len(lengths)),
+                            self.max_message_bytes, "send fewer texts")
+        scored = await pairs.score(model, ScoreRequest(
+            TEXTS, size, request.query, request.texts, SCORE_MODES[request.mode], request.truncate),
+            call_holds(), deadline_of(context))
+        return await model.pack(len(scored.scores) * RESULT_S, lambda: pb.ScoreResponse(
+            scores=scored.scores.tolist(), model=model.name, total_tokens=scored.total_tokens))
 
     @answered
     async def Classify(self, request, context):
         model = self.plane.model(request.model, kind=CLASSIFIER)
-        classified = await classify.classify(model, _classify_request(request, model, self.max_message_bytes),
-                                             call_holds(), deadline_of(context))
+        inputs = request.inputs
         top_k = request.top_k if request.HasField("top_k") else None
-        return await model.pack(classified.scores.size * RESULT_S, _classify_response, classified, top_k,
-                                model)
+        # Every label's name at its longest, as each input's answer may carry them all.
+        per_input = field_bytes(sum(LABEL_BYTES + UTF8_MAX * len(label) for label in model.manifest.labels))
+        head = head_bytes(model.name)
+        classified = await classify.classify(model, ClassifyRequest(
+            CLASSIFY, ResponseSize(lambda counts: head + len(counts) * per_input, self.max_message_bytes,
+                                   CLASSIFY_ADVICE),
+            [i.text for i in inputs], [i.text_pair if i.HasField("text_pair") else None for i in inputs],
+            "none" if request.raw_scores else None, request.truncate, direction(request.truncation_direction),
+            top_k), call_holds(), deadline_of(context))
+
+        def answer() -> pb.ClassifyResponse:
+            labels = model.manifest.labels
+            response = pb.ClassifyResponse(model=model.name, total_tokens=classified.total_tokens)
+            for index in range(len(classified.scores)):
+                response.classifications.add(scores=[pb.LabelScore(id=label, label=labels[label], score=score)
+                                                     for label, score in classified.ranked(index, top_k)])
+            return response
+
+        return await model.pack(classified.scores.size * RESULT_S, answer)
 
     @answered
     async def EmbedSparse(self, request, context):
@@ -333,7 +371,10 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
             TEXTS, size, request.texts, request.truncate, direction(request.truncation_direction),
             request.prompt_name, request.top_k if request.HasField("top_k") else None),
             call_holds(), deadline_of(context))
-        return await model.pack(embedded.response_bytes * COPY_BYTE_S, _sparse_response, embedded, model.name)
+        return await model.pack(embedded.response_bytes * COPY_BYTE_S, lambda: pb.EmbedSparseResponse(
+            vectors=[pb.SparseVector(indices=i.tolist(), values=v.tolist())
+                     for i, v in zip(embedded.indices, embedded.values, strict=True)],
+            model=model.name, total_tokens=embedded.total_tokens))
 
 
 def _info(model: ServedModel) -> pb.GetModelInfoResponse:
@@ -345,70 +386,3 @@ def _info(model: ServedModel) -> pb.GetModelInfoResponse:
         default_pooling=POOLING_NAMES[info.default_pooling], execution_provider=info.provider,
         labels={str(i): label for i, label in enumerate(info.labels)},
         default_prompt_name=info.default_prompt_name or ""))
-
-
-def _classify_request(request: pb.ClassifyRequest, model: ServedModel, limit: int) -> ClassifyRequest:
-    inputs = request.inputs
-    # Every label's name at its longest, as each input's answer may carry them all.
-    per_input = field_bytes(sum(LABEL_BYTES + UTF8_MAX * len(label) for label in model.manifest.labels))
-    head = head_bytes(model.name)
-    size = ResponseSize(lambda counts: head + len(counts) * per_input, limit, CLASSIFY_ADVICE)
-    return ClassifyRequest(CLASSIFY, size, [i.text for i in inputs],
-                           [i.text_pair if i.HasField("text_pair") else None for i in inputs],
-                           "none" if request.raw_scores else None, request.truncate,
-                           direction(request.truncation_direction),
-                           request.top_k if request.HasField("top_k") else None)
-
-
-def _classify_response(classified: Classified, top_k: int | None, model: ServedModel) -> pb.ClassifyResponse:
-    labels = model.manifest.labels
-    response = pb.ClassifyResponse(model=model.name, total_tokens=classified.total_tokens)
-    for index in range(len(classified.scores)):
-        response.classifications.add(scores=[
-            pb.LabelScore(id=label, label=labels[label], score=score)
-            for label, score in classified.ranked(index, top_k)])
-    return response
-
-
-def _sparse_response(embedded: SparseEmbedded, model: str) -> pb.EmbedSparseResponse:
-    return pb.EmbedSparseResponse(vectors=[pb.SparseVector(indices=i.tolist(), values=v.tolist()) for i, v
-                                           in zip(embedded.indices, embedded.values, strict=True)],
-                                  model=model, total_tokens=embedded.total_tokens)
-
-
-def _rerank_request(request: pb.RerankRequest, model: str, limit: int) -> RerankRequest:
-    texts = request.texts
-
-    def measure(indexes: np.ndarray) -> int:
-        total = head_bytes(model) + len(indexes) * field_bytes(RESULT_BYTES)
-        if request.return_texts:
-            total += UTF8_MAX * sum(len(texts[i]) for i in indexes.tolist())
-        return total
-
-    return RerankRequest(TEXTS, ResponseSize(measure, limit, RERANK_ADVICE), request.query, texts,
-                         request.top_n if request.HasField("top_n") else None,
-                         request.raw_scores, request.truncate)
-
-
-def _rerank_response(reranked: Reranked, request: pb.RerankRequest, model: str) -> pb.RerankResponse:
-    response = pb.RerankResponse(model=model, total_tokens=reranked.total_tokens)
-    texts = request.texts
-    for index, score in zip(reranked.order.tolist(), reranked.scores.tolist(), strict=True):
-        response.results.append(pb.RerankResult(
-            index=index, score=score, text=texts[index] if request.return_texts else ""))
-    return response
-
-
-def _score_request(request: pb.ScoreRequest, model: str, limit: int) -> ScoreRequest:
-    if request.mode not in SCORE_MODES:
-        what = (pb.ScoreMode.Name(request.mode) if request.mode in pb.ScoreMode.values()
-                else f"unknown value {request.mode}")
-        raise InvalidArgument("mode", f"{what}; name one: SCORE_MODE_COSINE or SCORE_MODE_MAXSIM")
-    size = ResponseSize(lambda lengths: head_bytes(model) + field_bytes(4 * len(lengths)), limit,
-                        "send fewer texts")
-    return ScoreRequest(TEXTS, size, request.query, request.texts, SCORE_MODES[request.mode],
-                        request.truncate)
-
-
-def _score_response(scored: Scored, model: str) -> pb.ScoreResponse:
-    return pb.ScoreResponse(scores=scored.scores.tolist(), model=model, total_tokens=scored.total_tokens)

@@ -158,15 +158,11 @@ PRIORITY_HEADER = {"name": HEADER, "in": "header", "required": False,
                                   "work; an API key that carries a class overrides it"}
 
 
-def _parameters(path: str) -> list[dict]:
-    names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
-    return [{"name": name, "in": "path", "required": True, "schema": {
-        "type": "string", **({"enum": list(FILES)} if name == "file" else {})}} for name in names]
-
-
 def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
     operation = {"summary": route.summary, "tags": [route.protocol.tag]}
-    parameters = _parameters(route.path)
+    names = [part[1:-1] for part in route.path.split("/") if part.startswith("{")]
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {
+        "type": "string", **({"enum": list(FILES)} if name == "file" else {})}} for name in names]
     if route.body is not None:
         content = {"application/json": {"schema": schema[route.body]}}
         if route.path in EXAMPLES:

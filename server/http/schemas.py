@@ -478,9 +478,7 @@ _PATH = re.compile(r" - at `\$(.*)`$")
 _NAMED = re.compile(r"`([^`]*)`")
 
 
-@functools.cache
-def _decoder(schema: type) -> msgspec.json.Decoder:
-    return msgspec.json.Decoder(schema)
+_decoder = functools.cache(msgspec.json.Decoder)
 
 
 def decode(body: bytes, schema: type[T]) -> T:
