@@ -77,7 +77,6 @@ async def abort(context: grpc.aio.ServicerContext, err: RequestError) -> None:
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
-    """The caller's deadline on the monotonic clock, or None."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
 

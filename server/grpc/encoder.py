@@ -272,19 +272,17 @@ class EncoderService(pb_grpc.EncoderServiceServicer):
         encoded = await embed.tokenize(model, TokenizeRequest(
             TEXTS, request.texts, request.truncate, direction(request.truncation_direction),
             request.prompt_name), holds)
-        tokens = sum(len(e.ids) for e in encoded)
-        return await model.pack(count * RESULT_S + tokens * TOKEN_S, self._tokenize_response, model,
-                                encoded, holds)
 
-    def _tokenize_response(self, model: ServedModel, encoded: list[Encoded],
-                           holds: Holds) -> pb.TokenizeResponse:
-        response = pb.TokenizeResponse(model=model.name)
-        for e in encoded:  # one at a time, as Embed's
-            response.tokenizations.append(_tokenization(e))
-        size = response.ByteSize()
-        ResponseSize(lambda _: size, self.max_message_bytes, TOKENIZE_ADVICE).check(None)
-        model.hold_response(holds, size)
-        return response
+        def answer() -> pb.TokenizeResponse:
+            response = pb.TokenizeResponse(model=model.name)
+            for e in encoded:  # one at a time, as Embed's
+                response.tokenizations.append(_tokenization(e))
+            size = response.ByteSize()
+            ResponseSize(lambda _: size, self.max_message_bytes, TOKENIZE_ADVICE).check(None)
+            model.hold_response(holds, size)
+            return response
+
+        return await model.pack(count * RESULT_S + sum(len(e.ids) for e in encoded) * TOKEN_S, answer)
 
     @answered
     async def GetModelInfo(self, request, context):

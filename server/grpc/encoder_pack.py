@@ -190,7 +190,6 @@ def head_bytes(model: str, tokens: int = INT64_MAX) -> int:
 
 def embed_response_bytes(plan: EmbedPlan, lengths: np.ndarray, manifest: Manifest,
                          model: str) -> int:
-    """The EmbedResponse of `model` for sequences of `lengths` tokens, in bytes."""
     counts = np.bincount(np.asarray(lengths, dtype=np.int64))
     return head_bytes(model, int(lengths.sum())) + sum(
         int(counts[length]) * field_bytes(embedding_bytes(length, plan, manifest))
@@ -205,7 +204,6 @@ UINT32_FIELD_BYTES = 1 + 5
 
 def chunked_response_bytes(plan: EmbedPlan, counts: np.ndarray, manifest: Manifest,
                            model: str) -> int:
-    """The EmbedResponse of `model` for chunked texts of `counts` chunks each, in bytes."""
     vector = field_bytes(plan.pooled_bytes(manifest.embedding_size))
     chunk = field_bytes(CHUNK_FIELDS_BYTES + vector)
     values, repeats = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)

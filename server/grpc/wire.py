@@ -135,7 +135,6 @@ def decode_in_slices(cls: type[Message], data: bytes, max_entries: int) -> Messa
 
 
 def varint_bytes(value: int) -> int:
-    """The bytes of `value` as a protobuf varint."""
     return max(1, (int(value).bit_length() + 6) // 7)
 
 

@@ -35,12 +35,6 @@ class MalformedBody(HttpProcessingError):
     """What reading a body whose framing broke raises: the parser's reason."""
 
 
-def reason_of(err: HttpProcessingError) -> str:
-    """The parser's reason alone: the first line of its message, without the bytes it
-    quotes after it."""
-    return str(err.message).split("\n", 1)[0].rstrip(" :")[:REASON_CHARS] or type(err).__name__
-
-
 class FramedParser:
     """One connection's request parser, remembering the request whose body it is reading
     and handing an error inside that body to `broken(message, body, error)` instead of
@@ -89,7 +83,8 @@ class FramedHandler(web.RequestHandler):
         super().data_received(data)
 
     def _body_broken(self, message: RawRequestMessage, body: StreamReader, err: HttpProcessingError) -> None:
-        reason = reason_of(err)
+        # The parser's reason alone: its message's first line, without the bytes it quotes.
+        reason = str(err.message).split("\n", 1)[0].rstrip(" :")[:REASON_CHARS] or type(err).__name__
         log.info("event=malformed_request method=%s path=%r error=%r", message.method[:16],
                  message.path[:64], reason)
         # End of file first: a read waiting for more bytes wakes without an error, which is

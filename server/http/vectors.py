@@ -32,7 +32,6 @@ class VectorFormat:
 
     @classmethod
     def of(cls, body: Embeddings) -> "VectorFormat":
-        """From a request body's encoding_format, embedding_dtype and embedding_types."""
         base64, float16 = body.encoding_format == "base64", body.embedding_dtype == "float16"
         if float16 and not base64:
             raise InvalidArgument("embedding_dtype", "float16 travels as base64 only: set "
