@@ -110,8 +110,7 @@ async def answer(metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext,
 
 
 def answered(method):
-    """A servicer method run by `answer` as its rpc, under the priority class its request
-    names (where it has a `priority` field)."""
+    """A servicer method run by `answer`, under its request's `priority` class if it has one."""
     async def call(self, request, context):
         return await answer(self.metrics, method.__name__, context, lambda: method(self, request, context),
                             getattr(request, "priority", ""))
@@ -248,7 +247,6 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                     release = self.keys.admit(key, named, HEADER)
                 except RequestError as err:
                     await refuse(err, context)
-                    raise
                 yield
                 answered = True
             finally:

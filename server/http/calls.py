@@ -120,8 +120,7 @@ class HttpCalls:
 
     @staticmethod
     async def call_headers(request: web.Request, response: web.StreamResponse) -> None:
-        """As every answer's headers are sent (aiohttp's on_response_prepare): the call's
-        X-Request-Id and timings."""
+        """on_response_prepare: every answer's X-Request-Id and the call's timings."""
         call = request.get(_CALL)
         if call is not None:
             response.headers.update(call.metadata())

@@ -72,16 +72,14 @@ def _open(request: web.Request) -> bool:
 
 
 def api_app(calls: HttpCalls, doors: list[Door], cors: Cors, document: bytes) -> web.Application:
-    """The port's routes: health, the API's description and its page, and each door's,
-    whose refusals outside a route (401, 405) come in the door's shape; outside every
-    door's routes, OpenAI's under /v1/, else {"error": ...}."""
+    """The port's routes: health, the API's description and its page, and each door's, API
+    keys checked before any; refusals outside a route (401, 404, 405) in the door's shape,
+    outside every door's routes OpenAI's under /v1/, else {"error": ...}."""
     routes = [(door, route) for door in doors for route in door.routes()]
     shapes = {route.path: door.refusal for door, route in routes}
 
     @web.middleware
     async def front(request: web.Request, handler: Callable[[web.Request], Awaitable]):
-        """API keys before any route; unmatched routes and methods in the protocol's error
-        shape."""
         render = shapes.get(request.path) or (
             OpenAIDoor.refusal if request.path.startswith("/v1/") else Door.refusal)
         try:

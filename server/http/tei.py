@@ -104,8 +104,7 @@ async def _arrays(model: ServedModel, seconds: float, arrays: list[np.ndarray]) 
 
 class TeiDoor(Door):
     def __init__(self, *args, limits: dict[str, int]):
-        """`limits`: /info's max_concurrent_requests, max_batch_tokens, max_batch_requests
-        and max_client_batch_size."""
+        """`limits`: /info's server limits, by their TEI names."""
         super().__init__(*args)
         self.limits = limits
 
