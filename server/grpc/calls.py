@@ -37,7 +37,7 @@ from attnserve.server.errors import (
     Unauthenticated,
 )
 from attnserve.server.grpc.wire import INLINE_BYTES, NestedTooLarge, TooManyEntries, decode_in_slices
-from attnserve.server.keys import ApiKey, ApiKeys
+from attnserve.server.keys import ApiKeys
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.metrics import Metrics
 from attnserve.server.priority import HEADER, asked
@@ -159,23 +159,19 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         self.metrics, self.plane, self.pool, self.max_entries, self.keys, self.tracing = (
             metrics, plane, pool, max_entries, keys, tracing)
 
-    def _authenticate(self, details) -> tuple[ApiKey | None, Unauthenticated | None]:
-        """The call's key (None when keys are off or the method is open), or its refusal."""
-        if not self.keys or details.method.startswith(OPEN_METHODS):
-            return None, None
-        given = next((value for key, value in details.invocation_metadata or ()
-                      if key == "authorization"), None)
-        try:
-            return self.keys.check(given if isinstance(given, str) else None), None
-        except Unauthenticated as err:
-            return None, err
-
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
         rpc = details.method.rsplit("/", 1)[-1]
-        key, refused = self._authenticate(details)
+        key = refused = None  # the call's key (none when keys are off or the method is open), or its refusal
+        if self.keys and not details.method.startswith(OPEN_METHODS):
+            given = next((value for name, value in details.invocation_metadata or ()
+                          if name == "authorization"), None)
+            try:
+                key = self.keys.check(given if isinstance(given, str) else None)
+            except Unauthenticated as err:
+                refused = err
         parse = handler.request_deserializer
         message_class = getattr(parse, "__self__", None)
         sliceable = isinstance(message_class, type) and issubclass(message_class, Message)

@@ -81,12 +81,6 @@ def json_entries(body: bytes, limit: int) -> int:
     return outside.count(b",") + outside.count(b"[") + outside.count(b"{")
 
 
-def _peer(request: web.Request) -> str | None:
-    """The connection a call came in on, for its share of the memory ledger."""
-    address = request.transport.get_extra_info("peername") if request.transport else None
-    return None if not address else f"http:{address[0]}:{address[1]}"
-
-
 class HttpCalls:
     def __init__(self, plane: DataPlane, metrics: Metrics, keys: ApiKeys, max_body_bytes: int,
                  body_timeout_s: float, max_entries: int, tracing: Tracing | None = None):
@@ -197,7 +191,8 @@ class HttpCalls:
         gone to the socket, so a client that stops reading holds it, inside the budget,
         and its connection's share of it, as a gRPC caller does."""
         record = CallRecord(self.metrics, rpc)
-        holds = self.plane.holds(_peer(request))
+        address = request.transport.get_extra_info("peername") if request.transport else None
+        holds = self.plane.holds(f"http:{address[0]}:{address[1]}" if address else None)
         self.plane.answer_owed(holds)
         stalled, release = False, None
         try:
