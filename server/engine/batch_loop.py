@@ -220,7 +220,7 @@ class BatchLoop:
             if (batch.priority is not first.job.priority and key < batch.key
                     and self.queue.put_back(batch.items)):
                 batch.holds = 0.0
-        self.memory.in_flight(sum(b.holds for b in self.in_flight))  # unchanged: no effect
+        self.memory.in_flight(sum(b.holds for b in self.in_flight))  # the same figure if none was put back
 
     # --- on the inference thread -------------------------------------------------------
 
