@@ -28,30 +28,18 @@ def metrics_app(metrics: Metrics) -> web.Application:
 class MetricsThread:
     def __init__(self, metrics: Metrics, host: str, port: int):
         self.listener = Listener(metrics_app(metrics))
-        self.host, self.requested, self.port = host, port, 0
+        self.host, self.port = host, port
         self.loop = asyncio.new_event_loop()
 
     def start(self) -> int:
-        started = threading.Event()
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            try:
-                self.port = self.loop.run_until_complete(self.listener.start(self.host, self.requested))
-            except BaseException as err:  # noqa: BLE001 - reported to the starting thread
-                failed.append(err)
-                return
-            finally:
-                started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, name="metrics", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="metrics", daemon=True)
         self.thread.start()
-        started.wait()
-        if failed:
-            raise failed[0]
-        return self.port
+        bound = asyncio.run_coroutine_threadsafe(self.listener.start(self.host, self.port), self.loop)
+        try:
+            return bound.result()
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.listener.stop(), self.loop).result(timeout=10)
