@@ -37,9 +37,11 @@ class MemoryBudget:
         self.ledger = Ledger(totals if totals is not None else
                              budget_bytes if responses_in_budget or host_bytes is None
                              else host_bytes)
-        self._reserved: dict[str, float] = {}
-        self._in_flight: dict[str, float] = {}
-        self._waiting: dict[str, Callable[[], None]] = {}
+        # By model (ModelMemory sets them): the peak its waiting requests need alone, what
+        # its batches in flight hold, what wakes its batch loop.
+        self.reserved: dict[str, float] = {}
+        self.in_flight: dict[str, float] = {}
+        self.waiting: dict[str, Callable[[], None]] = {}
 
     def room(self) -> float:
         """What the batches in flight, of every model, may take together now."""
@@ -47,31 +49,7 @@ class MemoryBudget:
 
     def in_flight_bytes(self, besides: str | None = None) -> float:
         """What every model's batches in flight hold (but those of `besides`)."""
-        return sum(held for model, held in self._in_flight.items() if model != besides)
-
-    def keep_free(self, model: str, peak: float) -> None:
-        """The largest peak a waiting request of `model` needs to run alone: the ledger
-        leaves the largest of every model's."""
-        self._reserved[model] = peak
-        if self.shared:
-            self.ledger.reserve = max(self._reserved.values())
-
-    def in_flight(self, model: str, held: float) -> None:
-        """What `model`'s batches in flight hold now: the ledger leaves every model's.
-        Less than before, the other models' batch loops are told (`on_freed`)."""
-        freed = held < self._in_flight.get(model, 0.0)
-        self._in_flight[model] = held
-        if self.shared:
-            self.ledger.batches = self.in_flight_bytes()
-        if freed:
-            for other, wake in self._waiting.items():
-                if other != model:
-                    wake()
-
-    def on_freed(self, model: str, wake: Callable[[], None]) -> None:
-        """Call `wake()` (on the event loop the batch loops run on) whenever another
-        model's batches in flight hold less."""
-        self._waiting[model] = wake
+        return sum(held for model, held in self.in_flight.items() if model != besides)
 
     def for_model(self, name: str, model: MemoryModel | MemoryModels, heads: int,
                   hidden: int) -> "ModelMemory":
@@ -103,13 +81,30 @@ class ModelMemory:
         return self.shared_budget.in_flight_bytes(besides=self.name)
 
     def keep_free(self, peak: float) -> None:
-        self.shared_budget.keep_free(self.name, peak)
+        """The largest peak a waiting request needs to run alone: the ledger leaves the
+        largest of every model's."""
+        budget = self.shared_budget
+        budget.reserved[self.name] = peak
+        if self.shared:
+            self.ledger.totals.reserve = max(budget.reserved.values())
 
     def in_flight(self, held: float) -> None:
-        self.shared_budget.in_flight(self.name, held)
+        """What the batches in flight hold now: the ledger leaves every model's. Less than
+        before, the other models' batch loops are woken (`on_freed`)."""
+        budget = self.shared_budget
+        freed = held < budget.in_flight.get(self.name, 0.0)
+        budget.in_flight[self.name] = held
+        if self.shared:
+            self.ledger.totals.batches = budget.in_flight_bytes()
+        if freed:
+            for other, wake in budget.waiting.items():
+                if other != self.name:
+                    wake()
 
     def on_freed(self, wake: Callable[[], None]) -> None:
-        self.shared_budget.on_freed(self.name, wake)
+        """Call `wake()` (on the event loop the batch loops run on) whenever another
+        model's batches in flight hold less."""
+        self.shared_budget.waiting[self.name] = wake
 
     def check(self, longest: int, field: str, layers: int, response_bytes: int) -> float:
         """Refuse a request that could not run even alone, whatever else is held; its

@@ -52,11 +52,6 @@ class Totals:
         return contextlib.nullcontext()
 
 
-def _of_totals(name: str) -> property:
-    return property(lambda ledger: getattr(ledger.totals, name),
-                    lambda ledger, value: setattr(ledger.totals, name, value))
-
-
 class Ledger:
     """Bytes held outside the batches, in total and per connection, under `limit`.
     Thread-safe: tokenizing takes and gives back memory from its own thread."""
@@ -68,8 +63,6 @@ class Ledger:
 
     limit = property(lambda self: self.totals.limit)
     held = property(lambda self: self.totals.held)
-    reserve = _of_totals("reserve")
-    batches = _of_totals("batches")
 
     def holds(self, connection: str | None = None) -> "Holds":
         """A call's holds; `connection` (its peer) is charged its share, None for none."""

@@ -165,7 +165,7 @@ def test_the_ledger_keeps_its_limit_a_connections_share_and_gives_everything_bac
         ledger.holds("c").take(101 * MIB, "too much")
     with pytest.raises(ResourceExhausted, match="retry with backoff"):
         ledger.holds("c").take(20 * MIB, "busy")
-    ledger.batches = 10 * MIB  # a batch in flight is kept free
+    ledger.totals.batches = 10 * MIB  # a batch in flight is kept free
     with pytest.raises(ResourceExhausted, match="10 MiB is kept for batches"):
         ledger.holds("c").take(14 * MIB, "beside a batch")
     first.release()
