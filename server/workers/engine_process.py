@@ -163,9 +163,8 @@ class EngineProcess:
 
 
 def main() -> int:
-    setup_logging()
     config = config_from_json(os.environ.pop(CONFIG_ENV))
-    logging.getLogger().setLevel(config.log_level.upper())
+    setup_logging(config.log_level)
     shared_fd, listen_fd = int(sys.argv[1]), int(sys.argv[2])
     shared = SharedState(shared_fd)
     signals.become_child(shared.fields.supervisor_pid)

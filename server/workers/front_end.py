@@ -230,9 +230,8 @@ def assignment(fd: int) -> int:
 
 
 def main() -> int:
-    setup_logging()
     config = config_from_json(os.environ.pop(CONFIG_ENV))
-    logging.getLogger().setLevel(config.log_level.upper())
+    setup_logging(config.log_level)
     shared_fd, index, address = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     shared = SharedState(shared_fd)
     signals.become_child(shared.fields.supervisor_pid)

@@ -71,8 +71,6 @@ class SharedState:
 
     @classmethod
     def create(cls, workers: int) -> "SharedState":
-        if not 1 <= workers <= MAX_WORKERS:
-            raise ValueError(f"--workers: at most {MAX_WORKERS}")
         fd = os.memfd_create("attnserve-shared", 0)  # no MFD_CLOEXEC: children inherit it
         os.ftruncate(fd, ctypes.sizeof(_Fields))
         state = cls(fd)

@@ -25,16 +25,12 @@ def starting_a_child():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _stopped_while_starting(signum, frame) -> None:
-    sys.exit(0)
-
-
 def become_child(supervisor_pid: int) -> None:
     """First thing in a child: ignore SIGINT and SIGTERM (one that came while it started is
     dropped), leave at once on STOP, and die with the supervisor, or now if it is gone."""
     for sig in GROUP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.signal(STOP, _stopped_while_starting)
+    signal.signal(STOP, lambda signum, frame: sys.exit(0))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {STOP, *GROUP_SIGNALS})
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

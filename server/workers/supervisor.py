@@ -223,8 +223,7 @@ class Group:
         standby = [self.standby[0]] if self.standby is not None else []
         timeout = self.config.drain_seconds + EXIT_GRACE_S
         failed = _stop_all([w for w in self.workers if w is not None] + standby, timeout)
-        if self.engine is not None:
-            failed |= _stop_all([self.engine], timeout)
+        failed |= _stop_all([self.engine], timeout)
         fields = self.shared.fields
         finished = bool(fields.engine_drained) and all(fields.worker_drained[i] == DRAINED
                                                        for i in range(self.count))
