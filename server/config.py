@@ -49,9 +49,6 @@ class ModelSource:
         return str(self.path) if self.name is None else f"{self.name}={self.path}"
 
 
-# Several values of a repeatable flag in one value (the environment twin's, or a flag's:
-# --cors-allow-origin A,B) are separated by commas.
-SEPARATOR = ","
 ANY_ORIGIN = "*"
 
 
@@ -153,22 +150,19 @@ class ServeConfig:
 OTLP_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
 
 
-def _importable(name: str) -> bool:
-    try:
-        return find_spec(name) is not None
-    except ImportError:  # a parent package missing
-        return False
-
-
 def _check_otlp_endpoint(endpoint: str) -> None:
     url = urlparse(endpoint)
     if url.scheme not in ("http", "https") or not url.hostname or url.path not in ("", "/"):
         raise ConfigError("otlp_endpoint", f"{endpoint!r} is not http://HOST:PORT or "
                                            "https://HOST:PORT (an OTLP/gRPC collector)")
-    missing = [name for name in OTLP_MODULES if not _importable(name)]
-    if missing:
-        raise ConfigError("otlp_endpoint", f"needs the 'otlp' extra, which is not installed (no "
-                                           f"{missing[0]}): pip install 'attnserve[otlp]'")
+    for name in OTLP_MODULES:
+        try:
+            found = find_spec(name) is not None
+        except ImportError:  # a parent package missing
+            found = False
+        if not found:
+            raise ConfigError("otlp_endpoint", f"needs the 'otlp' extra, which is not installed (no "
+                                               f"{name}): pip install 'attnserve[otlp]'")
 
 
 MAX_WORKERS = 64
@@ -332,7 +326,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             parse, split_flags = REPEATED[name]
             texts = raw if isinstance(raw, list) and not split_flags else [
                 text for value in (raw if isinstance(raw, list) else [raw])
-                for text in value.split(SEPARATOR)]
+                for text in value.split(",")]
             values[name] = tuple(parse(text, _source(name, from_env)) for text in texts if text)
             continue
         kind = _field_type(name)

@@ -27,13 +27,10 @@ def resident_bytes(pid: int | str = "self") -> int:
     return status_bytes("VmRSS", pid)
 
 
-_CGROUP = Path("/sys/fs/cgroup")
-
-
 def _cgroup_bytes(name: str) -> int | None:
     """A cgroup v2 memory figure of this process's container, None where there is none."""
     try:
-        text = (_CGROUP / name).read_text().strip()
+        text = Path("/sys/fs/cgroup", name).read_text().strip()
     except OSError:
         return None
     return None if text == "max" else int(text)
@@ -137,12 +134,10 @@ def with_malloc_tunables(environ: dict) -> dict:
 TRIM_AFTER_BYTES = 16 << 20
 
 
-def trim_heap() -> bool:
+def trim_heap() -> None:
     """Return the heap's free pages to the OS (glibc malloc_trim(0), all arenas)."""
-    if _MALLOC_TRIM is None:
-        return False
-    _MALLOC_TRIM(0)
-    return True
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def reset_high_water_mark() -> bool:

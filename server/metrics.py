@@ -25,11 +25,6 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 MEMORY_BUCKETS = tuple(float(1 << shift) for shift in range(20, 37, 2))  # 1 MiB .. 64 GiB
 
 
-def length_edges(max_positions: int) -> list[int]:
-    """16, 32, ... up to the model's maximum."""
-    return [16 << i for i in range(max_positions.bit_length()) if 16 << i < max_positions] + [max_positions]
-
-
 def answered_by_code(families: Iterable[Metric]) -> str:
     """Calls answered by status over the counts' life, e.g. OK:12,UNAVAILABLE:3 (every rpc
     summed), from collected metric families: what callers must have received, to compare
@@ -141,7 +136,9 @@ class Metrics:
         if front_ends_dir is not None:
             self.registry.register(Merged(counted, front_ends_dir))
         histogram, counter = partial(Histogram, registry=counted), partial(Counter, registry=counted)
-        self.edges = length_edges(max_positions)
+        # The length buckets' upper edges: 16, 32, ... up to the model's maximum.
+        self.edges = [16 << i for i in range(max_positions.bit_length())
+                      if 16 << i < max_positions] + [max_positions]
         self.request_duration = histogram(
             "attnserve_request_duration_seconds", "Time from receiving a request to answering it, "
             "by RPC, status code, model and the call's priority class.",
