@@ -19,12 +19,8 @@ TIME = "time"
 MEASURED_WEIGHT = 0.25
 
 
-class TimeModel(ShapeModel):
-    """One graph's batch time in seconds (see the module's docstring)."""
-
-
-class TimeModels(GraphModels):
-    """Each graph's TimeModel."""
+# One graph's batch time in seconds (see the module's docstring), and each graph's.
+TimeModel, TimeModels = ShapeModel, GraphModels
 
 
 def load_time_model(directory: Path, manifest: Manifest, provider: str, precision: str) -> TimeModels | None:

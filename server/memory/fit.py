@@ -100,18 +100,16 @@ def fit_phases(rows: list[Measured], heads: int, target: Target = PEAK) -> list[
     refitted, until that settles."""
     best = [fit_phase(rows, heads, target)]
     best_error = _mean_error(best, rows, heads, target) - PHASE_GAIN
-    width = len(COEFFICIENTS)
     for boundary in sorted({r.seq for r in rows})[:-1] if target.max_phases > 1 else ():
         groups = [[r for r in rows if r.seq <= boundary], [r for r in rows if r.seq > boundary]]
         phases = None
         for _ in range(8):
-            if min(len(g) for g in groups) < width - 1:
+            if min(len(g) for g in groups) < len(COEFFICIENTS) - 1:
                 break
             phases = [fit_phase(g, heads, target) for g in groups]
             regrouped: list[list[Measured]] = [[], []]
             for r in rows:
-                values = features(r.graph, r.batch, r.seq, heads, r.returned_layers)
-                regrouped[int(np.dot(phases[1], values) > np.dot(phases[0], values))].append(r)
+                regrouped[int(predict(phases[1:], r, heads) > predict(phases[:1], r, heads))].append(r)
             if regrouped == groups:
                 break
             groups = regrouped

@@ -131,8 +131,8 @@ class GraphModels:
         return graph.predict(batch, seq, heads, returned_layers)
 
 
-class MemoryModels(GraphModels):
-    """Each graph's MemoryModel."""
+MemoryModels = GraphModels
+"""each graph's MemoryModel"""
 
 
 def model_key(provider: str, precision: str, kind: str) -> str:
