@@ -38,8 +38,7 @@ TOTAL_TIME, COMPUTE_TOKENS = "x-total-time", "x-compute-tokens"
 
 
 def request_id(given: str | None) -> str:
-    """The caller's id when it can be echoed (1 to 128 printable ASCII characters), else a
-    new one."""
+    """The caller's id if it can be echoed (1-128 printable ASCII characters), else a new one."""
     if given and len(given) <= MAX_REQUEST_ID_CHARS and _ECHOED.fullmatch(given):
         return given
     return uuid.uuid4().hex

@@ -15,8 +15,7 @@ from urllib.parse import urlparse, urlsplit
 
 
 class ConfigError(ValueError):
-    """A setting that cannot be used; the message starts with the flag, or with the
-    environment variable the value came from."""
+    """A setting that cannot be used; its message starts with the flag or variable at fault."""
 
     def __init__(self, field: str, reason: str, source: str | None = None):
         self.field, self.reason = field, reason
@@ -33,8 +32,7 @@ class ModelSource:
 
     @classmethod
     def parse(cls, text: str, source: str | None = None) -> "ModelSource":
-        """DIR, or NAME=DIR; a text that is a directory as it stands is a DIR, whatever
-        it holds."""
+        """DIR, or NAME=DIR; a text naming an existing directory is a DIR, whatever it holds."""
         name, sep, path = text.partition("=")
         if not sep or Path(text).is_dir():
             return cls(Path(text))

@@ -5,15 +5,8 @@ code names are gRPC's, which the metrics' `code` label carries for every door.""
 
 import enum
 
-
-class Code(enum.Enum):
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAUTHENTICATED = "UNAUTHENTICATED"
-    UNAVAILABLE = "UNAVAILABLE"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    INTERNAL = "INTERNAL"
+Code = enum.Enum("Code", "INVALID_ARGUMENT NOT_FOUND RESOURCE_EXHAUSTED UNAUTHENTICATED UNAVAILABLE "
+                         "DEADLINE_EXCEEDED INTERNAL")
 
 
 class RequestError(Exception):

@@ -106,8 +106,7 @@ class ApiKeys:
         return bool(self.keys)
 
     def check(self, authorization: str | None) -> ApiKey | None:
-        """The key `authorization` carries (Unauthenticated unless it is a configured one);
-        None with no key configured."""
+        """The key `authorization` carries (else Unauthenticated); None with no key configured."""
         if not self.keys:
             return None
         if authorization is None:

@@ -194,11 +194,10 @@ class Metrics:
         self.live = Live()
         self.registry.register(self.live)
 
-    def answered(self, rpc: str, code: str, seconds: float, model: str = "",
-                 priority: Priority | None = None) -> None:
-        """One call finished with status `code`: both request metrics move together.
-        `priority`: the call's class; None: the class its door set (priority.of_call)."""
-        label = (priority or of_call()).value
+    def answered(self, rpc: str, code: str, seconds: float, model: str = "") -> None:
+        """One call finished with status `code`: both request metrics move together, under
+        the class its door set (priority.of_call)."""
+        label = of_call().value
         self.requests.labels(rpc, code, model, label).inc()
         self.request_duration.labels(rpc, code, model, label).observe(seconds)
 

@@ -11,7 +11,7 @@ from attnserve.server.http.server import HttpServers
 from attnserve.server.keys import ApiKeys, InFlightCounts
 from attnserve.server.metrics import Metrics, answered_by_code
 from attnserve.server.startup import PortInUse
-from attnserve.server.tracing import tracing_for
+from attnserve.server.tracing import Tracing
 
 
 class Ports:
@@ -19,7 +19,7 @@ class Ports:
         """`key_counts`: where capped API keys' calls are counted (default: in this process)."""
         self.config, self.metrics = config, metrics
         self.keys = ApiKeys(config.api_key, config.api_key_file, key_counts)
-        self.tracing = tracing_for(config.otlp_endpoint)
+        self.tracing = None if config.otlp_endpoint is None else Tracing(config.otlp_endpoint)
         self.grpc = GrpcServer(config, metrics, self.keys, self.tracing)
         self.port = self.http_port = self.metrics_port = 0
 

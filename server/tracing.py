@@ -11,8 +11,6 @@ from attnserve.server.engine.timings import Span
 
 log = logging.getLogger("attnserve.server")
 
-SERVICE_NAME = "attnserve"
-
 
 class Tracing:
     """The server's tracer and its exporter to the collector at `endpoint`
@@ -28,15 +26,14 @@ class Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.trace, self.kind, self.status, self.codes = trace, SpanKind, Status, StatusCode
-        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "attnserve"}))
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("attnserve")
         self.propagator = TraceContextTextMapPropagator()
         log.info("event=tracing endpoint=%s", endpoint)
 
     def parent(self, traceparent: str | None):
-        """The caller's trace context, or None (no `traceparent`, or one that does not
-        parse) for a trace of the call's own."""
+        """The caller's trace context; None (no valid `traceparent`): a trace of its own."""
         if not traceparent:
             return None
         context = self.propagator.extract({"traceparent": traceparent})
@@ -69,7 +66,3 @@ class Tracing:
     def shutdown(self) -> None:
         """Send what is left (blocks until the collector has it, or gives up)."""
         self.provider.shutdown()
-
-
-def tracing_for(endpoint: str | None) -> Tracing | None:
-    return None if endpoint is None else Tracing(endpoint)

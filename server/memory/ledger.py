@@ -24,8 +24,7 @@ MIB = 1 << 20
 # when nothing else of the connection is held), so a caller that stops reading (zero
 # HTTP/2 window) leaves the rest to the others.
 PER_CONNECTION_SHARE = 0.25
-# A call that held TRIM_AFTER_BYTES gives the heap's free pages back to the OS once it is
-# over, after a moment for the transport to free what it sent.
+# trim_after's moment for the transport to free what it sent.
 TRIM_DELAY_S = 0.05
 
 

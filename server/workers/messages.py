@@ -94,8 +94,7 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
     (the front end sent them), `heads` and `width` the model's."""
     hidden, layers, names, means = header[2:6]
     arrays = list(arrays)
-    ends = np.cumsum(lengths).tolist()
-    out_hidden = arrays.pop(0).reshape(-1, width) if hidden else None
+    out_hidden = _split(arrays.pop(0), lengths, width) if hidden else [None] * len(lengths)
     cuts = np.cumsum(heads * lengths * lengths)[:-1] if layers else None  # where each map ends
     maps = [[piece.reshape(heads, n, n)
              for piece, n in zip(np.split(arrays.pop(0), cuts), lengths.tolist(), strict=True)]
@@ -108,10 +107,9 @@ def received(header, arrays: list[np.ndarray], lengths: np.ndarray,
     # The means are as wide as the pooled vectors (past any Dense layers).
     span_means = (_split(arrays[0], arrays[1], arrays[0].size // int(arrays[1].sum())) if means
                   else [None] * len(lengths))
-    return [SequenceResult(None if out_hidden is None else out_hidden[end - n:end],
-                           {layer: maps[k][i] for k, layer in enumerate(layers)},
+    return [SequenceResult(out_hidden[i], {layer: maps[k][i] for k, layer in enumerate(layers)},
                            {name: pooled[k][i] for k, name in enumerate(names)}, span_means[i])
-            for i, (n, end) in enumerate(zip(lengths.tolist(), ends, strict=True))]
+            for i in range(len(lengths))]
 
 
 def _per_token(name: str, flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:

@@ -60,8 +60,7 @@ class _Fields(ctypes.Structure):
 
 
 class SharedState:
-    """The shared page, mapped into this process: `create` (the supervisor), or the fd the
-    processes it starts inherit."""
+    """The shared page, mapped: made by `create` (the supervisor), or from the inherited fd."""
 
     def __init__(self, fd: int):
         self.fd = fd
