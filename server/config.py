@@ -309,8 +309,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeConfig:
-    """The flags given, else their environment twins, else the defaults; raises ConfigError
-    naming the flag or the variable a bad value came from."""
+    """The flags given, else their environment twins, else the defaults (ConfigError: a bad value)."""
     environ = os.environ if environ is None else environ
     values, from_env = {}, set()
     for name in (f.name for f in fields(ServeConfig)):

@@ -107,9 +107,8 @@ class ModelMemory:
         self.shared_budget.waiting[self.name] = wake
 
     def check(self, longest: int, field: str, layers: int, response_bytes: int) -> float:
-        """Refuse a request that could not run even alone, whatever else is held; its
-        longest sequence (`field`, as the caller names it) decides its peak, which is
-        returned."""
+        """Refuse a request that could not run even alone; returns its peak, which its longest
+        sequence (`field`, as the caller names it) decides."""
         peak = self.batch_bytes(1, longest, layers)
         if peak > self.budget:
             raise ResourceExhausted(self._too_big(field, longest, layers, peak))

@@ -22,8 +22,7 @@ EMBEDDINGS, ATTENTION, SCORES = "embeddings", "attention", "scores"
 
 
 def graph_kinds(manifest: Manifest) -> tuple[str, ...]:
-    """The graphs an artifact's batches run through: an embedder's two, a reranker's or a
-    classifier's one."""
+    """The graphs an artifact's batches run through: an embedder's two, a scorer's one."""
     return (SCORES,) if manifest.kind in SCORERS else (EMBEDDINGS, ATTENTION)
 
 
@@ -179,8 +178,7 @@ def read_entries(path: Path) -> dict[str, dict]:
 
 
 def save_entries(directory: Path, entries: dict[str, dict]) -> Path:
-    """Write `entries` into memory_model.json, keeping the other providers' and
-    precisions' entries already there."""
+    """Write `entries` into memory_model.json, keeping the other entries already there."""
     path = directory / MEMORY_MODEL
     models = read_entries(path) | entries
     path.write_text(json.dumps({"format_version": FORMAT_VERSION, "models": dict(sorted(models.items()))},
