@@ -5,7 +5,7 @@ batch loop lets run together."""
 from collections.abc import Callable
 
 from attnserve.server.errors import ResourceExhausted
-from attnserve.server.memory.ledger import Ledger, Totals
+from attnserve.server.memory.ledger import MIB, Ledger, Totals
 from attnserve.server.memory.model import MemoryModel, MemoryModels
 
 # A response is held several times over at its peak: the results, the message,
@@ -13,7 +13,6 @@ from attnserve.server.memory.model import MemoryModel, MemoryModels
 # MiB response of attention maps), the process rose 4-5 responses over the batch's own
 # peak; a response is held this many times over from admission until it has been sent.
 RESPONSE_COPIES = 4
-MIB = 1 << 20
 
 
 class MemoryBudget:
@@ -77,7 +76,6 @@ class ModelMemory:
         return self.shared_budget.room()
 
     def others_in_flight(self) -> float:
-        """What the other models' batches in flight hold."""
         return self.shared_budget.in_flight_bytes(besides=self.name)
 
     def keep_free(self, peak: float) -> None:
