@@ -31,8 +31,7 @@ class MemoryBudget:
         """The ledger's limit is the budget where responses are in it, else `host_bytes`;
         or `totals`, the ledger's totals with their limit set (shared by a server's
         processes with --workers)."""
-        self.budget = budget_bytes
-        self.shared = responses_in_budget
+        self.budget, self.shared = budget_bytes, responses_in_budget
         self.ledger = Ledger(totals if totals is not None else
                              budget_bytes if responses_in_budget or host_bytes is None
                              else host_bytes)

@@ -111,8 +111,7 @@ class Holds:
     call can take nothing more (work it left on a thread stops at its next `take`)."""
 
     def __init__(self, ledger: Ledger, connection: str | None):
-        self.ledger = ledger
-        self.connection = connection
+        self.ledger, self.connection = ledger, connection
         self.total = self.peak = 0
         self.released = False
 
