@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from attnserve.server.engine import timings
 from attnserve.server.errors import RequestError
-from attnserve.server.logs import set_request_id
+from attnserve.server.logs import CURRENT_REQUEST_ID
 from attnserve.server.metrics import Metrics, call_model
 from attnserve.server.tracing import Tracing
 
@@ -79,7 +79,7 @@ def begin_call(name: str, given_id: str | None, traceparent: str | None, tracing
     call = Call(name, request_id(given_id), None if tracing is None else tracing.parent(traceparent))
     _CALL.set(call)
     timings.begin(call.times)
-    set_request_id(call.request_id)
+    CURRENT_REQUEST_ID.set(call.request_id)
     return call
 
 

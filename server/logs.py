@@ -5,19 +5,15 @@ import logging
 import sys
 from contextvars import ContextVar
 
-_REQUEST_ID: ContextVar[str | None] = ContextVar("attnserve_request_id", default=None)
-
-
-def set_request_id(request_id: str | None) -> None:
-    """The request id of the call the running task serves (None: no call)."""
-    _REQUEST_ID.set(request_id)
+CURRENT_REQUEST_ID: ContextVar[str | None] = ContextVar("attnserve_request_id", default=None)
+"""the request id of the call the running task serves (None: no call)"""
 
 
 class CallIds(logging.Filter):
     """Gives every record its call's ` request_id=...` (empty outside a call)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        request_id = _REQUEST_ID.get()
+        request_id = CURRENT_REQUEST_ID.get()
         record.call = "" if request_id is None else f" request_id={request_id}"
         return True
 

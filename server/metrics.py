@@ -7,6 +7,7 @@ PROMETHEUS_MULTIPROC_DIR its supervisor set) and the engine process, which count
 own memory (a batch's dozen observations stay cheap), serves its counts and theirs
 merged. Values read when a scrape is taken come from `Live`, in the process serving it."""
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
@@ -103,11 +104,9 @@ class Merged:
         end's live gauges) is passed over too."""
         files = []
         for path in self.directory.glob("*.db"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size:
                     files.append(str(path))
-            except FileNotFoundError:
-                continue
         return files
 
     def collect(self):
