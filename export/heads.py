@@ -37,13 +37,6 @@ _SPLADE_TRANSFORMERS = ("Transformer", "MLMTransformer")
 _SPLADE_POOLING = "SpladePooling"
 
 
-@dataclass(frozen=True)
-class Splade:
-    pooling: str
-    activation: str
-    top_k: int | None
-
-
 def _json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -54,7 +47,7 @@ def _json(path: Path) -> dict:
     return data
 
 
-def read_splade(checkpoint: Path) -> Splade | None:
+def read_splade(checkpoint: Path) -> SparseHead | None:
     """The checkpoint's SPLADE pooling when its modules.json lists SpladePooling (None when
     it does not); refused unless the list is the masked-LM Transformer, then SpladePooling."""
     path = checkpoint / MODULES
@@ -87,12 +80,11 @@ def read_splade(checkpoint: Path) -> Splade | None:
     top_k = _json(st_path).get("max_active_dims") if st_path.is_file() else None
     if top_k is not None and not (type(top_k) is int and top_k > 0):
         raise CheckpointError(f"{st_path}: max_active_dims {top_k!r}, expected a whole number from 1")
-    return Splade(pooling, activation, top_k)
+    return SparseHead(pooling, activation, top_k)
 
 
-def splade_head(checkpoint: Path, splade: Splade,
-                model: MaskedLanguageModel) -> tuple[SparseHead, SpladeHead]:
-    """The manifest's sparse head and the module that computes it over `model`'s scores."""
+def splade_head(checkpoint: Path, splade: SparseHead, model: MaskedLanguageModel) -> SpladeHead:
+    """The module that computes the sparse head over `model`'s scores."""
     config_path = checkpoint / MODULES
     size = None
     for _, _, folder in module_types(config_path)[1:]:
@@ -104,8 +96,7 @@ def splade_head(checkpoint: Path, splade: Splade,
     if size is not None and size != model.config.vocab_size:
         raise CheckpointError(f"{config_path}: embedding_dimension {size}, but the masked-LM "
                               f"head scores {model.config.vocab_size} vocabulary entries")
-    return (SparseHead(splade.pooling, splade.activation, splade.top_k),
-            SpladeHead(model.head, splade.pooling, splade.activation))
+    return SpladeHead(model.head, splade.pooling, splade.activation)
 
 
 def is_bge_m3(checkpoint: Path) -> bool:
@@ -284,12 +275,11 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
 
 
 def which_embedder(checkpoint: Path, fp16: bool, int8: bool, matryoshka_dims: list[int] | None
-                   ) -> tuple[str, Splade | MultiVector | None]:
+                   ) -> tuple[str, SparseHead | MultiVector | None]:
     """Which embedder the checkpoint is, "dense", "splade", "multi_vector" or "bge-m3" (with
-    SPLADE's pooling or the multi-vector settings), refusing what its heads cannot be
-    exported with."""
+    its SPLADE head or multi-vector settings), refusing flags its heads cannot export with."""
     found = read_splade(checkpoint) or read_multi_vector(checkpoint)
-    which = ("splade" if isinstance(found, Splade) else "multi_vector" if found
+    which = ("splade" if isinstance(found, SparseHead) else "multi_vector" if found
              else "bge-m3" if is_bge_m3(checkpoint) else "dense")
     if which != "dense":
         flags = [flag for flag, on in (("--fp16", fp16), ("--int8", int8)) if on]
@@ -302,16 +292,15 @@ def which_embedder(checkpoint: Path, fp16: bool, int8: bool, matryoshka_dims: li
     return which, found
 
 
-def load_with_heads(checkpoint: Path, which: str, found: Splade | MultiVector | None
+def load_with_heads(checkpoint: Path, which: str, found: SparseHead | MultiVector | None
                     ) -> tuple[AnyEncoder | CrossEncoder, Heads | None, dict]:
-    """The checkpoint's model (SPLADE's: the encoder under its masked-LM head's), its
-    heads for the graphs (a multi-vector model's: its Dense layers on every token's state),
-    and their manifest entries."""
+    """The checkpoint's model (SPLADE's: the encoder under its masked-LM head), its heads for
+    the graphs (multi-vector: its Dense layers on every token's state), their manifest entries."""
     model = load_checkpoint(checkpoint, keep_language_model_head=which == "splade")
     hidden = model.config.hidden_size
     if which == "splade":
-        entry, sparse = splade_head(checkpoint, found, model)
-        return model.encoder, Heads(pooled=False, sparse=sparse), {"sparse": entry}
+        sparse = splade_head(checkpoint, found, model)
+        return model.encoder, Heads(pooled=False, sparse=sparse), {"sparse": found}
     if which == "multi_vector":
         projection = dense_stack(found.dense, hidden, TOKEN_EMBEDDINGS)
         return (model, Heads(pooled=False, multi_vector=TokenVectors(projection).eval()),
