@@ -2,12 +2,9 @@
 
 from attnserve.model.checkpoint import CheckpointError, load_checkpoint
 from attnserve.model.classifier import CrossEncoder
-from attnserve.model.config import DecoderConfig, EncoderConfig, EncoderShape, HeadConfig, ModernBertConfig
-from attnserve.model.decoder import Decoder
-from attnserve.model.encoder import Encoder, EncoderOutput
+from attnserve.model.config import EncoderConfig, EncoderShape
+from attnserve.model.encoder import Encoder
 from attnserve.model.families import AnyEncoder
-from attnserve.model.modernbert import ModernBertEncoder
 
-__all__ = ["AnyEncoder", "CheckpointError", "CrossEncoder", "Decoder", "DecoderConfig", "Encoder",
-           "EncoderConfig", "EncoderOutput", "EncoderShape", "HeadConfig", "ModernBertConfig",
-           "ModernBertEncoder", "load_checkpoint"]
+__all__ = ["AnyEncoder", "CheckpointError", "CrossEncoder", "Encoder", "EncoderConfig", "EncoderShape",
+           "load_checkpoint"]

@@ -103,9 +103,8 @@ def buffer_error(name: str, tensor: torch.Tensor, model: Model) -> str | None:
 
 
 def read_architecture(directory: Path) -> tuple[dict, Family, Architecture]:
-    """config.json of a checkpoint directory that holds every file a checkpoint needs, its
-    family and what its architectures hold (CheckpointError for anything else), before any
-    weight is read."""
+    """config.json, family and architecture of a directory holding every file a checkpoint
+    needs (CheckpointError for anything else), read before any weight is."""
     for required in REQUIRED_FILES:
         if not (directory / required).is_file():
             raise CheckpointError(f"{directory / required}: missing (a checkpoint needs "
@@ -120,9 +119,8 @@ def read_architecture(directory: Path) -> tuple[dict, Family, Architecture]:
 
 
 def load_checkpoint(directory: Path | str | None = None, keep_language_model_head: bool = False) -> Model:
-    """Build the model that `directory` describes, an encoder or a cross-encoder (with
-    `keep_language_model_head`, a masked language model, which its architectures must
-    hold), and fill it with its weights."""
+    """The model `directory` describes, filled with its weights: an encoder or a cross-encoder
+    (with `keep_language_model_head`, a masked language model its architectures must hold)."""
     directory = Path(directory) if directory is not None else default_checkpoint_dir()
     hf, family, architecture = read_architecture(directory)
     head = _head_modules(directory, family, architecture, keep_language_model_head)

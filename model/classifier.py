@@ -17,8 +17,7 @@ from attnserve.model import pooling
 from attnserve.model.config import HeadConfig
 from attnserve.model.encoder import Encoder
 from attnserve.model.families import AnyEncoder
-
-_ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU}
+from attnserve.model.feed_forward import activation
 
 
 class ClassificationHead(nn.Module):
@@ -27,7 +26,7 @@ class ClassificationHead(nn.Module):
         self.config = config
         self.dense = (nn.Linear(hidden_size, hidden_size, bias=config.dense_bias)
                       if config.dense else nn.Identity())
-        self.act = _ACTIVATIONS[config.activation]() if config.dense else nn.Identity()
+        self.act = activation(config.activation) if config.dense else nn.Identity()
         self.norm = (nn.LayerNorm(hidden_size, eps=config.norm_eps, bias=config.norm_bias)
                      if config.norm else nn.Identity())
         self.out = nn.Linear(hidden_size, len(config.labels), bias=config.out_bias)
@@ -68,8 +67,6 @@ class CrossEncoder(nn.Module):
         """(batch, seq) pairs -> (batch, labels) logits."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if isinstance(self.encoder, Encoder):
-            out = self.encoder(input_ids, attention_mask, token_type_ids)
-        else:
-            out = self.encoder(input_ids, attention_mask)
+        segments = (token_type_ids,) if isinstance(self.encoder, Encoder) else ()
+        out = self.encoder(input_ids, attention_mask, *segments)
         return self.head(out.last_hidden_state, attention_mask, input_ids)

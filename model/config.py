@@ -2,7 +2,7 @@
 Hugging Face config.json by each family's `from_hf`."""
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 PositionKind = Literal["learned", "sinusoidal", "rope"]
 HeadPooling = Literal["cls", "mean", "last"]
@@ -68,8 +68,7 @@ class EncoderShape:
 
 @dataclass(frozen=True)
 class EncoderConfig(EncoderShape):
-    """BERT and the families built as it is (RoBERTa, XLM-RoBERTa, MPNet, DistilBERT):
-    post-LN blocks."""
+    """BERT and the families built as it is, post-LN (RoBERTa, XLM-RoBERTa, MPNet, DistilBERT)."""
 
     type_vocab_size: int = 2
     """segments with an embedding of their own; 0: none (MPNet, DistilBERT)"""
@@ -303,16 +302,9 @@ class HeadConfig:
     """`last` pooling takes the last real token that is not this id, as transformers'
     decoder classifiers do (a trailing token equal to the pad id counts as padding)"""
 
-    def __post_init__(self) -> None:
-        if self.pooling not in ("cls", "mean", "last"):
-            raise ValueError(f"classifier pooling {self.pooling!r} is not supported (cls, mean, last)")
-        if self.activation not in ("tanh", "gelu", "relu"):
-            raise ValueError(f"classifier activation {self.activation!r} is not supported (tanh, gelu, relu)")
-
     @staticmethod
     def labels_of(hf: dict) -> tuple[str, ...]:
-        """config.json's id2label, in id order; without one, transformers' default of two
-        labels."""
+        """config.json's id2label, in id order; without one, transformers' default of two labels."""
         id2label = {int(i): str(label) for i, label in
                     (hf.get("id2label") or {0: "LABEL_0", 1: "LABEL_1"}).items()}
         if sorted(id2label) != list(range(len(id2label))):
@@ -338,8 +330,8 @@ class HeadConfig:
 
     @classmethod
     def modernbert_from_hf(cls, hf: dict) -> "HeadConfig":
-        return cls(cls.labels_of(hf), pooling=hf.get("classifier_pooling", "cls"),
-                   activation=hf.get("classifier_activation", "gelu"),
+        return cls(cls.labels_of(hf), pooling=_choice(hf, "classifier_pooling", "cls", get_args(HeadPooling)),
+                   activation=_choice(hf, "classifier_activation", "gelu", get_args(HeadActivation)),
                    dense_bias=hf.get("classifier_bias", False), norm=True,
                    norm_bias=hf.get("norm_bias", False), norm_eps=hf.get("norm_eps", 1e-5))
 

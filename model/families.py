@@ -43,16 +43,14 @@ class Family:
     language_model: str
     """the architecture of the encoder under its language-model head (BertForMaskedLM)"""
     language_model_head: tuple[str, ...]
-    """the name prefixes of the language-model head's tensors, dropped at load unless it is
-    kept"""
+    """the name prefixes of the language-model head's tensors, dropped at load unless kept"""
     config: Callable[[dict, bool], EncoderShape]
     """config.json, and whether the weights carry BERT's pooler -> the encoder's config"""
     encoder: Callable[..., AnyEncoder]
     tensor_names: Callable[[str], tuple[str, ...] | None]
     """a tensor's name, its prefix removed -> ours (model/tensor_names.py)"""
     head_config: Callable[[dict], HeadConfig] | None = None
-    """config.json -> its sequence-classification head's config (None: the family has no
-    classifier here)"""
+    """config.json -> its sequence-classification head's config (None: no classifier here)"""
     head_modules: dict[str, str] | None = None
     """the sequence-classification head's modules, by their full names in the checkpoint
     -> ours in model/classifier.py's ClassificationHead (BERT's dense layer is its pooler)"""
@@ -112,19 +110,14 @@ FAMILIES = {family.model_type: family for family in (
 )}
 
 
-def served() -> str:
-    return ", ".join(FAMILIES)
-
-
 def family_of(hf: dict) -> Family:
-    """The family config.json (`hf`) describes; ValueError, naming what it read and what
-    is served, for any other."""
+    """The family config.json (`hf`) describes; for any other, ValueError naming those served."""
     model_type = hf.get("model_type")
     if model_type is None:
-        raise ValueError(f"no model_type; attnserve exports {served()}")
+        raise ValueError(f"no model_type; attnserve exports {', '.join(FAMILIES)}")
     family = FAMILIES.get(model_type)
     if family is None:
-        raise ValueError(f"model_type {model_type!r} is not served; attnserve exports {served()}")
+        raise ValueError(f"model_type {model_type!r} is not served; attnserve exports {', '.join(FAMILIES)}")
     return family
 
 

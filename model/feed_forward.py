@@ -18,6 +18,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": partial(nn.GELU, approximate="tanh"),
     "relu": nn.ReLU,
     "silu": nn.SiLU,
+    "tanh": nn.Tanh,
 }
 
 

@@ -7,6 +7,7 @@ without modules.json is a plain Hugging Face model: mean pooling, as sentence-tr
 loads it.
 """
 
+import contextlib
 import importlib
 import json
 from dataclasses import dataclass
@@ -73,10 +74,8 @@ def _activation(path: Path, name: str) -> nn.Module:
     module_name, _, class_name = name.rpartition(".")
     found = None
     if name.startswith("torch.nn."):
-        try:
+        with contextlib.suppress(ImportError):
             found = getattr(importlib.import_module(module_name), class_name, None)
-        except ImportError:
-            pass
     if not (isinstance(found, type) and issubclass(found, nn.Module)):
         raise CheckpointError(f"{path}: activation_function {name!r} is not a torch.nn module")
     try:
