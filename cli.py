@@ -230,8 +230,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--window-overlap", type=int, default=0, metavar="N", help="with --chunk-tokens: tokens "
                    "shared by consecutive model windows (0: the server's default)")
     p.add_argument("--attention", action="store_true", help="ask for attention maps")
-    p.add_argument("--layers", default="", help="comma-separated layers (default: all)")
-    p.add_argument("--heads", default="", help="comma-separated heads (default: all)")
+    p.add_argument("--layers", type=_numbers, default="", help="comma-separated layers (default: all)")
+    p.add_argument("--heads", type=_numbers, default="", help="comma-separated heads (default: all)")
     p.add_argument("--average-heads", action="store_true")
     p.add_argument("--heatmap", type=Path, help="PNG of the first text's first selected map")
     p.add_argument("--sparse", action="store_true", help="each text's sparse vector from a model with a "

@@ -12,10 +12,6 @@ from attnserve.cli import texts_given
 from attnserve.client import EmbeddingResult, EncoderClient
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 @dataclass(frozen=True)
 class TickLabel:
     text: str
@@ -193,7 +189,7 @@ def run_embed(args: argparse.Namespace) -> int:
     if args.top_k is not None and not args.sparse:
         print("attnserve embed: --top-k cuts a sparse vector: add --sparse", file=sys.stderr)
         return 2
-    layers = _ints(args.layers) if args.attention or args.heatmap is not None else None
+    layers = args.layers if args.attention or args.heatmap is not None else None
     root = args.tls_ca.read_bytes() if args.tls_ca else None
     with EncoderClient(args.address, root_certificates=root) as client:
         if args.sparse:
@@ -204,7 +200,7 @@ def run_embed(args: argparse.Namespace) -> int:
             results += client.embed(batch, pooling=args.pooling, normalize=args.normalize, model=args.model,
                                     truncate=args.truncate, truncation_direction=args.truncation_direction,
                                     prompt_name=args.prompt_name, dimensions=args.dimensions,
-                                    attention_layers=layers, attention_heads=_ints(args.heads),
+                                    attention_layers=layers, attention_heads=args.heads,
                                     average_heads=args.average_heads, chunk_tokens=args.chunk_tokens,
                                     isolated=args.isolated, window_overlap=args.window_overlap)
             if args.file:
@@ -236,6 +232,6 @@ def run_embed(args: argparse.Namespace) -> int:
     if args.heatmap:
         labels = token_texts(read, list(tokenized.tokens), list(tokenized.offsets))
         heatmap(args.heatmap, results[0].attentions[0, 0], labels, f"layer {(layers or [0])[0]}, "
-                + ("heads averaged" if args.average_heads else f"head {(_ints(args.heads) or [0])[0]}"))
+                + ("heads averaged" if args.average_heads else f"head {(args.heads or [0])[0]}"))
         print(f"wrote attention heatmap to {args.heatmap}")
     return 0
