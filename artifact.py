@@ -51,8 +51,7 @@ weight in each sequence, most of them zero"""
 TOKEN_WEIGHTS_OUTPUT = "token_weights"
 """a lexical head's graph output, [batch, seq] float32: each token's weight (0 at padding)"""
 MULTI_VECTOR_OUTPUT = "multi_vector"
-"""a multi-vector head's graph output, [batch, seq, dim] float32: each position's vector at
-unit length"""
+"""a multi-vector head's graph output, [batch, seq, dim] float32: each position's unit vector"""
 _HEAD_OUTPUTS = {"sparse": SPARSE_OUTPUT, "lexical": TOKEN_WEIGHTS_OUTPUT,
                  "multi_vector": MULTI_VECTOR_OUTPUT}
 """an embedder's heads other than its pooled vectors (Manifest's fields) -> their graph outputs"""
@@ -277,8 +276,7 @@ class Manifest:
     labels: list[str] = field(default_factory=list)
     """a reranker's labels by id (its config.json's id2label)"""
     embedding_ranges: EmbeddingRanges | None = None
-    """None in a manifest of format_version 3 or older: such an artifact serves no int8 or
-    uint8 embeddings"""
+    """None in a manifest of format_version 3 or older, which serves no int8 or uint8 embeddings"""
     prompts: dict[str, str] = field(default_factory=dict)
     """name -> text put before a text to embed (sentence-transformers' `prompts`)"""
     default_prompt_name: str | None = None
@@ -335,8 +333,7 @@ class Manifest:
 
     @property
     def activation(self) -> str:
-        """What turns a classifier's or reranker's logits into scores: softmax, sigmoid or
-        none (CLASSIFIER_ACTIVATIONS)."""
+        """What turns a classifier's or reranker's logits into scores (CLASSIFIER_ACTIVATIONS)."""
         return CLASSIFIER_ACTIVATIONS.get(self.problem_type,
                                           "sigmoid" if len(self.labels) == 1 else "softmax")
 

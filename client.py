@@ -159,8 +159,7 @@ class EncoderClient:
     def score(self, query: str, texts: list[str], *, mode: str = "cosine", truncate: bool = False,
               model: str = "", priority: str = "", timeout: float | None = None) -> np.ndarray:
         """float32, one score a text: the cosine of pooled vectors (`mode="cosine"`) or the
-        MaxSim of token vectors (`mode="maxsim"`), from an embedding model (`model`: "" for
-        the server's first)."""
+        MaxSim of token vectors (`mode="maxsim"`); `model`: "" for the server's first embedder."""
         modes = {"cosine": pb.SCORE_MODE_COSINE, "maxsim": pb.SCORE_MODE_MAXSIM}
         response = self.stub.Score(pb.ScoreRequest(model=model, query=query, texts=texts, mode=modes[mode],
                                                    truncate=truncate, priority=priority), timeout=timeout)
@@ -170,10 +169,9 @@ class EncoderClient:
                  raw_scores: bool = False, top_k: int | None = None, truncate: bool = False,
                  truncation_direction: str = "right", model: str = "", priority: str = "",
                  timeout: float | None = None) -> list[list[LabelScore]]:
-        """Each text's label scores, highest first, or (text, text_pairs[i])'s where that
-        is not None: the classifier's softmax or sigmoid, or its logits with
-        `raw_scores`; the `top_k` best labels only when set. `model`: "" for the server's
-        first classifier."""
+        """Each text's label scores, highest first, or (text, text_pairs[i])'s where that is
+        not None: the classifier's softmax or sigmoid, or its logits with `raw_scores`; the
+        `top_k` best labels only when set. `model`: "" for the server's first classifier."""
         pairs = [None] * len(texts) if text_pairs is None else text_pairs
         if len(pairs) != len(texts):
             raise ValueError(f"text_pairs: {len(pairs)} for {len(texts)} texts")

@@ -105,9 +105,8 @@ class PeakMeter:
         self.kinds = graph_kinds(self.manifest)
         self.graphs = {kind: self.manifest.graph(attention=kind == ATTENTION, precision=self.precision).file
                        for kind in self.kinds}
-        # On the CPU one backend serves every shape: memray's count does not depend on
-        # what ran before. On CUDA each shape gets a backend (its sessions, its arena) of
-        # its own.
+        # On the CPU one backend serves every shape (memray's count does not depend on what
+        # ran before); on CUDA each shape gets one of its own (its sessions, its arena).
         self.backend = None if self.cuda else self._backend()
 
     def _backend(self):
@@ -131,8 +130,7 @@ class PeakMeter:
     @staticmethod
     def _run(backend, kind: str, ids: np.ndarray, mask: np.ndarray, returned_layers: int):
         # As the server runs it: the hidden state, and from the attention graph only the
-        # maps returned; a scorer's logits (a reranker's or a classifier's), on pairs whose second
-        # half is the text's side.
+        # maps returned; a scorer's logits, on pairs whose second half is the text's side.
         if kind == SCORES:
             return backend.run(ids, mask, outputs=frozenset({LOGITS_OUTPUT}),
                                token_type_ids=(np.arange(ids.shape[1]) >= ids.shape[1] // 2)
@@ -344,9 +342,8 @@ def shapes_for(attention: bool, seq_lens: list[int], batches: list[int], layers:
 
 
 def fitted_already(artifact, provider: str, precision: str, attention: bool) -> bool:
-    """Whether memory_model.json beside the artifact holds a fit, memory and time, for
-    every graph this run would measure on `provider` at `precision`. A damaged file holds
-    none."""
+    """Whether memory_model.json beside the artifact (a damaged one holds none) holds a fit,
+    memory and time, for every graph this run would measure on `provider` at `precision`."""
     from attnserve.server.memory.model import read_entries
 
     try:

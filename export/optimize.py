@@ -36,8 +36,7 @@ class _Pooling:
 
 
 def _take_pooling(graph: GraphProto) -> _Pooling:
-    """Remove the pooling nodes, the initializers only they read and the pooled outputs
-    from `graph`; returns them."""
+    """Take the pooling nodes, the initializers only they read and the pooled outputs out of `graph`."""
     nodes = [n for n in graph.node if n.name.startswith(POOL_SCOPE)]
     outputs = [o for o in graph.output if o.name in POOLED_OUTPUTS]
     produced = {name for n in nodes for name in n.output}

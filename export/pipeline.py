@@ -78,9 +78,8 @@ class _Graphs:
 
     def add(self, file: str, outputs: list[str], precision: str, attention: bool,
             optimized: bool, tolerance: float, **fields) -> None:
-        """List `file` if it matches PyTorch within `tolerance`; an optimised graph that
-        does not is dropped, any other fails the export. `fields`: the int8 graph's parity
-        and more, for the step's line."""
+        """List `file` if it matches PyTorch within `tolerance`; an optimised graph that does
+        not is dropped, any other fails the export. `fields`: for the step's line (int8 parity)."""
         path = self.out / file
         check_onnx(path)
         error = max_abs_error(path, self.model, outputs, precision, dense=self.dense, heads=self.heads)
@@ -96,8 +95,7 @@ class _Graphs:
         self.step("event=verified", graph=file, max_abs_error=f"{error:.2e}", **fields)
 
     def add_optimized(self, source: str, file: str, outputs: list[str], attention: bool, fp16: bool) -> None:
-        """Optimise `source` into `file` (its attention fused unless it outputs the maps), then
-        `add` it."""
+        """`add` `source` optimised into `file` (its attention fused unless it outputs the maps)."""
         optimize(self.out / source, self.out / file, self.model.config, fuse_attention=not attention,
                  fp16=fp16)
         self.add(file, outputs, "fp16" if fp16 else "fp32", attention, True,
@@ -163,9 +161,8 @@ def _reranker_graphs(graphs: _Graphs, model: CrossEncoder, fp16: bool, int8: boo
 
 
 def _scorer_kind(hf: dict, labels: int, kind: str | None) -> str:
-    """A sequence classifier's kind: `kind` (export's --kind) when given; else a classifier
-    for several labels, or for one label trained as multi-label classification (a detector);
-    else a reranker."""
+    """A sequence classifier's kind: `kind` (export's --kind) when given; else a classifier for
+    several labels or a multi-label problem_type (a detector), else a reranker."""
     if kind is None:
         multi_label = hf.get("problem_type") == "multi_label_classification"
         kind = CLASSIFIER if labels >= 2 or multi_label else RERANKER

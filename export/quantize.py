@@ -114,8 +114,7 @@ Row = tuple[np.ndarray, np.ndarray | None]
 
 def encode_texts(tokenizer: Path, texts: tuple[str, ...], max_positions: int, pairs: bool = False,
                  token_types: bool = False) -> list[Row]:
-    """Each text, or with `pairs` each text with the next one as a (query, text) pair, as the
-    tokenizer pairs them."""
+    """Each text tokenized, or with `pairs` each text and the next as a (query, text) pair."""
     # The bundled tokenizer.json pads and truncates to 128 tokens; cut at the model's
     # positions instead (keeping [SEP]) so long texts reach the lengths served.
     tok = Tokenizer.from_file(str(tokenizer))
@@ -212,9 +211,8 @@ def _pruned(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _smooth(model: onnx.ModelProto, stats: dict[str, _Stats]) -> onnx.ModelProto:
-    """Divide the LayerNorm outputs that feed quantized sites by per-channel factors (one Mul
-    per tensor, shared by its sites) and multiply the sites' weight rows by the same; in
-    place."""
+    """In place: divide the LayerNorm outputs that feed quantized sites by per-channel factors
+    (one Mul per tensor, shared by its sites) and multiply the sites' weight rows by the same."""
     graph = model.graph
     weights = {i.name: i for i in graph.initializer}
     producer = {out: n for n in graph.node for out in n.output}
@@ -372,9 +370,8 @@ class ScoreGate:
                                         self.token_types), CALIBRATION_BATCH, self.pad_id))
 
     def measure(self, reference: Path, target: Path) -> np.ndarray:
-        """Per pair of PARITY_TEXTS (each text and the next), the worse of two differences of
-        its scores between the graphs (every label's, at its largest): the pair alone, and in
-        a padded batch."""
+        """Per pair of PARITY_TEXTS (each text and the next), its largest score difference
+        between the graphs over its labels, the worse of the pair alone and in a padded batch."""
         rows = encode_texts(self.tokenizer, PARITY_TEXTS, self.max_positions, True, self.token_types)
         fp32, int8 = session(reference), session(target, "int8")
         errors = np.concatenate([np.abs(scores(fp32.run([LOGITS_OUTPUT], feed)[0])
@@ -437,9 +434,8 @@ def quantize_graph(source: Path, reference: Path, target: Path, gate: Gate) -> Q
 def _quantize_gated(smoothed: Path, sites: list[_Site], stats: dict[str, _Stats],
                     reference: Path, target: Path, gate: Gate, pooling: list[str]
                     ) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
-    """Quantize the smoothed graph into `target`, the matmuls with outlier tokens split
-    (or, should that miss the gate, kept fp32); returns the gate's measure, the split
-    matmuls and those kept fp32."""
+    """Quantize the smoothed graph into `target`, the matmuls with outlier tokens split (or,
+    should that miss the gate, kept fp32); returns the gate's measure, the split and fp32 ones."""
     split: dict[str, np.ndarray] = {}
     fp32: list[str] = []
     for site in sites:

@@ -133,9 +133,8 @@ def served(name: str, value: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def max_abs_error(path: Path, model: AnyEncoder | CrossEncoder, outputs: list[str],
                   precision: str = "fp32", dense: nn.Module | None = None,
                   heads: Heads | None = None) -> float:
-    """Worst absolute difference between onnxruntime and PyTorch over the parity shapes,
-    in what is served (`served`); `dense`: the Dense layers the pooled outputs go through;
-    `heads`: the embedder's heads."""
+    """Worst absolute difference between onnxruntime and PyTorch over the parity shapes, in
+    what is served (`served`); `dense`, `heads`: the embedder's Dense layers and heads."""
     sess = session(path, precision)
     inputs = [i.name for i in sess.get_inputs()]
     # The module that was traced: every output, pooled vectors included, in its place.
