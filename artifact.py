@@ -182,9 +182,8 @@ class SparseHead:
 
 @dataclass(frozen=True)
 class LexicalHead:
-    """bge-m3's lexical weights: one weight per token (graph output TOKEN_WEIGHTS_OUTPUT); a
-    text's weight for a token id is the largest of its tokens of that id, the special
-    tokens' left out."""
+    """bge-m3's lexical weights: a weight per token (TOKEN_WEIGHTS_OUTPUT); a text's weight for
+    a token id is the largest of its tokens of that id, special tokens' left out."""
 
     dropped_token_ids: list[int]
     """the ids whose weights are left out: the tokenizer's cls, eos, pad and unk tokens"""
@@ -211,8 +210,7 @@ class MultiVectorInput:
 
 @dataclass(frozen=True)
 class MultiVectorHead:
-    """Late interaction (ColBERT): one vector per token (graph output MULTI_VECTOR_OUTPUT),
-    scored by MaxSim."""
+    """Late interaction (ColBERT): a vector per token (MULTI_VECTOR_OUTPUT), scored by MaxSim."""
 
     dim: int
     skip_leading: int
@@ -339,9 +337,8 @@ class Manifest:
 
     @property
     def pooled_outputs(self) -> tuple[str, ...]:
-        """An embedder's pooled outputs, in every graph: each pooling's (format_version 5;
-        mean and cls before), raw and normalised; a reranker, a classifier and an embedder
-        without a dense head have none."""
+        """An embedder's pooled outputs, in every graph: each pooling's (format_version 5; mean
+        and cls before), raw and normalised; none without a dense head or for a scorer."""
         if self.kind != EMBEDDER or not self.dense:
             return ()
         poolings = POOLINGS if self.format_version >= 5 else ("mean", "cls")
@@ -360,9 +357,8 @@ class Manifest:
 
 
 def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
-    """The outputs the server asks `graph` for: a reranker's or classifier's logits; an
-    embedder's hidden state, every pooled vector and its other heads' outputs, and in an
-    attention graph every layer's maps."""
+    """The outputs the server asks `graph` for: a scorer's logits; an embedder's hidden state,
+    pooled vectors and other heads' outputs, and in an attention graph every layer's maps."""
     if manifest.kind in SCORERS:
         return [LOGITS_OUTPUT]
     names = [HIDDEN_OUTPUT, *manifest.pooled_outputs, *manifest.head_outputs]
@@ -372,10 +368,9 @@ def required_outputs(manifest: Manifest, graph: Graph) -> list[str]:
 
 
 def sequence_outputs(manifest: Manifest) -> tuple[str, ...]:
-    """The outputs a batch hands each sequence a row of: an embedder's pooled vectors and
-    its other heads' outputs (SPLADE's vocabulary row; bge-m3's weight and vector per
-    position, which the engine cuts to the sequence's tokens), a reranker's or
-    classifier's logits."""
+    """The outputs a batch hands each sequence a row of: a scorer's logits; an embedder's pooled
+    vectors and its other heads' outputs (SPLADE's vocabulary row; bge-m3's weight and vector
+    per position, which the engine cuts to the sequence's tokens)."""
     if manifest.kind in SCORERS:
         return (LOGITS_OUTPUT,)
     return manifest.pooled_outputs + manifest.head_outputs
