@@ -80,21 +80,21 @@ class ModelMemory:
     def keep_free(self, peak: float) -> None:
         """The largest peak a waiting request needs to run alone: the ledger leaves the
         largest of every model's."""
-        budget = self.shared_budget
-        budget.reserved[self.name] = peak
+        common = self.shared_budget
+        common.reserved[self.name] = peak
         if self.shared:
-            self.ledger.totals.reserve = max(budget.reserved.values())
+            self.ledger.totals.reserve = max(common.reserved.values())
 
     def in_flight(self, held: float) -> None:
         """What the batches in flight hold now: the ledger leaves every model's. Less than
         before, the other models' batch loops are woken (`on_freed`)."""
-        budget = self.shared_budget
-        freed = held < budget.in_flight.get(self.name, 0.0)
-        budget.in_flight[self.name] = held
+        common = self.shared_budget
+        freed = held < common.in_flight.get(self.name, 0.0)
+        common.in_flight[self.name] = held
         if self.shared:
-            self.ledger.totals.batches = budget.in_flight_bytes()
+            self.ledger.totals.batches = common.in_flight_bytes()
         if freed:
-            for other, wake in budget.waiting.items():
+            for other, wake in common.waiting.items():
                 if other != self.name:
                     wake()
 
