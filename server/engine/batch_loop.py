@@ -215,12 +215,13 @@ class BatchLoop:
         first = self.queue.first() if live else None
         if first is None:
             return
-        key = self.queue.key(first)
+        key, put_back = self.queue.key(first), False
         for batch in live:
             if (batch.priority is not first.job.priority and key < batch.key
                     and self.queue.put_back(batch.items)):
-                batch.holds = 0.0
-        self.memory.in_flight(sum(b.holds for b in self.in_flight))  # the same figure if none was put back
+                batch.holds, put_back = 0.0, True
+        if put_back:
+            self.memory.in_flight(sum(b.holds for b in self.in_flight))
 
     # --- on the inference thread -------------------------------------------------------
 

@@ -74,7 +74,9 @@ def keep(model: ServedModel, results: list[SequenceResult], ids: list[np.ndarray
     head = model.manifest.multi_vector
     skipped = side.skiplist_ids if side is not None else []
     for result, sequence in zip(results, ids, strict=True):
-        kept = (np.arange(sequence.size) >= head.skip_leading) & ~np.isin(sequence, skipped)
+        kept = np.arange(sequence.size) >= head.skip_leading
+        if skipped:  # most models skip none: no set lookup per sequence
+            kept &= ~np.isin(sequence, skipped)
         result.pooled[MULTI_VECTOR_OUTPUT] = result.pooled[MULTI_VECTOR_OUTPUT][kept]
 
 

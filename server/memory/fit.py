@@ -109,7 +109,8 @@ def fit_phases(rows: list[Measured], heads: int, target: Target = PEAK) -> list[
             phases = [fit_phase(g, heads, target) for g in groups]
             regrouped: list[list[Measured]] = [[], []]
             for r in rows:
-                regrouped[int(predict(phases[1:], r, heads) > predict(phases[:1], r, heads))].append(r)
+                values = features(r.graph, r.batch, r.seq, heads, r.returned_layers)
+                regrouped[int(np.dot(phases[1], values) > np.dot(phases[0], values))].append(r)
             if regrouped == groups:
                 break
             groups = regrouped
