@@ -367,6 +367,8 @@ class BatchLoop:
             if batch is None:
                 return
             batch.beside = beside
+            log.debug("event=batch_formed model=%s priority=%s sequences=%d beside=%s", self.model,
+                      batch.priority.value, len(batch.items), str(beside).lower())
             self.in_flight[batch] = self.loop.create_task(self._run(batch), name="batch")
             self.memory.in_flight(sum(b.holds for b in self.in_flight))
 

@@ -42,9 +42,9 @@ class ModelRunner:
         self.memory, self.limits, self.metrics, self.times = memory, limits, metrics, times
         self.inference = inference_pool(name, backend.concurrency, backend.bind_thread)
         bind_beside = functools.partial(backend.bind_thread, beside=True)
-        beside = inference_pool(f"{name}-beside", 1, bind_beside) if backend.beside else None
+        self.beside = inference_pool(f"{name}-beside", 1, bind_beside) if backend.beside else None
         self.queue = RequestQueue(name, limits, memory, metrics)
-        self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, beside, metrics,
+        self.batch_loop = BatchLoop(name, self.queue, backend, self.inference, self.beside, metrics,
                                     probe, limits, memory, times, artifact.manifest.pad_token_id)
         self.warm = False
         """both graphs have run on every inference thread"""
@@ -57,6 +57,8 @@ class ModelRunner:
         log.info("event=warm_up_start model=%s shapes=%d threads=%d", self.name, len(shapes), threads)
         await asyncio.gather(*map(asyncio.wrap_future, on_every_thread(
             self.inference, threads, lambda: self.backend.warm_up(shapes))))
+        if self.beside is not None:  # its thread started and bound, on sessions just warmed
+            await asyncio.wrap_future(self.beside.submit(lambda: None))
         log.info("event=warmed_up model=%s shapes=%d threads=%d seconds=%.2f", self.name,
                  len(shapes), threads, time.perf_counter() - started)
         self.warm = True
