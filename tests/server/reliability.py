@@ -254,17 +254,18 @@ def read_answer(sock: socket.socket) -> tuple[int, dict, bytes]:
         if not chunk:
             return 0, {}, received
         received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
+    head, _, start = received.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
     headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
     length = int(headers.get("content-length", 0))
+    body = bytearray(start)  # grown in place: `bytes +=` would copy a 63 MiB body per chunk
     while len(body) < length:
-        chunk = sock.recv(65536)
+        chunk = sock.recv(1 << 20)
         if not chunk:
             break
         body += chunk
-    return status, headers, body
+    return status, headers, bytes(body)
 
 
 def stalled_http_infer(server: ServerProcess, model: str, ids: list[int]) -> socket.socket:

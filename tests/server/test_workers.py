@@ -284,6 +284,8 @@ def test_a_killed_front_ends_held_memory_is_freed(minilm_artifact):
             served = connection_to(server, b, server.http_port)
             served.sendall(request)
             assert status_of(served) == 200
+            # Closed unread: else the drain at the end waits out --drain-seconds on its answer.
+            served.close()
         finally:
             stalled.close()
 
