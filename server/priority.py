@@ -15,7 +15,10 @@ from contextvars import ContextVar
 from attnserve.server.errors import InvalidArgument, quote
 
 
-class Priority(enum.Enum):
+class Priority(enum.StrEnum):
+    """A str equal to its value: hashed in C where the queue's lanes and the metrics' series
+    are looked up on every call, and a label or a log field as it is."""
+
     INTERACTIVE = "interactive"
     BULK = "bulk"
 

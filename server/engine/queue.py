@@ -392,7 +392,7 @@ class RequestQueue:
         job.items = []
         waited = time.monotonic() - job.enqueued
         self.metrics.stage_duration.labels(self.model, "queue").observe(waited)
-        self.metrics.queue_wait.labels(self.model, job.priority.value).observe(waited)
+        self.metrics.queue_wait.labels(self.model, job.priority).observe(waited)
         self._keep_free()
 
     def drop(self, job: Job, reason: str, error: RequestError | None) -> None:
@@ -426,7 +426,7 @@ class RequestQueue:
                 w.state = State.DROPPED
         mine = queued + taken
         if mine:
-            self.metrics.dropped.labels(self.model, reason, mine[0].job.priority.value).inc(len(mine))
+            self.metrics.dropped.labels(self.model, reason, mine[0].job.priority).inc(len(mine))
             self._leave(mine)
             self.changed.set()
 
