@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -151,12 +152,10 @@ class Metrics:
         self.registry = counted if front_ends_dir is None else CollectorRegistry()
         if front_ends_dir is not None:
             self.registry.register(Merged(counted, front_ends_dir))
-        def histogram(*args, **kwargs) -> Labelled:
-            return Labelled(Histogram(*args, registry=counted, **kwargs))
+        def labelled(kind: type[Counter | Gauge | Histogram], *args, **kwargs) -> Labelled:
+            return Labelled(kind(*args, registry=counted, **kwargs))
 
-        def counter(*args, **kwargs) -> Labelled:
-            return Labelled(Counter(*args, registry=counted, **kwargs))
-
+        histogram, counter = partial(labelled, Histogram), partial(labelled, Counter)
         # The length buckets' upper edges: 16, 32, ... up to the model's maximum.
         self.edges = [16 << i for i in range(max_positions.bit_length())
                       if 16 << i < max_positions] + [max_positions]
@@ -190,10 +189,10 @@ class Metrics:
         # A door counts a call in as it starts (model "" until routed_to moves it) and out once
         # answered (call.CallRecord), in the task that serves it. With --workers each front end
         # counts its own and a scrape sums them (livesum).
-        self.inflight = Labelled(Gauge(
-            "attnserve_inflight_requests", "Requests being handled now, by the model each was "
-            "routed to (empty before a call names one, and for calls that name none).",
-            ["model"], registry=counted, multiprocess_mode="livesum"))
+        self.inflight = labelled(
+            Gauge, "attnserve_inflight_requests", "Requests being handled now, by the model each "
+            "was routed to (empty before a call names one, and for calls that name none).",
+            ["model"], multiprocess_mode="livesum")
         self.queue_wait = histogram(
             "attnserve_queue_wait_seconds", "Time a request waited in its model's queue, by "
             "priority class: from queued until its last sequence started running (or was "

@@ -368,7 +368,7 @@ class BatchLoop:
                 return
             batch.beside = beside
             log.debug("event=batch_formed model=%s priority=%s sequences=%d beside=%s", self.model,
-                      batch.priority.value, len(batch.items), str(beside).lower())
+                      batch.priority.value, len(batch.items), "true" if beside else "false")
             self.in_flight[batch] = self.loop.create_task(self._run(batch), name="batch")
             self.memory.in_flight(sum(b.holds for b in self.in_flight))
 
