@@ -51,14 +51,17 @@ class Plan:
     backend_reps: Reps
     memory_seqs: tuple[int, ...]
     memory_batches: tuple[int, ...]
+    load_seconds: float
+    """how long each load that counts what it gets done runs (lanes in threads, the front
+    end's requests/s)"""
 
 
 FULL = Plan(ONE_CALLER_SHAPES, Reps(10, 400, 1.5, warmup=2, max_seconds=3.0), 640, CONCURRENT_CALLERS,
             8000, MIXED_CALLERS, CLIENT_PROCESSES, (), (1, 2, 4), SHAPES,
-            Reps(5, 200, 2.0, max_seconds=float("inf")), MEMORY_SEQS, MEMORY_BATCHES)
+            Reps(5, 200, 2.0, max_seconds=float("inf")), MEMORY_SEQS, MEMORY_BATCHES, 2.0)
 QUICK = Plan(((1, 16), (32, 128)), Reps(2, 4, 0.0, warmup=1), 4, 2, 48, 8, 2,
              ("--max-batch-size", "4", "--max-batch-tokens", "512"), (1, 2), ((1, 16), (32, 128)),
-             Reps(2, 200, 0.2, max_seconds=float("inf")), (16, 64), (1, 4))
+             Reps(2, 200, 0.2, max_seconds=float("inf")), (16, 64), (1, 4), 0.3)
 
 
 @dataclass
@@ -163,7 +166,7 @@ def raw_phase(artifact: Artifact, device: str, plan: Plan, inputs: Inputs, budge
         if budget.left() < 150:
             break
         row = lanes_in_threads(create_backend(artifact, device, precision, 0, Strategy(sessions=count)),
-                               ids, mask)
+                               ids, mask, plan.load_seconds)
         out["sessions"][str(count)] = row
         log.info("phase=raw sessions=%d tokens_per_s=%.0f", count, row["tokens_per_s"])
     if budget.left() >= 140:
@@ -187,7 +190,7 @@ def _default_rows(session, plan: Plan, batches: dict) -> dict:
     return out
 
 
-def lanes_in_threads(backend, ids: np.ndarray, mask: np.ndarray, seconds: float = 1.5) -> dict:
+def lanes_in_threads(backend, ids: np.ndarray, mask: np.ndarray, seconds: float) -> dict:
     """Each of the backend's lanes in a thread of its own, back to back on one batch (the
     pooled vector out) for `seconds`, started together once every lane has run it once."""
     counts = [0] * backend.concurrency

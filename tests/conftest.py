@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from attnserve.server.host import with_malloc_tunables
+from attnserve.server.memory import alloc_hook
 from tests import harness
 from tests.artifact_cache import exported
 from tests.families import (
@@ -38,6 +40,13 @@ def pytest_configure(config):
     workers = config.getoption("--server-workers")
     if workers:
         harness.SERVE_FLAGS[:] = ["--workers", workers]
+    # Each server starts as `attnserve serve` leaves itself once it has started again with
+    # the allocation hook and glibc's tunables (server/memory/alloc_hook.py), without the
+    # first start, which costs about 0.2 s a server; tests/server/test_alloc_hook.py starts
+    # servers that start themselves again.
+    if alloc_hook.LIBRARY.is_file():
+        harness.SERVE_ENV.update(LD_PRELOAD=str(alloc_hook.LIBRARY),
+                                 GLIBC_TUNABLES=with_malloc_tunables(os.environ)["GLIBC_TUNABLES"])
 
 
 def export(out: Path, checkpoint: Path | None = None, *extra: str) -> Path:

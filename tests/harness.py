@@ -30,6 +30,9 @@ STOP_TIMEOUT_S = 60
 PORT_ATTEMPTS = 3
 SERVE_FLAGS: list[str] = []
 """flags every server started here gets before its own (the test suite's --server-workers)"""
+SERVE_ENV: dict[str, str] = {}
+"""variables every server started here gets before `env` (the test suite's preloaded
+allocation hook)"""
 
 Samples = dict[tuple[str, frozenset], float]
 """(sample name, its labels) -> value"""
@@ -50,7 +53,8 @@ class ServerProcess:
     """One `attnserve serve` on 127.0.0.1, started and ready when constructed: on the CPU,
     gRPC on a port the OS picks, /metrics and HTTP on free ones. `flags` come after those,
     so they win. ATTNSERVE_* variables of the caller's environment are not passed on (a
-    stray one would change the server under test); `env` adds variables, those included.
+    stray one would change the server under test); `SERVE_ENV`, then `env`, add variables,
+    those included.
     `start_new_session`: the server leads a process group of its own, which a signal can reach
     as a whole (as Ctrl-C or systemd does). `command`: the `attnserve` to run (another
     checkout's, say). `stop()` it, or use it as a context manager."""
@@ -64,7 +68,7 @@ class ServerProcess:
         self.log_path = log_path or self.workdir / "serve.log"
         self.ready_path = self.workdir / "ready.json"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
-        self.env.update(env or {})
+        self.env.update(SERVE_ENV, **env or {})
         # A port free when picked can be taken by another process before the server binds
         # it (seen in CI: "address already in use"); then the start is tried again on
         # other ports.

@@ -31,6 +31,7 @@ def test_export_refuses_a_family_it_does_not_implement(tmp_path, tiny_checkpoint
     line = refusal("export", "--from", str(relabelled), "--out", str(tmp_path / "out"))
     assert line.startswith(f"attnserve export: {relabelled / 'config.json'}: model_type 'electra' "
                            "is not served; attnserve exports bert, roberta")
+    assert not list((tmp_path / "out").glob("*"))  # refused before any graph is written
 
 
 def test_export_refuses_float16_graphs_of_a_sparse_encoder(tmp_path):

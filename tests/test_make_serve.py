@@ -1,6 +1,7 @@
-"""`make serve` in a checkout holding an artifact an older exporter wrote: it names the
-reason in one line, exports the default model again, fits its memory model on this
-machine's provider, and serves it."""
+"""`make serve` in a checkout holding the default model's artifact without a memory model:
+it keeps the artifact (current, said in one line), fits its memory model on this machine's
+provider, and serves it. What `export --unless-current` does with a missing or outdated
+artifact is tested in tests/export/test_unless_current.py."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from attnserve.artifact import FORMAT_VERSION, MANIFEST, MEMORY_MODEL, load_artifact
+from attnserve.artifact import MEMORY_MODEL
 from attnserve.client import EncoderClient
 from attnserve.server.memory.model import ATTENTION, EMBEDDINGS
 from tests.harness import REPO
@@ -20,14 +21,10 @@ START_TIMEOUT_S = 600
 PROFILE_ARGS = "--seq-lens 8,16,32 --batch-sizes 1,2"
 
 
-def test_make_serve_exports_an_older_artifact_again_and_serves_it(minilm_artifact, tmp_path):
+def test_make_serve_keeps_a_current_artifact_fits_its_memory_model_and_serves_it(minilm_artifact, tmp_path):
     artifact = tmp_path / "all-MiniLM-L6-v2"
     shutil.copytree(minilm_artifact, artifact)
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    # As the older exporter wrote it: without the pooled outputs it did not make.
-    ranges = manifest["embedding_ranges"]["ranges"]
-    manifest["embedding_ranges"]["ranges"] = {k: v for k, v in ranges.items() if "lasttoken" not in k}
-    (artifact / MANIFEST).write_text(json.dumps(manifest | {"format_version": FORMAT_VERSION - 1}))
+    (artifact / MEMORY_MODEL).unlink(missing_ok=True)
     ready = tmp_path / "ready.json"
     serve_args = (f"--host 127.0.0.1 --port 0 --http-port 0 --metrics-port 0 "
                   f"--ready-file {ready}")
@@ -52,10 +49,8 @@ def test_make_serve_exports_an_older_artifact_again_and_serves_it(minilm_artifac
         os.killpg(make.pid, signal.SIGTERM)
         make.wait(60)
 
-    said = [line for line in log.read_text().splitlines() if "exporting again" in line]
-    assert said == [f"{artifact / MANIFEST}: format_version {FORMAT_VERSION - 1}, from an older "
-                    f"exporter (this one writes {FORMAT_VERSION}): exporting again"], log.read_text()
-    assert load_artifact(artifact).manifest.format_version == FORMAT_VERSION
+    said = [line for line in log.read_text().splitlines() if line.startswith(str(artifact))]
+    assert said == [f"{artifact}: current, kept"], log.read_text()
     fitted = json.loads((artifact / MEMORY_MODEL).read_text())["models"]
     kinds = {key.rsplit("/", 1)[1] for key in fitted}
     assert kinds == {EMBEDDINGS, ATTENTION}, fitted

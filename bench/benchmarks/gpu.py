@@ -248,9 +248,10 @@ def server_phase(args, artifact: Path, config: Config, plan: Plan, inputs: Input
             # process: where the Python front end, not the device, is the limit.
             text = inputs.shapes[(1, 16)].texts[0]
             out["front_end_rps"] = {method: load.run(Callers(
-                Grpc(server.address, method=method), [request], 32 * plan.client_processes, seconds=2.0,
-                processes=plan.client_processes), pool=pool)[0].rate for method, request in (
-                    ("GetModelInfo", pb.GetModelInfoRequest()), ("Embed", pb.EmbedRequest(texts=[text])))}
+                Grpc(server.address, method=method), [request], 32 * plan.client_processes,
+                seconds=plan.load_seconds, processes=plan.client_processes), pool=pool)[0].rate
+                for method, request in (("GetModelInfo", pb.GetModelInfoRequest()),
+                                        ("Embed", pb.EmbedRequest(texts=[text])))}
             log.info("phase=server config=%r front_end_rps=%s", config.name, out["front_end_rps"])
         scraped = server.scrape()
         out["unseen_shape_runs"] = sample(scraped, UNSEEN, graph="embeddings")

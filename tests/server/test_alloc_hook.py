@@ -105,7 +105,10 @@ def test_every_allocation_path_is_counted_and_counted_back_when_freed():
     assert 3 * MIB <= one_at_a_time < 3 * MIB + slack, one_at_a_time
 
 
-@pytest.mark.parametrize("env", [{"ATTNSERVE_ALLOC_HOOK_TRIED": "1"}, {"LD_PRELOAD": "libm.so.6"}],
+# An empty LD_PRELOAD: the server starts as a user starts it, not preloaded by the suite
+# (tests/conftest.py).
+@pytest.mark.parametrize("env", [{"ATTNSERVE_ALLOC_HOOK_TRIED": "1", "LD_PRELOAD": ""},
+                                 {"LD_PRELOAD": "libm.so.6"}],
                          ids=["preload-failed", "operator-preload"])
 def test_without_it_the_server_samples_and_says_why(tiny_artifact, tmp_path, env):
     log = tmp_path / "server.log"
@@ -121,9 +124,11 @@ def test_without_it_the_server_samples_and_says_why(tiny_artifact, tmp_path, env
 
 def test_the_server_preloads_it(tiny_artifact, tmp_path):
     log = tmp_path / "server.log"
-    with ServerProcess(tiny_artifact, log_path=log) as server:
+    with ServerProcess(tiny_artifact, env={"LD_PRELOAD": ""}, log_path=log) as server:
         with EncoderClient(server.address) as client:
             client.embed(texts=["one short text"])
         maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+        environ = Path(f"/proc/{server.proc.pid}/environ").read_bytes().split(b"\0")
+    assert f"LD_PRELOAD={alloc_hook.LIBRARY}".encode() in environ  # it started itself again
     assert str(alloc_hook.LIBRARY) in maps
     assert "batch_peak='peak of the bytes the inference thread allocated" in log.read_text()
