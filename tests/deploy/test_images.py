@@ -181,8 +181,8 @@ def test_dockerignore_keeps_what_the_build_needs():
         "server",
         "model",
         "export",
-        "bench",
     ):
         assert not ignored(needed), f".dockerignore drops {needed}, which the build needs"
-    for dropped in (".git", ".venv", ".venv-lint", "tests", "deploy", "server/_proto", "artifacts"):
+    for dropped in (".git", ".venv", ".venv-lint", "tests", "bench", "docs", "deploy", "server/_proto",
+                    "artifacts"):
         assert ignored(dropped), f".dockerignore sends {dropped} to the build"
