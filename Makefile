@@ -59,7 +59,8 @@ alloc-hook: $(ALLOC_HOOK)
 
 # The default model's artifact, exported when it is missing or was written by an exporter
 # this one does not match (an older format, graphs without an output the server asks
-# for): `--unless-current` says which in one line, or keeps it.
+# for): `--unless-current` says which in one line, or keeps it. An outdated artifact of
+# another model at ARTIFACT is refused, not replaced with the default one.
 export: | $(PROTO_OUT)/.stamp
 	$(BIN)/attnserve export --out $(ARTIFACT) --unless-current
 

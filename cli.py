@@ -16,11 +16,17 @@ from attnserve.server.logs import setup_logging
 
 def cmd_export(args: argparse.Namespace) -> int:
     if args.unless_current:
-        from attnserve.artifact import outdated
+        from attnserve.artifact import DEFAULT_MODEL_NAME, exported_model, outdated
 
         if (reason := outdated(args.out)) is None:
             print(f"{args.out}: current, kept")
             return 0
+        # `make serve ARTIFACT=dir` must not replace another model's outdated artifact with
+        # the default one: only its own checkpoint can export it again.
+        name = args.name or (args.checkpoint.name if args.checkpoint else DEFAULT_MODEL_NAME)
+        if (held := exported_model(args.out)) not in (None, name):
+            return _refused("export", f"{reason}; it holds {held}, not {name}: export it again "
+                            "--from its checkpoint, or name another --out")
         print(f"{reason}: exporting again", flush=True)
     # Imported here: export brings torch, which the serving path never loads.
     from attnserve.export.pipeline import run_export

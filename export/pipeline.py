@@ -15,6 +15,7 @@ from torch import nn
 
 from attnserve.artifact import (
     CLASSIFIER,
+    DEFAULT_MODEL_NAME,
     EMBEDDER,
     INPUT_NAMES,
     MANIFEST,
@@ -47,7 +48,6 @@ from attnserve.model.sentence_modules import check_reranker_modules, dense_layer
 
 log = logging.getLogger("attnserve.export")
 
-DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 FP32_TOLERANCE = 1e-4
 # fp16 keeps about three significant digits; hidden states reach magnitudes of ~10.
 FP16_TOLERANCE = 5e-2

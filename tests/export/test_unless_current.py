@@ -83,6 +83,19 @@ def test_an_artifact_from_an_older_exporter_is_exported_again(older, tiny_checkp
     assert served.returncode == 0, served.stderr
 
 
+def test_another_models_outdated_artifact_is_refused_not_replaced(older):
+    """`make serve ARTIFACT=dir` exports the default checkpoint: over an outdated artifact of
+    another model it refuses and leaves the directory as it was."""
+    before = {p.name: p.read_bytes() for p in older.iterdir()}
+    held = load_artifact(older, verify=()).manifest.model_name
+    done = subprocess.run([*ATTNSERVE, "export", "--out", str(older), "--unless-current"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (f"attnserve export: {outdated(older)}; it holds {held}, not all-MiniLM-L6-v2: "
+                           "export it again --from its checkpoint, or name another --out\n")
+    assert {p.name: p.read_bytes() for p in older.iterdir()} == before
+
+
 @pytest.mark.parametrize(("edit", "reason"), [
     # (an exporter of format 1 fitted no embedding ranges)
     (lambda data: data.update(format_version=1, embedding_ranges=None),
