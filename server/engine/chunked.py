@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve.artifact import pooled_output
-from attnserve.server.engine import timings
 from attnserve.server.engine.chunk_cuts import Chunks, best_windows, cut, default_overlap, windows
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import CHUNK_S, CUT_CHAR_S, TEXT_CHAR_S, TEXT_S, cost
@@ -129,7 +128,7 @@ async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Promp
     # A text may have no tokens, and so no chunks.
     model.scheduler.admit(0, at_least=True)
     request.size.check(np.zeros(len(texts), dtype=np.int64), at_least=True)
-    with model.metrics.stage_duration.labels(model.name, "tokenize").time(), timings.stage("tokenize"):
+    with model.stage("tokenize"):
         plans = await model.offload.request(
             cost(texts, TEXT_S, TEXT_CHAR_S + CUT_CHAR_S), _plan_chunks, model, texts, chunking,
             width, overlap, names, request.size, holds)

@@ -26,7 +26,7 @@ async def classify(model: ServedModel, request: ClassifyRequest, holds: Holds,
     left = model.left(request.truncation_direction)
     model.scheduler.admit(count * len(model.tokenizer.empty.ids), at_least=True)
     size = request.size.check(np.zeros(count, dtype=np.int64))
-    with model.metrics.stage_duration.labels(model.name, "tokenize").time():
+    with model.stage("tokenize"):
         ids, segments = await model.offload.request(
             cost([*request.texts, *filter(None, request.text_pairs)], TEXT_S, TEXT_CHAR_S),
             _encode, model, request, left, holds)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from attnserve.artifact import EMBEDDER, HIDDEN_OUTPUT, MULTI_VECTOR_OUTPUT
-from attnserve.server.engine import multi_vector, timings
+from attnserve.server.engine import multi_vector
 from attnserve.server.engine.chunked import embed_chunked
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import DECODE_ID_S, ID_SEQUENCE_S, TOKEN_ID_S, cost
@@ -63,7 +63,7 @@ async def embed(model: ServedModel, request: EmbedRequest, holds: Holds, deadlin
         ids = [e.ids for e in encoded]
         lengths = lengths_of(ids)
     else:
-        with timings.stage("tokenize"):
+        with model.stage("tokenize"):
             ids, lengths = await model.offload.request(
                 cost(request.token_ids, ID_SEQUENCE_S, TOKEN_ID_S), _read_ids, model,
                 request.token_ids, request.truncate, names)

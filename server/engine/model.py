@@ -5,7 +5,8 @@ is a module of its own (engine/__init__.py names them); a model asked for a job 
 naming what it is. It hands sequences to its scheduler (the request queue and batch loop in this process, or
 the engine process's with `--workers`) and gets back each sequence's share of a batch's outputs."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
 from attnserve.artifact import (
@@ -98,10 +99,17 @@ class ServedModel:
         it has been sent."""
         holds.take(RESPONSE_COPIES * size, "the response", on_top=on_top)
 
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time a step of the running call both where operators and where its caller look:
+        the stage_duration histogram, and the call's own record (timing headers, trace)."""
+        with self.metrics.stage_duration.labels(self.name, name).time(), timings.stage(name):
+            yield
+
     async def pack(self, seconds: float, build: Callable[..., T], *args) -> T:
         """`build(*args)`: a door's response built from a result, inline when it costs
         less than offload.INLINE_S, else on the responses pool."""
-        with self.metrics.stage_duration.labels(self.name, "respond").time(), timings.stage("respond"):
+        with self.stage("respond"):
             return await self.offload.response(seconds, build, *args)
 
     def prompt(self, name: str | None, texts: bool = True) -> Prompt | None:
@@ -134,7 +142,7 @@ class ServedModel:
         """The texts' token ids (TextTokenizer.encode), off the event loop when they are
         many or long; a text too long is refused naming its field, `field_of(index)`."""
         try:
-            with self.metrics.stage_duration.labels(self.name, "tokenize").time(), timings.stage("tokenize"):
+            with self.stage("tokenize"):
                 return await self.offload.request(
                     cost(texts, TEXT_S, TEXT_CHAR_S), self.tokenizer.encode, texts, truncate,
                     holds, details, prompt, left, special_tokens)

@@ -46,7 +46,7 @@ async def rerank(model: ServedModel, request: RerankRequest, holds: Holds,
     shown = count if request.top_n is None else min(count, request.top_n)
     least = model.tokenizer.pair.specials + 1  # an empty text's pair with a one-token query
     model.scheduler.admit(count * least, at_least=True)
-    with model.metrics.stage_duration.labels(model.name, "tokenize").time():
+    with model.stage("tokenize"):
         ids, segments, size = await model.offload.request(
             cost(request.texts, TEXT_S, TEXT_CHAR_S), _pairs, model, request, shown, left, holds)
     lengths = lengths_of(ids)

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from attnserve.artifact import HIDDEN_OUTPUT, LOGITS_OUTPUT, SCORERS, TOKEN_TYPES
-from attnserve.server.engine import timings
 from attnserve.server.engine.model import ALL_ATTENTIONS, ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, ID_SEQUENCE_S, TOKEN_ID_S
 from attnserve.server.engine.requests import InputTensor, Submission, TensorRequest
@@ -32,7 +31,7 @@ async def run(model: ServedModel, request: TensorRequest, holds: Holds,
     model.scheduler.admit(batch, at_least=True)
     shapes = [(name, model.output_shape(name, layers, batch, seq)) for name in names]
     response_bytes = request.size(shapes).check(np.zeros(0, np.int64))
-    with timings.stage("tokenize"):
+    with model.stage("tokenize"):
         sequences, lengths, segments = await model.offload.request(
             batch * (ID_SEQUENCE_S + seq * len(model.manifest.inputs) * TOKEN_ID_S), _rows,
             model, request.inputs, batch, seq)
@@ -40,7 +39,7 @@ async def run(model: ServedModel, request: TensorRequest, holds: Holds,
     results = await model.run(Submission(sequences, lengths, layers, deadline, outputs,
                                          segments=segments),
                               request.names.sequence, response_bytes, holds)
-    with timings.stage("respond"):
+    with model.stage("respond"):
         return await model.offload.response(response_bytes * COPY_BYTE_S, _dense, model, shapes,
                                             layers, results)
 

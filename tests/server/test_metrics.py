@@ -172,10 +172,10 @@ def test_batch_tokens_real_and_padded(scrape):
 
 def test_stage_counts(scrape):
     s, _, _ = scrape
-    # Every Embed answered and the Tokenize call built a response; the Tokenize call is the
-    # only one that tokenized.
+    # Every Embed read its token ids (the refused one too, up to its bad id) and every one
+    # answered built a response; the Tokenize call did both.
     for stage, count in {"queue": len(REQUESTS), "inference": len(REQUESTS),
-                         "respond": len(REQUESTS) + 1, "tokenize": 1}.items():
+                         "respond": len(REQUESTS) + 1, "tokenize": len(REQUESTS) + 2}.items():
         assert s.value("attnserve_stage_duration_seconds_count", stage=stage) == count, stage
 
 

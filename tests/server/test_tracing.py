@@ -154,6 +154,21 @@ def test_grpc_call_continues_the_callers_trace(traced, receiver):
     assert attributes(root)["rpc.method"] == "Embed"
 
 
+def test_a_rerank_call_times_every_step(bert_reranker_artifact, receiver):
+    """A reranker tokenizes its pairs on a path of its own: that step is in its trace too."""
+    trace_id = "feedfacefeedfacefeedfacefeedface"
+    with ServerProcess(bert_reranker_artifact, "--otlp-endpoint", f"http://127.0.0.1:{receiver.port}",
+                       env=FAST_EXPORT) as server:
+        request = urllib.request.Request(
+            server.http_url + "/rerank", data=json.dumps({"query": "q", "texts": ["a b", "c d"]}).encode(),
+            headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{PARENT_ID}-01"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
+        spans = receiver.trace(bytes.fromhex(trace_id), 5)
+    model = json.loads((bert_reranker_artifact / "manifest.json").read_text())["model_name"]
+    check_call(spans, "POST /rerank", model)
+
+
 @pytest.mark.parametrize("traceparent", ["00-zz-not-a-trace", f"00-{'0' * 32}-{PARENT_ID}-01",
                                          f"00-{TRACE_ID[:-1]}-{PARENT_ID}-01"])
 def test_a_malformed_traceparent_starts_a_new_trace(traced, receiver, traceparent):
