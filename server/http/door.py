@@ -6,7 +6,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
 import msgspec
-import numpy as np
 import orjson
 from aiohttp import web
 
@@ -30,9 +29,9 @@ async def packed(model: ServedModel, seconds: float, build: Callable[..., bytes]
     return web.Response(body=await model.pack(seconds, build, *args), content_type="application/json")
 
 
-def numbers(array: np.ndarray) -> msgspec.Raw:
-    """An array as JSON numbers: a float32 as the shortest text that reads back as it."""
-    return msgspec.Raw(orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY))
+def numbers(value: object) -> msgspec.Raw:
+    """`value`, its arrays as JSON numbers: a float32 as the shortest text that reads back as it."""
+    return msgspec.Raw(orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 class Door(ABC):

@@ -8,9 +8,7 @@ import time
 import uuid
 from functools import partial
 
-import msgspec
 import numpy as np
-import orjson
 from aiohttp import web
 
 from attnserve.artifact import CLASSIFIER, pooled_output
@@ -174,8 +172,8 @@ class OpenAIDoor(Door):
 
         def answer() -> bytes:
             empty = numbers(np.zeros(0, np.float32))
-            data = [s.Embedding("embedding", i, empty, {"sparse": msgspec.Raw(orjson.dumps(
-                {"indices": indices, "values": values}, option=orjson.OPT_SERIALIZE_NUMPY))})
+            data = [s.Embedding("embedding", i, empty,
+                                {"sparse": numbers({"indices": indices, "values": values})})
                 for i, (indices, values) in enumerate(zip(embedded.indices, embedded.values, strict=True))]
             return embedding_list(model, data, embedded.total_tokens, infinity)
 

@@ -130,6 +130,12 @@ ROUTES = [
 ROOTS = {RERANKER: "/rerank", CLASSIFIER: "/predict", "sparse": "/embed_sparse"}
 """a default model's kind (sparse: a SPLADE model's) -> the route TEI's root is (a dense
 embedder's: /embed)"""
+
+
+def tei_root(kind: str, heads: list[str]) -> str:
+    """The key in ROOTS of a default model of this kind and these heads."""
+    return "sparse" if heads == ["sparse"] else kind
+
 EXAMPLES = {"/v1/embeddings", "/embeddings"}
 """routes whose body example names the default model, so that "Try it out" answers"""
 BINARY = {"type": "string", "format": "binary"}
@@ -190,7 +196,7 @@ def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
 def openapi_document(infos: list[ModelInfo]) -> bytes:
     """The HTTP API of a server of these models (the first the default)."""
     routes = ROUTES
-    kind = "sparse" if infos[0].heads == ["sparse"] else infos[0].kind
+    kind = tei_root(infos[0].kind, infos[0].heads)
     if kind in ROOTS:  # TEI routes its root by the model's kind
         path = ROOTS[kind]
         served = next(r for r in ROUTES if r.path == path)

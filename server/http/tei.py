@@ -29,6 +29,7 @@ from attnserve.server.errors import InvalidArgument, RequestError
 from attnserve.server.http import schemas as s
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
 from attnserve.server.http.door import Door, encode, json_response, packed
+from attnserve.server.http.openapi import ROOTS, tei_root
 from attnserve.server.memory.ledger import Holds
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
@@ -110,12 +111,10 @@ class TeiDoor(Door):
 
     def routes(self) -> list[web.RouteDef]:
         default = self.plane.default
-        root = {RERANKER: self.rerank, CLASSIFIER: self.predict}.get(default.kind, self.embed)
-        if default.manifest.heads == ["sparse"]:
-            root = self.embed_sparse
-        posts = {"/": root, "/embed": self.embed, "/embed_all": self.embed_all,
+        posts = {"/embed": self.embed, "/embed_all": self.embed_all,
                  "/embed_sparse": self.embed_sparse, "/tokenize": self.tokenize, "/decode": self.decode,
                  "/rerank": self.rerank, "/predict": self.predict, "/similarity": self.similarity}
+        posts["/"] = posts[ROOTS.get(tei_root(default.kind, default.manifest.heads), "/embed")]
         return [self.route("GET", "/info", self.info), *(self.route("POST", *post) for post in posts.items())]
 
     @staticmethod
