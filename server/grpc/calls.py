@@ -6,7 +6,6 @@ TEI's timings go back in the trailing metadata (`x-request-id`, `x-total-time`, 
 import asyncio
 import contextlib
 import inspect
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -280,19 +279,3 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
                                 **{kind: behaviour})
 
 
-class QuietHungUpCalls(logging.Filter):
-    """gRPC logs an ERROR with a traceback each time a caller hangs up while its answer
-    is still being sent (ExecuteBatchError): the caller's doing, not a fault of the
-    server, and a flood of tracebacks any caller could cause at will. One key=value line
-    at INFO instead. Installed on gRPC's logger (`grpc._cython.cygrpc`)."""
-
-    PREFIX = "ExecuteBatchError raised in core by servicer method"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith(self.PREFIX):
-            record.msg = "event=send_failed reason=caller_gone method=%s"
-            record.args = (message[len(self.PREFIX):].strip(" []"),)
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.exc_info, record.exc_text = None, None
-        return True

@@ -11,10 +11,11 @@ from attnserve.server._proto.attnserve.v1 import encoder_pb2, encoder_pb2_grpc
 from attnserve.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from attnserve.server.config import ServeConfig
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.grpc.calls import DecodeRequests, QuietHungUpCalls
+from attnserve.server.grpc.calls import DecodeRequests
 from attnserve.server.grpc.encoder import EncoderService
 from attnserve.server.grpc.kserve import KServeService
 from attnserve.server.keys import ApiKeys
+from attnserve.server.logs import ClientsDoing
 from attnserve.server.metrics import Metrics
 from attnserve.server.startup import PortInUse
 from attnserve.server.tracing import Tracing
@@ -66,7 +67,10 @@ class GrpcServer:
             options += [("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000))]
         decode = DecodeRequests(self.metrics, plane, requests_pool, max_entries, self.keys, self.tracing)
         self.server = grpc.aio.server(interceptors=[decode], options=options)
-        logging.getLogger("grpc._cython.cygrpc").addFilter(QuietHungUpCalls())
+        # gRPC's line for a caller that hung up while its answer was being sent
+        logging.getLogger("grpc._cython.cygrpc").addFilter(ClientsDoing(
+            "ExecuteBatchError raised in core by servicer method", "event=send_failed reason=caller_gone "
+            "method=%s", lambda _, method: (method.strip(" []"),)))
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
             EncoderService(plane, self.metrics, config.max_message_bytes), self.server)
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(

@@ -30,6 +30,7 @@ from attnserve.server.http.openapi import openapi_document
 from attnserve.server.http.schemas import Health
 from attnserve.server.http.tei import TeiDoor
 from attnserve.server.keys import ApiKeys
+from attnserve.server.logs import ClientsDoing
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_port import MetricsThread
 from attnserve.server.tracing import Tracing
@@ -49,21 +50,6 @@ def server_ssl(cert: Path | None, key: Path | None, client_ca: Path | None) -> s
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(client_ca)
     return context
-
-
-class QuietMalformedRequests(logging.Filter):
-    """aiohttp logs a request it cannot parse (a bad request line, a header line too long)
-    at ERROR with a traceback: the client's doing, which any client could repeat to flood the
-    log. One key=value line at INFO instead. Installed on aiohttp's `aiohttp.server`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith("Error handling request"):
-            error = record.exc_info[1] if record.exc_info else None
-            record.msg = "event=malformed_request error=%r"
-            record.args = (str(error)[:200],)
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.exc_info, record.exc_text = None, None
-        return True
 
 
 def _open(request: web.Request) -> bool:
@@ -137,7 +123,10 @@ class HttpServers:
                             config.http_header_timeout_seconds)
         self.scrapes = (MetricsThread(metrics, config.metrics_host, config.metrics_port)
                         if metrics_port and config.metrics_port else None)
-        logging.getLogger("aiohttp.server").addFilter(QuietMalformedRequests())
+        # aiohttp's line for a request it cannot parse (a bad request line, a header too long)
+        logging.getLogger("aiohttp.server").addFilter(ClientsDoing(
+            "Error handling request", "event=malformed_request error=%r",
+            lambda record, _: (str(record.exc_info[1] if record.exc_info else None)[:200],)))
 
     async def start(self, reuse_port: bool = False) -> tuple[int, int]:
         """(the HTTP port, the metrics port) bound, 0 for one that is off."""
