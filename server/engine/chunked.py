@@ -19,7 +19,7 @@ from attnserve.artifact import pooled_output
 from attnserve.server.engine.chunk_cuts import Chunks, best_windows, cut, default_overlap, windows
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import CHUNK_S, CUT_CHAR_S, TEXT_CHAR_S, TEXT_S, cost
-from attnserve.server.engine.pooling import to_dimensions
+from attnserve.server.engine.pooling import to_dimensions, unit
 from attnserve.server.engine.requests import (
     ChunkedText,
     Chunking,
@@ -106,9 +106,7 @@ class TextPlan:
         means = np.concatenate([r.span_means for r in results])
         vectors = np.empty_like(means)
         vectors[np.concatenate(self.pooled_from)] = means
-        if normalize:
-            vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        return vectors
+        return unit(vectors) if normalize else vectors
 
 
 async def embed_chunked(model: ServedModel, request: EmbedRequest, prompt: Prompt | None,

@@ -15,6 +15,7 @@ import numpy as np
 
 from attnserve.artifact import MULTI_VECTOR_OUTPUT, MultiVectorInput
 from attnserve.server.engine.model import ServedModel
+from attnserve.server.engine.pooling import unit
 from attnserve.server.engine.requests import lengths_of
 from attnserve.server.errors import InvalidArgument, quote
 from attnserve.server.memory.ledger import Holds
@@ -80,9 +81,13 @@ def keep(model: ServedModel, results: list[SequenceResult], ids: list[np.ndarray
         result.pooled[MULTI_VECTOR_OUTPUT] = result.pooled[MULTI_VECTOR_OUTPUT][kept]
 
 
-def maxsim(query: np.ndarray, texts: list[np.ndarray], mean: bool) -> np.ndarray:
-    """float32 [texts]: each query vector's best dot product among a text's vectors (unit
-    vectors: the cosine), summed over the query's vectors, or their mean with `mean`."""
-    scores = np.fromiter(((query @ t.T).max(axis=1).sum() if len(t) else 0.0 for t in texts),
-                         dtype=np.float32, count=len(texts))
+def maxsim(query: np.ndarray, texts: list[np.ndarray], mean: bool, normalize: bool) -> np.ndarray:
+    """float32 [texts]: ColBERT's late interaction: each query vector's best dot product among a
+    text's vectors, summed over the query's vectors, or their mean with `mean`. A cosine where
+    the vectors are unit vectors: a head's are; `normalize` makes them so (hidden states), one
+    text at a time rather than a copy of every text's at once."""
+    if normalize:
+        query = unit(query.astype(np.float32))
+    scores = np.fromiter(((query @ (unit(t.astype(np.float32)) if normalize else t).T).max(axis=1).sum()
+                          if len(t) else 0.0 for t in texts), dtype=np.float32, count=len(texts))
     return scores / len(query) if mean else scores

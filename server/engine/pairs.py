@@ -128,15 +128,14 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds, deadlin
                                              attended=attended), field_of, size, holds,
                                   kept_bytes=4 * dim * int(lengths.sum()))
         work = MAXSIM_S * dim * int(lengths[0]) * int(lengths[1:].sum())
-        if head is None:
-            scores = await model.offload.response(work, maxsim, results[0].hidden,
-                                                  [r.hidden for r in results[1:]])
+        if head is None:  # every token's hidden state
+            vectors, mean = [r.hidden for r in results], False
         else:
             multi_vector.keep(model, results[:1], ids[:1], query_side)
             multi_vector.keep(model, results[1:], ids[1:], head.document)
-            vectors = [r.pooled[MULTI_VECTOR_OUTPUT] for r in results]
-            scores = await model.offload.response(work, multi_vector.maxsim, vectors[0], vectors[1:],
-                                                  head.similarity == "meanmaxsim")
+            vectors, mean = [r.pooled[MULTI_VECTOR_OUTPUT] for r in results], head.similarity == "meanmaxsim"
+        scores = await model.offload.response(work, multi_vector.maxsim, vectors[0], vectors[1:], mean,
+                                              head is None)
     else:
         name = pooled_output(model.manifest.default_pooling, True)
         results = await model.run_pooled(Submission(ids, lengths, deadline=deadline,
@@ -157,11 +156,3 @@ def cosines(query: np.ndarray, texts: list[np.ndarray]) -> np.ndarray:
     """float32 [texts]: the cosine of the query's vector (hidden,) and each text's."""
     return unit(np.stack(texts)) @ unit(query)
 
-
-def maxsim(query: np.ndarray, texts: list[np.ndarray]) -> np.ndarray:
-    """float32 [texts]: ColBERT's late interaction of the query's token vectors (q, hidden)
-    with each text's (t, hidden): for each query token its best cosine among the text's
-    tokens, summed over the query's tokens."""
-    q = unit(query.astype(np.float32))
-    return np.fromiter(((q @ unit(t.astype(np.float32)).T).max(axis=1).sum()
-                        for t in texts), dtype=np.float32, count=len(texts))
