@@ -24,17 +24,13 @@ class MemoryBudget:
     less what the ledger holds and every model's batches in flight hold, and the ledger
     keeps free the peak of the largest batch an admitted request of any model still has to
     run alone, so nothing admitted waits on a caller that does not read. On CUDA the budget
-    is the device's, and the ledger, host memory, has a limit of its own (`host_bytes`)."""
+    is the device's, and the ledger, host memory, has a limit of its own (in `totals`)."""
 
-    def __init__(self, budget_bytes: int, responses_in_budget: bool, host_bytes: int | None = None,
-                 totals: Totals | None = None):
-        """The ledger's limit is the budget where responses are in it, else `host_bytes`;
-        or `totals`, the ledger's totals with their limit set (shared by a server's
-        processes with --workers)."""
+    def __init__(self, budget_bytes: int, responses_in_budget: bool, totals: Totals | None = None):
+        """`totals`: the ledger's totals with their limit set (shared by a server's processes
+        with --workers); None: a ledger of its own whose limit is the budget."""
         self.budget, self.shared = budget_bytes, responses_in_budget
-        self.ledger = Ledger(totals if totals is not None else
-                             budget_bytes if responses_in_budget or host_bytes is None
-                             else host_bytes)
+        self.ledger = Ledger(totals if totals is not None else budget_bytes)
         # By model (ModelMemory sets them): the peak its waiting requests need alone, what
         # its batches in flight hold, what wakes its batch loop.
         self.reserved: dict[str, float] = {}
