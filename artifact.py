@@ -406,16 +406,28 @@ def exported_model(directory: Path | str) -> str | None:
     return None
 
 
+def check_prompts(where: Path, prompts: object, default: object, error: type[Exception]) -> None:
+    """Prompts a server can serve requests by: `prompts` maps names to texts, and `default`
+    (the default prompt's name) is None or one of them; `where`: the file they are read from,
+    `error`: what its reader raises (export's and the manifest's are refused alike)."""
+    if not isinstance(prompts, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise error(f"{where}: prompts must map names to texts")
+    if default is not None and default not in prompts:
+        raise error(f"{where}: default_prompt_name {default!r} is not one of the prompts "
+                    f"{sorted(prompts)}")
+
+
+def sizes_up_to(dims: object, size: int) -> bool:
+    """Whether `dims` is a list of Matryoshka sizes, each from 1 to the vectors' `size`."""
+    return isinstance(dims, list) and all(type(d) is int and 0 < d <= size for d in dims)
+
+
 def _check_extras(path: Path, m: Manifest) -> None:
     """Prompts and Matryoshka sizes that hold together: a server serves requests by them."""
-    if not isinstance(m.prompts, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in m.prompts.items()):
-        raise ArtifactError(f"{path}: prompts must map names to texts")
-    if m.default_prompt_name is not None and m.default_prompt_name not in m.prompts:
-        raise ArtifactError(f"{path}: default_prompt_name {m.default_prompt_name!r} is not one "
-                            f"of the prompts {sorted(m.prompts)}")
+    check_prompts(path, m.prompts, m.default_prompt_name, ArtifactError)
     dims = m.matryoshka_dims
-    if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= m.embedding_size for d in dims):
+    if not sizes_up_to(dims, m.embedding_size):
         raise ArtifactError(f"{path}: matryoshka_dims {dims!r} must be sizes from 1 to the "
                             f"vectors' size, {m.embedding_size}")
 

@@ -10,7 +10,6 @@ A module or file this package does not run is refused by name: a sparse or multi
 model exported as a dense embedder would serve vectors that are not the model's.
 """
 
-import json
 import string
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,7 +19,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from attnserve.artifact import TOKENIZER, LexicalHead, MultiVectorHead, MultiVectorInput, SparseHead
 from attnserve.export.onnx_graphs import Heads
-from attnserve.export.serving import ST_CONFIG, TRANSFORMER_CONFIG
+from attnserve.export.serving import ST_CONFIG, TRANSFORMER_CONFIG, read_json
 from attnserve.model import AnyEncoder, CheckpointError, CrossEncoder, load_checkpoint
 from attnserve.model.masked_lm import MaskedLanguageModel
 from attnserve.model.multi_vector import TokenVectors
@@ -35,16 +34,6 @@ M3_DROPPED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")
 # sentence-transformers' SPLADE modules, by class name (every version's module path).
 _SPLADE_TRANSFORMERS = ("Transformer", "MLMTransformer")
 _SPLADE_POOLING = "SpladePooling"
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: cannot be read ({err})") from err
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def read_splade(checkpoint: Path) -> SparseHead | None:
@@ -64,12 +53,12 @@ def read_splade(checkpoint: Path) -> SparseHead | None:
         raise CheckpointError(f"{path}: the Transformer lives in {modules[0][2]!r}; attnserve "
                               "exports one whose config.json and weights are the checkpoint's own")
     task_path = checkpoint / TRANSFORMER_CONFIG
-    task = _json(task_path).get("transformer_task") if task_path.is_file() else None
+    task = read_json(task_path, CheckpointError).get("transformer_task")
     if classes[0] == "Transformer" and task != "fill-mask":
         raise CheckpointError(f"{task_path}: transformer_task {task!r}; SpladePooling reads the "
                               "masked-LM head's scores (\"fill-mask\")")
     config_path = checkpoint / modules[1][2] / "config.json"
-    config = _json(config_path) if config_path.is_file() else {}
+    config = read_json(config_path, CheckpointError)
     pooling = config.get("pooling_strategy", "max")
     activation = config.get("activation_function", "relu")
     if pooling not in SPLADE_POOLINGS or activation not in SPLADE_ACTIVATIONS:
@@ -77,7 +66,7 @@ def read_splade(checkpoint: Path) -> SparseHead | None:
                               f"activation_function {activation!r}; attnserve exports "
                               f"{' or '.join(SPLADE_POOLINGS)} and {' or '.join(SPLADE_ACTIVATIONS)}")
     st_path = checkpoint / ST_CONFIG
-    top_k = _json(st_path).get("max_active_dims") if st_path.is_file() else None
+    top_k = read_json(st_path, CheckpointError).get("max_active_dims")
     if top_k is not None and not (type(top_k) is int and top_k > 0):
         raise CheckpointError(f"{st_path}: max_active_dims {top_k!r}, expected a whole number from 1")
     return SparseHead(pooling, activation, top_k)
@@ -90,7 +79,7 @@ def splade_head(checkpoint: Path, splade: SparseHead, model: MaskedLanguageModel
     for _, _, folder in module_types(config_path)[1:]:
         path = checkpoint / folder / "config.json"
         if path.is_file():
-            config = _json(path)
+            config = read_json(path, CheckpointError)
             size = config.get("embedding_dimension", config.get("word_embedding_dimension"))
             config_path = path
     if size is not None and size != model.config.vocab_size:
@@ -136,8 +125,8 @@ def _special_ids(checkpoint: Path, names: tuple[str, ...]) -> list[int]:
     tokenizer = Tokenizer.from_file(str(checkpoint / TOKENIZER))
     settings: dict = {}
     for file in ("special_tokens_map.json", "tokenizer_config.json"):
-        if (checkpoint / file).is_file():
-            settings |= {k: v for k, v in _json(checkpoint / file).items() if v is not None}
+        settings |= {k: v for k, v in read_json(checkpoint / file, CheckpointError).items()
+                     if v is not None}
     ids = []
     for name in names:
         token = settings.get(name)
@@ -200,7 +189,7 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
     types = [kind for _, kind, _ in modules]
     classes = [kind.rpartition(".")[2] for kind in types]
     st_path = checkpoint / ST_CONFIG
-    st = _json(st_path) if st_path.is_file() else {}
+    st = read_json(st_path, CheckpointError)
     pylate = any(kind.startswith(PYLATE_PREFIX) for kind in types) or st.get("model_type") == "ColBERT"
     if not pylate and "MultiVectorMask" not in classes and st.get("model_type") != "MultiVectorEncoder":
         return None
@@ -214,7 +203,7 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
                   if kind == "Dense")
     tokenizer = Tokenizer.from_file(str(checkpoint / TOKENIZER))
     sbc_path = checkpoint / TRANSFORMER_CONFIG
-    sbc = _json(sbc_path) if sbc_path.is_file() else {}
+    sbc = read_json(sbc_path, CheckpointError)
     if pylate:
         prefixes = {side: st[key] or "" for side, key in (("query", "query_prefix"),
                                                            ("document", "document_prefix"))
@@ -235,7 +224,7 @@ def read_multi_vector(checkpoint: Path) -> MultiVector | None:
         expansion = sbc.get("query_expansion")
         query_length, document_length = sbc.get("query_length"), sbc.get("document_length")
         mask_path = checkpoint / modules[-2][2] / "config.json"
-        mask = _json(mask_path) if mask_path.is_file() else {}
+        mask = read_json(mask_path, CheckpointError)
         if mask.get("keep_only_token_ids") is not None:
             raise CheckpointError(f"{mask_path}: keep_only_token_ids is set (an image model's "
                                   "allowlist); attnserve exports text models")

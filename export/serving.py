@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnserve.artifact import POOLINGS
+from attnserve.artifact import POOLINGS, check_prompts, sizes_up_to
 from attnserve.model.sentence_modules import read_module_list
 
 ST_CONFIG = "config_sentence_transformers.json"
@@ -38,21 +38,24 @@ class Serving:
     """largest first"""
 
 
-def _json(path: Path) -> dict:
+def read_json(path: Path, error: type[Exception] = ServingConfigError) -> dict:
+    """The JSON object `path` holds, {} when there is no such file: every file it reads is
+    optional. `error`: the caller's failure class, so a damaged file is refused as the rest
+    of what the caller reads is (export/heads.py refuses with CheckpointError)."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text())
-    except ValueError as err:
-        raise ServingConfigError(f"{path}: not JSON ({err})") from err
+    except (OSError, ValueError) as err:
+        raise error(f"{path}: cannot be read as JSON ({err})") from err
     if not isinstance(data, dict):
-        raise ServingConfigError(f"{path}: expected a JSON object")
+        raise error(f"{path}: expected a JSON object")
     return data
 
 
 def _pooling(path: Path | None) -> tuple[str, bool]:
     """The Pooling module's mode and include_prompt (none: mean, with the prompt)."""
-    config = _json(path) if path else {}
+    config = read_json(path) if path else {}
     include = config.get("include_prompt", True)
     if not isinstance(include, bool):
         raise ServingConfigError(f"{path}: include_prompt {include!r}, expected true or false")
@@ -73,25 +76,20 @@ def _prompts(checkpoint: Path) -> tuple[dict[str, str], str | None]:
     """The prompts and the default prompt's name, for texts fed to the tokenizer as they come:
     a Transformer that sentence-transformers lower-cases every text for is refused."""
     path = checkpoint / TRANSFORMER_CONFIG
-    if _json(path).get("do_lower_case"):
+    if read_json(path).get("do_lower_case"):
         raise ServingConfigError(f"{path}: do_lower_case true (texts lower-cased before the "
                                  "tokenizer) is not served; attnserve tokenizes texts as they come")
     path = checkpoint / ST_CONFIG
-    config = _json(path)
+    config = read_json(path)
     prompts = config.get("prompts") or {}
-    if not isinstance(prompts, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
-        raise ServingConfigError(f"{path}: prompts must map names to texts")
     default = config.get("default_prompt_name")
-    if default is not None and default not in prompts:
-        raise ServingConfigError(f"{path}: default_prompt_name {default!r} is not one of the "
-                                 f"prompts {sorted(prompts)}")
+    check_prompts(path, prompts, default, ServingConfigError)
     return prompts, default
 
 
 def matryoshka_dims(dims: list[int], hidden: int, source: str) -> list[int]:
     """`dims` checked against the vectors' size, largest first, each once."""
-    if not isinstance(dims, list) or not all(type(d) is int and 0 < d <= hidden for d in dims):
+    if not sizes_up_to(dims, hidden):
         raise ServingConfigError(f"{source}: Matryoshka sizes {dims!r}; expected sizes from 1 "
                                  f"to the vectors' size, {hidden}")
     return sorted(set(dims), reverse=True)
@@ -105,7 +103,7 @@ def read_serving(checkpoint: Path, hidden: int, dims: list[int] | None = None) -
     if dims is not None:
         sizes = matryoshka_dims(dims, hidden, "--matryoshka-dims")
     else:
-        declared = _json(checkpoint / "config.json").get(MATRYOSHKA_KEY) or []
+        declared = read_json(checkpoint / "config.json").get(MATRYOSHKA_KEY) or []
         sizes = matryoshka_dims(declared, hidden, f"{checkpoint / 'config.json'}: {MATRYOSHKA_KEY}")
     return Serving(pooling, include, prompts, default, sizes)
 

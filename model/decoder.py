@@ -18,7 +18,7 @@ from torch import nn
 from attnserve.model.attention import MultiHeadAttention
 from attnserve.model.config import DecoderConfig
 from attnserve.model.feed_forward import GatedFeedForward
-from attnserve.model.layer_kinds import LayerKindStack, rotaries
+from attnserve.model.layer_kinds import LayerKindStack
 from attnserve.model.positions import RotaryEmbedding
 
 
@@ -65,13 +65,8 @@ class DecoderBlock(nn.Module):
 
 class Decoder(LayerKindStack):
     def __init__(self, config: DecoderConfig):
-        super().__init__()
-        self.config = config
-        rotary = rotaries(config)
+        super().__init__(config, DecoderBlock, _norm(config))
         self.word = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(config, i, rotary[kind])
-                                    for i, kind in enumerate(config.layer_types))
-        self.final_norm = _norm(config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.word(input_ids)

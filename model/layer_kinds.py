@@ -4,6 +4,7 @@ token, applied as a mask before the softmax, like padding; each kind rotates que
 keys with a RoPE base of its own."""
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,12 +26,19 @@ def rotaries(config: LayerKindsConfig) -> dict[str, RotaryEmbedding]:
 class LayerKindStack(nn.Module, ABC):
     """Token states from `embed`, then the layers (each one's `local` says its kind), each
     with its kind's mask (every real key, or the real keys at most the config's
-    window_radius away), then `final_norm`. A family sets `config`, `layers` and
-    `final_norm`, and says how it embeds the ids."""
+    window_radius away), then `final_norm`. A family gives its block, made as
+    `block(config, index, rotary)` with its layer's kind's RoPE, and its final norm, and
+    says how it embeds the ids."""
 
-    config: LayerKindsConfig
-    layers: nn.ModuleList
-    final_norm: nn.Module
+    def __init__(self, config: LayerKindsConfig,
+                 block: Callable[[LayerKindsConfig, int, RotaryEmbedding], nn.Module],
+                 final_norm: nn.Module):
+        super().__init__()
+        self.config = config
+        rotary = rotaries(config)
+        self.layers = nn.ModuleList(block(config, i, rotary[kind])
+                                    for i, kind in enumerate(config.layer_types))
+        self.final_norm = final_norm
 
     @abstractmethod
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

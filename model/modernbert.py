@@ -12,7 +12,7 @@ from torch import nn
 from attnserve.model.attention import MultiHeadAttention
 from attnserve.model.config import ModernBertConfig
 from attnserve.model.feed_forward import GatedFeedForward
-from attnserve.model.layer_kinds import LayerKindStack, rotaries
+from attnserve.model.layer_kinds import LayerKindStack
 from attnserve.model.positions import RotaryEmbedding
 
 
@@ -56,13 +56,8 @@ class ModernBertBlock(nn.Module):
 
 class ModernBertEncoder(LayerKindStack):
     def __init__(self, config: ModernBertConfig):
-        super().__init__()
-        self.config = config
-        rotary = rotaries(config)
+        super().__init__(config, ModernBertBlock, _norm(config))
         self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(ModernBertBlock(config, i, rotary[kind])
-                                    for i, kind in enumerate(config.layer_types))
-        self.final_norm = _norm(config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings(input_ids)
