@@ -41,7 +41,7 @@ from attnserve.export.quantize import (
     quantize_graph,
 )
 from attnserve.export.serving import Serving, ServingConfigError, read_prompts, read_serving
-from attnserve.export.verify import check_onnx, dense_error, max_abs_error
+from attnserve.export.verify import Reference, check_onnx, dense_error, max_abs_error
 from attnserve.model import AnyEncoder, CheckpointError, CrossEncoder
 from attnserve.model.checkpoint import default_checkpoint_dir, read_architecture
 from attnserve.model.sentence_modules import check_reranker_modules, dense_layers, read_module_list
@@ -74,6 +74,7 @@ class _Graphs:
     def __init__(self, out: Path, model: AnyEncoder | CrossEncoder, step: _Steps,
                  dense: nn.Module | None = None, heads: Heads | None = None):
         self.out, self.model, self.step, self.dense, self.heads = out, model, step, dense, heads
+        self.reference = Reference(model, dense, heads)
         self.graphs: list[Graph] = []
 
     def add(self, file: str, outputs: list[str], precision: str, attention: bool,
@@ -82,7 +83,7 @@ class _Graphs:
         not is dropped, any other fails the export. `fields`: for the step's line (int8 parity)."""
         path = self.out / file
         check_onnx(path)
-        error = max_abs_error(path, self.model, outputs, precision, dense=self.dense, heads=self.heads)
+        error = max_abs_error(path, self.reference, outputs, precision)
         if error > tolerance:
             if optimized:
                 log.warning("event=dropped graph=%s max_abs_error=%.2e tolerance=%.0e",

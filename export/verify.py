@@ -2,7 +2,7 @@
 onnxruntime against PyTorch at shapes the tracer never saw."""
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -126,34 +126,57 @@ def served(name: str, value: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return value
 
 
-def max_abs_error(path: Path, model: AnyEncoder | CrossEncoder, outputs: list[str],
-                  precision: str = "fp32", dense: nn.Module | None = None,
-                  heads: Heads | None = None) -> float:
+Expected = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
+"""a parity input's feed, and the model's outputs by name"""
+
+
+class Reference:
+    """What the PyTorch model answers over the parity inputs, that every graph exported from
+    it is held to; `dense`, `heads`: an embedder's Dense layers and heads. The outputs without
+    maps are computed once for every graph that returns them (fp32, fused, fp16, int8): one
+    pass of the model over the parity inputs takes seconds, a large model's minutes on a
+    small CPU. Maps, hundreds of MiB, are computed again for each graph that returns them."""
+
+    def __init__(self, model: AnyEncoder | CrossEncoder, dense: nn.Module | None = None,
+                 heads: Heads | None = None):
+        self.model, self.dense, self.heads = model, dense, heads
+        self.kept: dict[bool, list[Expected]] = {}
+        """by whether the feeds carry token types: the outputs without maps"""
+
+    def expected(self, attention: bool, token_types: bool) -> Iterable[Expected]:
+        if attention:  # a parity input's maps at a time
+            return self._run(attention, token_types)
+        if token_types not in self.kept:
+            self.kept[token_types] = list(self._run(attention, token_types))
+        return self.kept[token_types]
+
+    def _run(self, attention: bool, token_types: bool) -> Iterator[Expected]:
+        # The module that was traced: every output, pooled vectors included, in its place.
+        if isinstance(self.model, CrossEncoder):
+            module, names = ScoreOutputs(self.model).eval(), [LOGITS_OUTPUT]
+        else:
+            module = GraphOutputs(self.model, attention, self.dense, self.heads).eval()
+            names = output_names(self.model, attention, self.heads)
+        config = self.model.config
+        for feed in parity_inputs(config.vocab_size, config.max_positions, token_types=token_types):
+            with torch.no_grad():
+                values = module(*map(torch.from_numpy, feed.values()))
+            yield feed, {name: value.numpy() for name, value in zip(names, values, strict=True)}
+
+
+def max_abs_error(path: Path, reference: Reference, outputs: list[str], precision: str = "fp32") -> float:
     """Worst absolute difference between onnxruntime and PyTorch over the parity shapes, in
-    what is served (`served`); `dense`, `heads`: the embedder's Dense layers and heads."""
+    what is served (`served`)."""
     sess = session(path, precision)
-    inputs = [i.name for i in sess.get_inputs()]
-    # The module that was traced: every output, pooled vectors included, in its place.
-    if isinstance(model, CrossEncoder):
-        reference, names = ScoreOutputs(model).eval(), [LOGITS_OUTPUT]
-    else:
-        attention = any(name.startswith("attentions.") for name in outputs)
-        reference = GraphOutputs(model, attention, dense, heads).eval()
-        names = output_names(model, attention, heads)
+    token_types = TOKEN_TYPES in [i.name for i in sess.get_inputs()]
+    attention = any(name.startswith("attentions.") for name in outputs)
     worst = 0.0
-    for feed in parity_inputs(model.config.vocab_size, model.config.max_positions,
-                              token_types=TOKEN_TYPES in inputs):
-        got = sess.run(outputs, feed)
-        with torch.no_grad():
-            ref = reference(*(torch.from_numpy(feed[name]) for name in inputs))
-        expected = dict(zip(names, ref, strict=True))
-        for name, g in zip(outputs, got, strict=True):
-            e = expected[name]
-            if g.shape != tuple(e.shape):
-                raise RuntimeError(f"{path.name}: {name} has shape {g.shape}, PyTorch {tuple(e.shape)}")
-            mask = feed["attention_mask"]
-            error = float(np.abs(served(name, g.astype(np.float32), mask)
-                                 - served(name, e.numpy(), mask)).max())
+    for feed, expected in reference.expected(attention, token_types):
+        mask = feed["attention_mask"]
+        for name, got in zip(outputs, sess.run(outputs, feed), strict=True):
+            if got.shape != (want := expected[name]).shape:
+                raise RuntimeError(f"{path.name}: {name} has shape {got.shape}, PyTorch {want.shape}")
+            error = float(np.abs(served(name, got.astype(np.float32), mask) - served(name, want, mask)).max())
             # A NaN compares false with everything: max() would keep the last finite worst.
             worst = max(worst, error) if np.isfinite(error) else math.inf
     return worst
