@@ -67,6 +67,11 @@ CLASSIFIER_ACTIVATIONS = {"regression": "none", "multi_label_classification": "s
 text-classification pipeline's rule; no problem_type: softmax, sigmoid for one label)"""
 
 
+def activation(problem_type: str | None, labels: int) -> str:
+    """A scorer's activation (CLASSIFIER_ACTIVATIONS) by its problem_type and how many labels it has."""
+    return CLASSIFIER_ACTIVATIONS.get(problem_type, "sigmoid" if labels == 1 else "softmax")
+
+
 def attention_output(layer: int) -> str:
     return f"attentions.{layer}"
 
@@ -334,8 +339,7 @@ class Manifest:
     @property
     def activation(self) -> str:
         """What turns a classifier's or reranker's logits into scores (CLASSIFIER_ACTIVATIONS)."""
-        return CLASSIFIER_ACTIVATIONS.get(self.problem_type,
-                                          "sigmoid" if len(self.labels) == 1 else "softmax")
+        return activation(self.problem_type, len(self.labels))
 
     @property
     def pooled_outputs(self) -> tuple[str, ...]:

@@ -189,8 +189,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p.add_argument("--int8-min-cosine", type=_cosine, default=None,
                    help="an embedder's int8 parity gate (default 0.99)")
     p.add_argument("--int8-max-score-error", type=_score_error, default=None,
-                   help="a reranker's int8 parity gate: the most a pair's score (sigmoid, or "
-                        "softmax over several labels) may differ from fp32's (default 0.02)")
+                   help="a reranker's int8 parity gate: the most a pair's score, as served (its "
+                        "sigmoid, softmax or raw value), may differ from fp32's (default 0.02)")
     p.add_argument("--name", default=None, help="model name served (default: from the checkpoint)")
     p.add_argument("--matryoshka-dims", type=_numbers, default=None, metavar="N,N,...",
                    help="the sizes the model was Matryoshka-trained for (such as 768,512,256), which "

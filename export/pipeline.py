@@ -25,6 +25,7 @@ from attnserve.artifact import (
     TOKENIZER,
     Graph,
     Manifest,
+    activation,
     write_manifest,
 )
 from attnserve.export.embedding_ranges import fit_ranges
@@ -237,6 +238,7 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False, na
     if reranker:
         _reranker_graphs(graphs, model, fp16, int8, ScoreGate(
             tokenizer, config.max_positions, config.pad_token_id, model.uses_token_types,
+            activation(hf.get("problem_type"), len(model.head.config.labels)),
             INT8_MAX_SCORE_ERROR if int8_max_score_error is None else int8_max_score_error))
     else:
         _embedder_graphs(graphs, model, fp16, int8, EmbeddingGate(

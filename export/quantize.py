@@ -42,6 +42,7 @@ from attnserve.export.graph_files import remove, save, scratch
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
 from attnserve.export.onnx_graphs import POOL_SCOPE
 from attnserve.export.verify import beside, session
+from attnserve.server.engine.activations import ACTIVATIONS
 
 log = logging.getLogger("attnserve.export")
 
@@ -311,15 +312,6 @@ def pooled_cosines(fp32: Path, int8: Path, tokenizer: Path, max_positions: int, 
     return np.minimum(cosines[: len(rows)], cosines[len(rows):])
 
 
-def scores(logits: np.ndarray) -> np.ndarray:
-    """A reranker's scores from its logits [pairs, labels]: one label's sigmoid, or the
-    softmax over several (each in [0, 1])."""
-    if logits.shape[1] == 1:
-        return 1 / (1 + np.exp(-logits))
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
-
-
 @dataclass(frozen=True)
 class EmbeddingGate:
     """Each text's pooled cosine against fp32 at least `min_cosine`, pooled as the model
@@ -357,12 +349,13 @@ class EmbeddingGate:
 
 @dataclass(frozen=True)
 class ScoreGate:
-    """Each pair's scores within `max_error` of fp32's."""
+    """Each pair's scores, as served (`activation`: the manifest's), within `max_error` of fp32's."""
 
     tokenizer: Path
     max_positions: int
     pad_id: int
     token_types: bool
+    activation: str
     max_error: float = INT8_MAX_SCORE_ERROR
 
     def calibration(self) -> list[dict[str, np.ndarray]]:
@@ -374,6 +367,7 @@ class ScoreGate:
         between the graphs over its labels, the worse of the pair alone and in a padded batch."""
         rows = encode_texts(self.tokenizer, PARITY_TEXTS, self.max_positions, True, self.token_types)
         fp32, int8 = session(reference), session(target, "int8")
+        scores = ACTIVATIONS[self.activation]
         errors = np.concatenate([np.abs(scores(fp32.run([LOGITS_OUTPUT], feed)[0])
                                         - scores(int8.run([LOGITS_OUTPUT], feed)[0])).max(axis=1)
                                  for feed in _feeds(rows, PARITY_BATCH, self.pad_id)])

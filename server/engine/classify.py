@@ -6,9 +6,9 @@ door answers, and in what order, is the door's."""
 import numpy as np
 
 from attnserve.artifact import CLASSIFIER, LOGITS_OUTPUT, RERANKER
+from attnserve.server.engine.activations import ACTIVATIONS
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import TEXT_CHAR_S, TEXT_S, cost
-from attnserve.server.engine.pairs import sigmoid
 from attnserve.server.engine.requests import Classified, ClassifyRequest, Submission, check_cut, lengths_of
 from attnserve.server.engine.tokenize import TooLong
 from attnserve.server.errors import InvalidArgument
@@ -67,12 +67,3 @@ def _encode(model: ServedModel, request: ClassifyRequest, left: bool,
             raise InvalidArgument(field, err.reason) from err
         starts[i] = len(ids[i]) if segment is None else segment[0]
     return ids, starts if tokenizer.pair.segments else None
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
-
-
-ACTIVATIONS = {"softmax": softmax, "sigmoid": sigmoid, "none": lambda logits: logits}
-"""a manifest's activation -> logits [inputs, labels] to scores"""

@@ -9,6 +9,7 @@ import numpy as np
 
 from attnserve.artifact import EMBEDDER, LOGITS_OUTPUT, MULTI_VECTOR_OUTPUT, RERANKER, pooled_output
 from attnserve.server.engine import multi_vector
+from attnserve.server.engine.activations import sigmoid
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, MAXSIM_S, TEXT_CHAR_S, TEXT_S, cost
 from attnserve.server.engine.pooling import unit
@@ -145,11 +146,6 @@ async def score(model: ServedModel, request: ScoreRequest, holds: Holds, deadlin
                                               cosines, results[0].pooled[name],
                                               [r.pooled[name] for r in results[1:]])
     return Scored(scores, int(lengths.sum()), size)
-
-
-def sigmoid(logits: np.ndarray) -> np.ndarray:
-    """1 / (1 + e^-x), as e^-log(1 + e^-x): without overflow for large negative x."""
-    return np.exp(-np.logaddexp(0.0, -logits.astype(np.float64))).astype(np.float32)
 
 
 def cosines(query: np.ndarray, texts: list[np.ndarray]) -> np.ndarray:

@@ -189,6 +189,23 @@ def test_a_multi_label_classifier_matches_the_text_classification_pipeline(class
     assert replace(manifest, problem_type=None, labels=["yes"]).activation == "sigmoid"
 
 
+def test_a_multi_label_classifiers_int8_gate_holds_its_sigmoids(classifier, tmp_path):
+    """The gate measures the scores the server returns, each label's sigmoid, not a softmax
+    over the labels, which would record (and gate) another number."""
+    from attnserve.export.quantize import ScoreGate
+
+    checkpoint, _, _ = classifier
+    manifest = _export(tmp_path / "int8", checkpoint, int8=True)
+    graph = manifest.graph(attention=False, precision="int8")
+    fp32, int8 = tmp_path / "int8" / graph.parity.reference, tmp_path / "int8" / graph.file
+    recorded = graph.parity.score_error_max
+    gate = {activation: ScoreGate(checkpoint / TOKENIZER, manifest.max_positions, manifest.pad_token_id,
+                                  False, activation).measure(fp32, int8).max()
+            for activation in ("sigmoid", "softmax")}
+    assert recorded == pytest.approx(gate["sigmoid"], abs=1e-5)
+    assert abs(gate["sigmoid"] - gate["softmax"]) > 1e-4
+
+
 QUERIES = ["where does the fox sleep?", "What does self-attention let every single token in a "
            "long sentence do?"]
 DOCUMENTS = ["The fox sleeps under the tree, (mostly) at noon!", "Hello, world.",
