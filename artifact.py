@@ -13,6 +13,8 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 MEMORY_MODEL = "memory_model.json"
@@ -70,6 +72,21 @@ text-classification pipeline's rule; no problem_type: softmax, sigmoid for one l
 def activation(problem_type: str | None, labels: int) -> str:
     """A scorer's activation (CLASSIFIER_ACTIVATIONS) by its problem_type and how many labels it has."""
     return CLASSIFIER_ACTIVATIONS.get(problem_type, "sigmoid" if labels == 1 else "softmax")
+
+
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-x), as e^-log(1 + e^-x): without overflow for large negative x."""
+    return np.exp(-np.logaddexp(0.0, -logits.astype(np.float64))).astype(np.float32)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+ACTIVATIONS = {"softmax": softmax, "sigmoid": sigmoid, "none": lambda logits: logits}
+"""an activation's name -> logits [inputs, labels] to scores: what the server answers, and
+what export's int8 gate on scores measures"""
 
 
 def attention_output(layer: int) -> str:
@@ -162,7 +179,7 @@ class EmbeddingRanges:
 class ScoreParity:
     """A quantized reranker graph's agreement with its fp32 reference, measured at export
     on fixed pairs of texts, each alone and in padded batches: the difference of their
-    scores (one label's sigmoid, or several labels' softmax)."""
+    scores as served (a reranker's sigmoid; a classifier's `activation`)."""
 
     reference: str
     pairs: int
@@ -400,6 +417,11 @@ def outdated(directory: Path | str) -> str | None:
             return (f"{directory / graph.file}: lacks the outputs {missing} the server asks "
                     "for (an older exporter)")
     return None
+
+
+def model_name(checkpoint: Path | None, name: str | None) -> str:
+    """The name `attnserve export --from checkpoint --name name` serves the model under."""
+    return name or (checkpoint.name if checkpoint is not None else DEFAULT_MODEL_NAME)
 
 
 def exported_model(directory: Path | str) -> str | None:

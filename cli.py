@@ -16,14 +16,14 @@ from attnserve.server.logs import setup_logging
 
 def cmd_export(args: argparse.Namespace) -> int:
     if args.unless_current:
-        from attnserve.artifact import DEFAULT_MODEL_NAME, exported_model, outdated
+        from attnserve.artifact import exported_model, model_name, outdated
 
         if (reason := outdated(args.out)) is None:
             print(f"{args.out}: current, kept")
             return 0
         # `make serve ARTIFACT=dir` must not replace another model's outdated artifact with
         # the default one: only its own checkpoint can export it again.
-        name = args.name or (args.checkpoint.name if args.checkpoint else DEFAULT_MODEL_NAME)
+        name = model_name(args.checkpoint, args.name)
         if (held := exported_model(args.out)) not in (None, name):
             return _refused("export", f"{reason}; it holds {held}, not {name}: export it again "
                             "--from its checkpoint, or name another --out")
@@ -67,7 +67,7 @@ def _cosine(text: str) -> float:
 def _score_error(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: a difference of scores in [0, 1)")
+        raise argparse.ArgumentTypeError(f"{text}: a difference of scores, from 0 and below 1")
     return value
 
 

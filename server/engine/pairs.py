@@ -7,9 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attnserve.artifact import EMBEDDER, LOGITS_OUTPUT, MULTI_VECTOR_OUTPUT, RERANKER, pooled_output
+from attnserve.artifact import EMBEDDER, LOGITS_OUTPUT, MULTI_VECTOR_OUTPUT, RERANKER, pooled_output, sigmoid
 from attnserve.server.engine import multi_vector
-from attnserve.server.engine.activations import sigmoid
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, MAXSIM_S, TEXT_CHAR_S, TEXT_S, cost
 from attnserve.server.engine.pooling import unit

@@ -277,5 +277,3 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
         # A call refused its key is answered before its request is read.
         return handler._replace(request_deserializer=deserialize if refused is None else lambda data: None,
                                 **{kind: behaviour})
-
-

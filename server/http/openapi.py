@@ -130,12 +130,6 @@ ROUTES = [
 ROOTS = {RERANKER: "/rerank", CLASSIFIER: "/predict", "sparse": "/embed_sparse"}
 """a default model's kind (sparse: a SPLADE model's) -> the route TEI's root is (a dense
 embedder's: /embed)"""
-
-
-def tei_root(kind: str, heads: list[str]) -> str:
-    """The key in ROOTS of a default model of this kind and these heads."""
-    return "sparse" if heads == ["sparse"] else kind
-
 EXAMPLES = {"/v1/embeddings", "/embeddings"}
 """routes whose body example names the default model, so that "Try it out" answers"""
 BINARY = {"type": "string", "format": "binary"}
@@ -191,6 +185,11 @@ def _operation(route: Route, schema: dict[object, dict], example: dict) -> dict:
     for status in route.protocol.statuses if route.statuses is None else route.statuses:
         responses[str(status)] = {"description": REASONS[status], "content": error}
     return operation | {"responses": responses}
+
+
+def tei_root(kind: str, heads: list[str]) -> str:
+    """The key in ROOTS of a default model of this kind and these heads."""
+    return "sparse" if heads == ["sparse"] else kind
 
 
 def openapi_document(infos: list[ModelInfo]) -> bytes:

@@ -195,7 +195,9 @@ def test_a_multi_label_classifiers_int8_gate_holds_its_sigmoids(classifier, tmp_
     from attnserve.export.quantize import ScoreGate
 
     checkpoint, _, _ = classifier
-    manifest = _export(tmp_path / "int8", checkpoint, int8=True)
+    # A random model's int8 scores land near the default gate: this test is about what is
+    # measured, not whether it passes.
+    manifest = _export(tmp_path / "int8", checkpoint, int8=True, int8_max_score_error=0.5)
     graph = manifest.graph(attention=False, precision="int8")
     fp32, int8 = tmp_path / "int8" / graph.parity.reference, tmp_path / "int8" / graph.file
     recorded = graph.parity.score_error_max
