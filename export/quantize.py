@@ -348,7 +348,8 @@ class EmbeddingGate:
 
 @dataclass(frozen=True)
 class ScoreGate:
-    """Each pair's scores, as served (`activation`: the manifest's), within `max_error` of fp32's."""
+    """Each pair's scores, as served (`activation`: a reranker's sigmoid, a classifier's
+    activation), within `max_error` of fp32's."""
 
     tokenizer: Path
     max_positions: int
