@@ -7,6 +7,7 @@ reaches each caller in the terms of the request it sent, with no rewriting."""
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -326,16 +327,30 @@ class InputTensor:
     """little-endian int64 bytes, or the values, row-major"""
 
 
+Shapes = list[tuple[str, tuple[int, ...]]]
+"""each output named with its shape, as the engine decides them"""
+
+
+class TensorAnswer(Protocol):
+    """A door's answer to raw tensors, in its own encoding, for outputs of these shapes."""
+
+    def size(self, shapes: Shapes) -> ResponseSize: ...
+
+    def seconds(self, shapes: Shapes) -> float:
+        """to encode the outputs (server/engine/offload.py's costs)"""
+
+    def respond(self, outputs: list[tuple[str, np.ndarray]]) -> Any: ...
+
+
 @dataclass(frozen=True)
 class TensorRequest:
     """Raw tensors in (the model's inputs: input_ids and attention_mask, a BERT reranker's
-    token_type_ids), the outputs named."""
+    token_type_ids), the outputs named, answered as the door encodes them."""
 
     inputs: Sequence[InputTensor]
-    outputs: Sequence[str] = ()
+    outputs: Sequence[str]
     """output names (`ModelInfo.outputs`); empty means the model's first"""
-    size: Callable[[list[tuple[str, tuple[int, ...]]]], ResponseSize] | None = None
-    """the door's response size for these (name, shape) outputs"""
+    answer: TensorAnswer
     names: Fields = Fields("input_ids", token_at="input_ids[{index}, {position}]")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from attnserve.artifact import HIDDEN_OUTPUT, LOGITS_OUTPUT, SCORERS, TOKEN_TYPES
 from attnserve.server.engine.model import ALL_ATTENTIONS, ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, ID_SEQUENCE_S, TOKEN_ID_S
-from attnserve.server.engine.requests import InputTensor, Submission, TensorRequest
+from attnserve.server.engine.requests import InputTensor, Shapes, Submission, TensorRequest
 from attnserve.server.errors import InvalidArgument, quote
 from attnserve.server.memory.ledger import Holds
 from attnserve.server.runtime.backend import SequenceResult
@@ -22,15 +22,15 @@ from attnserve.server.runtime.backend import SequenceResult
 VALUES_SLICE = 1 << 16
 
 
-async def run(model: ServedModel, request: TensorRequest, holds: Holds,
-              deadline: float | None) -> list[tuple[str, np.ndarray]]:
-    """The outputs asked for, (name, float32 array) in the order asked for."""
+async def run(model: ServedModel, request: TensorRequest, holds: Holds, deadline: float | None):
+    """The door's answer (`request.answer.respond`) with the outputs asked for, (name, float32 array) in the
+    order asked for."""
     model.check_serving()
     batch, seq = _input_shape(model, request.inputs)
     names, layers = _output_names(model, request.outputs)
     model.scheduler.admit(batch, at_least=True)
     shapes = [(name, model.output_shape(name, layers, batch, seq)) for name in names]
-    response_bytes = request.size(shapes).check(np.zeros(0, np.int64))
+    response_bytes = request.answer.size(shapes).check(np.zeros(0, np.int64))
     with model.stage("tokenize"):
         sequences, lengths, segments = await model.offload.request(
             batch * (ID_SEQUENCE_S + seq * len(model.manifest.inputs) * TOKEN_ID_S), _rows,
@@ -39,9 +39,8 @@ async def run(model: ServedModel, request: TensorRequest, holds: Holds,
     results = await model.run(Submission(sequences, lengths, layers, deadline, outputs,
                                          segments=segments),
                               request.names.sequence, response_bytes, holds)
-    with model.stage("respond"):
-        return await model.offload.response(response_bytes * COPY_BYTE_S, _dense, model, shapes,
-                                            layers, results)
+    return await model.pack(response_bytes * COPY_BYTE_S + request.answer.seconds(shapes),
+                            lambda: request.answer.respond(_dense(model, shapes, layers, results)))
 
 
 def _input_shape(model: ServedModel, inputs: Sequence[InputTensor]) -> tuple[int, int]:
@@ -134,7 +133,7 @@ def _segments(types: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return starts.astype(np.int64)
 
 
-def _dense(model: ServedModel, shapes: list[tuple[str, tuple[int, ...]]], layers: tuple[int, ...],
+def _dense(model: ServedModel, shapes: Shapes, layers: tuple[int, ...],
            results: list[SequenceResult]) -> list[tuple[str, np.ndarray]]:
     """The outputs asked for, each row zero past its sequence's length."""
     out = []

@@ -2,8 +2,6 @@
 tritonclient and KServe tooling work unchanged; the tensors go to the data plane's `infer`
 (inputs and outputs: docs/api.md, "gRPC: the Open Inference Protocol")."""
 
-from collections.abc import Callable
-
 import msgspec
 import numpy as np
 
@@ -13,7 +11,7 @@ from attnserve.server.call import SERVER_NAME, SERVER_VERSION
 from attnserve.server.engine import tensors
 from attnserve.server.engine.offload import COPY_BYTE_S
 from attnserve.server.engine.plane import DataPlane
-from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRequest
+from attnserve.server.engine.requests import InputTensor, ResponseSize, Shapes, TensorRequest
 from attnserve.server.errors import InvalidArgument
 from attnserve.server.grpc.calls import answered, call_holds, deadline_of
 from attnserve.server.grpc.wire import field_bytes
@@ -21,8 +19,6 @@ from attnserve.server.kserve import MODEL_VERSION, find_model, input_tensor, mod
 from attnserve.server.metrics import Metrics
 
 INFER_ADVICE = "request fewer attentions.K outputs or a smaller batch"
-# Each output named with its shape, as the engine decides them.
-Shapes = list[tuple[str, tuple[int, ...]]]
 
 
 class KServeService(pb_grpc.GRPCInferenceServiceServicer):
@@ -54,18 +50,6 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryIndexResponse(models=[
             entry(**msgspec.structs.asdict(e)) for e in repository_index(self.plane, request.ready)])
 
-    def _size(self, request: pb.ModelInferRequest, model: str) -> Callable[[Shapes], ResponseSize]:
-        """What sizes the response once its outputs' shapes are known, exactly: its fields but
-        the output data, sized by protobuf itself, and the data's length-prefixed bytes."""
-        def measure(shapes: Shapes) -> int:
-            skeleton = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request.id)
-            data = 0
-            for name, shape in shapes:
-                skeleton.outputs.add(name=name, datatype="FP32", shape=shape)
-                data += field_bytes(int(np.prod(shape, dtype=np.int64)) * 4)
-            return skeleton.ByteSize() + data
-        return lambda shapes: ResponseSize(lambda _: measure(shapes), self.max_message_bytes, INFER_ADVICE)
-
     def _inputs(self, request: pb.ModelInferRequest) -> list[InputTensor]:
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
@@ -78,14 +62,34 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         model = find_model(self.plane, request.model_name, request.model_version, "model_name",
                            "model_version")
-        outputs = await tensors.run(model, TensorRequest(
-            self._inputs(request), [o.name for o in request.outputs], self._size(request, model.name)),
-            call_holds(), deadline_of(context))
-        nbytes = sum(array.nbytes for _, array in outputs)
-        return await model.pack(nbytes * COPY_BYTE_S, self._response, model.name, request.id, outputs)
+        answer = InferAnswer(model.name, request.id, self.max_message_bytes)
+        tensor_request = TensorRequest(self._inputs(request), [o.name for o in request.outputs], answer)
+        return await tensors.run(model, tensor_request, call_holds(), deadline_of(context))
 
-    def _response(self, model: str, request_id: str, outputs) -> pb.ModelInferResponse:
-        response = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request_id)
+
+class InferAnswer:
+    """A ModelInferResponse: the outputs as raw bytes."""
+
+    def __init__(self, model: str, request_id: str, limit: int):
+        self.model, self.id, self.limit = model, request_id, limit
+
+    def size(self, shapes: Shapes) -> ResponseSize:
+        """Exactly: its fields but the output data, sized by protobuf itself, and the data's
+        length-prefixed bytes."""
+        def measure(_) -> int:
+            skeleton = pb.ModelInferResponse(model_name=self.model, model_version=MODEL_VERSION, id=self.id)
+            data = 0
+            for name, shape in shapes:
+                skeleton.outputs.add(name=name, datatype="FP32", shape=shape)
+                data += field_bytes(int(np.prod(shape, dtype=np.int64)) * 4)
+            return skeleton.ByteSize() + data
+        return ResponseSize(measure, self.limit, INFER_ADVICE)
+
+    def seconds(self, shapes: Shapes) -> float:
+        return sum(4 * int(np.prod(shape, dtype=np.int64)) for _, shape in shapes) * COPY_BYTE_S
+
+    def respond(self, outputs: list[tuple[str, np.ndarray]]) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(model_name=self.model, model_version=MODEL_VERSION, id=self.id)
         for name, array in outputs:
             response.outputs.add(name=name, datatype="FP32", shape=array.shape)
             response.raw_output_contents.append(array.tobytes())

@@ -13,7 +13,7 @@ from attnserve.server.call import SERVER_NAME, SERVER_VERSION
 from attnserve.server.engine import tensors
 from attnserve.server.engine.model import ServedModel
 from attnserve.server.engine.offload import COPY_BYTE_S, FLOAT_TEXT_S
-from attnserve.server.engine.requests import InputTensor, ResponseSize, TensorRequest
+from attnserve.server.engine.requests import InputTensor, ResponseSize, Shapes, TensorRequest
 from attnserve.server.errors import InvalidArgument, quote
 from attnserve.server.http import schemas as s
 from attnserve.server.http.calls import JSON_CHAR_BYTES, JSON_FLOAT_BYTES
@@ -64,11 +64,12 @@ def _values(data, shape: list[int], field: str) -> list:
 
 class InferCall:
     """One infer request, read: its tensors, the outputs asked for and which of them
-    travel as binary data, its id and deadline."""
+    travel as binary data, its id and deadline; and its answer (a TensorAnswer), sized
+    against the door's `limit`."""
 
-    def __init__(self, header: s.Infer, binary: bytes):
+    def __init__(self, header: s.Infer, binary: bytes, model: str, limit: int):
         self.inputs = self._inputs(header, binary)
-        self.id = header.id
+        self.id, self.model, self.limit = header.id, model, limit
         parameters = header.parameters or s.InferParameters()
         self.outputs = [output.name for output in header.outputs]
         every = parameters.binary_data_output
@@ -102,18 +103,19 @@ class InferCall:
     def travels_binary(self, name: str) -> bool:
         return self.every_binary or name in self.binary
 
-    def size(self, limit: int):
-        """The response's size for the data plane's (name, shape) outputs: raw bytes for
-        binary outputs, JSON text for the rest."""
-        def for_outputs(shapes: list[tuple[str, tuple[int, ...]]]) -> ResponseSize:
-            total = 256 + len(self.id or "") * JSON_CHAR_BYTES
-            for name, shape in shapes:
-                values = int(np.prod(shape, dtype=np.int64))
-                total += 128 + values * (4 if self.travels_binary(name) else JSON_FLOAT_BYTES)
-            return ResponseSize(lambda _: total, limit, ADVICE)
-        return for_outputs
+    def size(self, shapes: Shapes) -> ResponseSize:
+        """Raw bytes for binary outputs, JSON text for the rest."""
+        total = 256 + len(self.id or "") * JSON_CHAR_BYTES
+        for name, shape in shapes:
+            values = int(np.prod(shape, dtype=np.int64))
+            total += 128 + values * (4 if self.travels_binary(name) else JSON_FLOAT_BYTES)
+        return ResponseSize(lambda _: total, self.limit, ADVICE)
 
-    def respond(self, model: str, outputs: list[tuple[str, np.ndarray]]) -> tuple[bytes, int | None]:
+    def seconds(self, shapes: Shapes) -> float:
+        return sum(int(np.prod(shape, dtype=np.int64)) * (4 * COPY_BYTE_S if self.travels_binary(name)
+                                                          else FLOAT_TEXT_S) for name, shape in shapes)
+
+    def respond(self, outputs: list[tuple[str, np.ndarray]]) -> tuple[bytes, int | None]:
         """(the body, the JSON header's length when binary data follows it)"""
         entries, chunks = [], []
         for name, array in outputs:
@@ -124,7 +126,8 @@ class InferCall:
             else:
                 entry.data = numbers(array.ravel())
             entries.append(entry)
-        header = encode(s.Inferred(model, MODEL_VERSION, entries, *(() if self.id is None else (self.id,))))
+        header = encode(s.Inferred(self.model, MODEL_VERSION, entries,
+                                   *(() if self.id is None else (self.id,))))
         if not chunks:
             return header, None
         return b"".join([header, *chunks]), len(header)
@@ -181,13 +184,10 @@ class KServeDoor(Door):
             raise InvalidArgument(HEADER_LENGTH, f"{length}; the body has {len(body)} bytes")
         split = len(body) if length is None else int(length)
         header, binary = body[:split], body[split:]
-        call = await self.calls.json(header, s.Infer, lambda parsed: InferCall(parsed, binary))
-        outputs = await tensors.run(model, TensorRequest(
-            call.inputs, call.outputs, call.size(self.max_response_bytes)), holds, call.deadline)
-        values = sum(array.size for _, array in outputs)
-        binary_only = all(call.travels_binary(name) for name, _ in outputs)
-        payload, header_length = await model.pack(
-            values * (4 * COPY_BYTE_S if binary_only else FLOAT_TEXT_S), call.respond, model.name, outputs)
+        call = await self.calls.json(header, s.Infer, lambda parsed: InferCall(
+            parsed, binary, model.name, self.max_response_bytes))
+        payload, header_length = await tensors.run(model, TensorRequest(call.inputs, call.outputs, call),
+                                                   holds, call.deadline)
         if header_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, content_type="application/octet-stream",

@@ -21,8 +21,10 @@ from tokenizers import Tokenizer
 
 from attnserve.server._proto.attnserve.v1 import encoder_pb2 as pb
 from attnserve.server._proto.attnserve.v1 import encoder_pb2_grpc as pb_grpc
+from attnserve.server._proto.inference import grpc_service_pb2_grpc as kserve_grpc
 from tests.conftest import without_module
 from tests.harness import ATTNSERVE, REPO, ServerProcess
+from tests.server.test_kserve import MODEL, infer_request
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -167,6 +169,25 @@ def test_a_rerank_call_times_every_step(bert_reranker_artifact, receiver):
         spans = receiver.trace(bytes.fromhex(trace_id), 5)
     model = json.loads((bert_reranker_artifact / "manifest.json").read_text())["model_name"]
     check_call(spans, "POST /rerank", model)
+
+
+def test_kserve_calls_time_each_step_once(traced, receiver):
+    """Raw tensors are read (tokenize), run, and answered in one respond step, whether the
+    answer is protobuf's or JSON."""
+    grpc_trace, http_trace = "12341234123412341234123412341234", "56785678567856785678567856785678"
+    with grpc.insecure_channel(traced.address) as channel:
+        kserve_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            infer_request(), metadata=[("traceparent", f"00-{grpc_trace}-{PARENT_ID}-01")])
+    request = urllib.request.Request(
+        f"{traced.http_url}/v2/models/{MODEL}/infer", data=json.dumps({"inputs": [
+            {"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [101, 7592, 102]},
+            {"name": "attention_mask", "datatype": "INT64", "shape": [1, 3], "data": [1, 1, 1]}]}).encode(),
+        headers={"Content-Type": "application/json", "traceparent": f"00-{http_trace}-{PARENT_ID}-01"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+    for trace_id, name in ((grpc_trace, "inference.GRPCInferenceService/ModelInfer"),
+                           (http_trace, "POST /v2/models/{name}/infer")):
+        check_call(receiver.trace(bytes.fromhex(trace_id), 5), name, MODEL)
 
 
 @pytest.mark.parametrize("traceparent", ["00-zz-not-a-trace", f"00-{'0' * 32}-{PARENT_ID}-01",
