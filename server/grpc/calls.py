@@ -229,17 +229,16 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             """The call begun, then refused (its key) or its class set and its place under its
             key's cap taken (ApiKeys.admit); at its end that place given back and, if it
             returned (a refusal has sent its trailers already), its id and timings sent."""
-            metadata = context.invocation_metadata() or ()
-            given = dict(pair for pair in metadata if isinstance(pair[1], str))
+            # A key sent twice: the first, as HTTP's headers.get takes it.
+            given = dict(reversed([pair for pair in context.invocation_metadata() or ()
+                                   if isinstance(pair[1], str)]))
             call = begin_call(method.lstrip("/"), given.get(REQUEST_ID), given.get(TRACEPARENT), tracing)
             answered, release = False, None
             try:
                 if refused is not None:
                     await refuse(refused, context)
-                named = next((value for name, value in metadata if name == HEADER and isinstance(value, str)),
-                             None)
                 try:
-                    release = self.keys.admit(key, named, HEADER)
+                    release = self.keys.admit(key, given.get(HEADER), HEADER)
                 except RequestError as err:
                     await refuse(err, context)
                 yield

@@ -87,6 +87,26 @@ def test_the_longest_id_is_echoed(minilm_server):
     assert headers["x-request-id"] == given
 
 
+def test_an_id_sent_twice_is_the_first_on_both_doors(minilm_server):
+    connection = http.client.HTTPConnection("127.0.0.1", minilm_server.http_port, timeout=60)
+    try:
+        connection.putrequest("POST", "/v1/embeddings")
+        body = json.dumps({"input": "hi"}).encode()
+        for name, value in (("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                            ("X-Request-Id", "first-1"), ("X-Request-Id", "second-2")):
+            connection.putheader(name, value)
+        connection.endheaders(body)
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("x-request-id") == "first-1"
+    finally:
+        connection.close()
+    with grpc.insecure_channel(minilm_server.address) as channel:
+        twice = [("x-request-id", "first-1"), ("x-request-id", "second-2")]
+        stub = pb_grpc.EncoderServiceStub(channel)
+        _, call = stub.Embed.with_call(pb.EmbedRequest(texts=["hi"]), metadata=twice)
+    assert trailers(call)["x-request-id"] == "first-1"
+
+
 @pytest.mark.parametrize("method, path, body, status", [
     ("POST", "/v1/embeddings", {"input": []}, 400),
     ("POST", "/v1/embeddings", {"input": "hi", "model": "nope"}, 404),
