@@ -201,11 +201,12 @@ def test_a_multi_label_classifiers_int8_gate_holds_its_sigmoids(classifier, tmp_
     graph = manifest.graph(attention=False, precision="int8")
     fp32, int8 = tmp_path / "int8" / graph.parity.reference, tmp_path / "int8" / graph.file
     recorded = graph.parity.score_error_max
-    gate = {activation: ScoreGate(checkpoint / TOKENIZER, manifest.max_positions, manifest.pad_token_id,
-                                  False, activation).measure(fp32, int8).max()
-            for activation in ("sigmoid", "softmax")}
-    assert recorded == pytest.approx(gate["sigmoid"], abs=1e-5)
-    assert abs(gate["sigmoid"] - gate["softmax"]) > 1e-4
+    errors = {activation: ScoreGate(checkpoint / TOKENIZER, manifest.max_positions, manifest.pad_token_id,
+                                    False, activation).measure(fp32, int8)
+              for activation in ("sigmoid", "softmax")}
+    assert recorded == pytest.approx(errors["sigmoid"].max(), abs=1e-5)  # as the manifest rounds it
+    # The two measures differ text pair by text pair (their largest alone may land close).
+    assert not np.allclose(errors["sigmoid"], errors["softmax"], atol=1e-4)
 
 
 QUERIES = ["where does the fox sleep?", "What does self-attention let every single token in a "
