@@ -73,15 +73,11 @@ def read_splade(checkpoint: Path) -> SparseHead | None:
 
 
 def splade_head(checkpoint: Path, splade: SparseHead, model: MaskedLanguageModel) -> SpladeHead:
-    """The module that computes the sparse head over `model`'s scores."""
-    config_path = checkpoint / MODULES
-    size = None
-    for _, _, folder in module_types(config_path)[1:]:
-        path = checkpoint / folder / "config.json"
-        if path.is_file():
-            config = read_json(path, CheckpointError)
-            size = config.get("embedding_dimension", config.get("word_embedding_dimension"))
-            config_path = path
+    """The module that computes the sparse head over `model`'s scores (read_splade's
+    SpladePooling, the second module)."""
+    config_path = checkpoint / module_types(checkpoint / MODULES)[1][2] / "config.json"
+    config = read_json(config_path, CheckpointError)
+    size = config.get("embedding_dimension", config.get("word_embedding_dimension"))
     if size is not None and size != model.config.vocab_size:
         raise CheckpointError(f"{config_path}: embedding_dimension {size}, but the masked-LM "
                               f"head scores {model.config.vocab_size} vocabulary entries")

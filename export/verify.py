@@ -20,7 +20,6 @@ from attnserve.artifact import (
     TOKEN_TYPES,
     cpu_session_config,
 )
-from attnserve.export.graph_files import large, save, scratch
 from attnserve.export.onnx_graphs import GraphOutputs, Heads, ScoreOutputs, output_names
 from attnserve.model import AnyEncoder, CrossEncoder
 
@@ -85,31 +84,23 @@ def parity_inputs(vocab_size: int, max_positions: int, seed: int = 0,
             yield feed
 
 
-def session(model: onnx.ModelProto | Path, precision: str = "fp32",
-            outputs: list[str] | None = None) -> ort.InferenceSession:
+def session(graph: Path, precision: str = "fp32", outputs: list[str] | None = None) -> ort.InferenceSession:
     """A CPU session with the config the server runs a graph of `precision` with
-    (artifact.cpu_session_config: for int8, its exact integer arithmetic). A graph in
-    memory too large for one protobuf message goes through a file with its data beside.
-    `outputs`: of a graph's file, the outputs to keep (an attention graph's maps are graph
-    outputs, which onnxruntime holds to the end of every run: 28 layers of them for 16
-    texts of 900 tokens passed 20 GB)."""
-    if isinstance(model, Path) and outputs is not None:
-        trimmed = onnx.load(str(model), load_external_data=False)
+    (artifact.cpu_session_config: for int8, its exact integer arithmetic). `outputs`: the
+    graph's outputs to keep (an attention graph's maps are graph outputs, which onnxruntime
+    holds to the end of every run: 28 layers of them for 16 texts of 900 tokens passed 20 GB)."""
+    if outputs is not None:
+        trimmed = onnx.load(str(graph), load_external_data=False)
         kept = [o for o in trimmed.graph.output if o.name in outputs]
         del trimmed.graph.output[:]
         trimmed.graph.output.extend(kept)
-        with beside(model, trimmed) as path:
+        with beside(graph, trimmed) as path:
             return session(path, precision)
-    if not isinstance(model, Path) and large(model):
-        with scratch() as directory:
-            save(model, directory / "graph.onnx")
-            return session(directory / "graph.onnx", precision)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     for key, value in cpu_session_config(precision).items():
         options.add_session_config_entry(key, value)
-    source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
 
 
 def served(name: str, value: np.ndarray, mask: np.ndarray) -> np.ndarray:
