@@ -334,12 +334,14 @@ Shapes = list[tuple[str, tuple[int, ...]]]
 class TensorAnswer(Protocol):
     """A door's answer to raw tensors, in its own encoding, for outputs of these shapes."""
 
-    def size(self, shapes: Shapes) -> ResponseSize: ...
+    def size(self, shapes: Shapes) -> ResponseSize:
+        """the answer's size, before any work is done for it"""
 
     def seconds(self, shapes: Shapes) -> float:
         """to encode the outputs (server/engine/offload.py's costs)"""
 
-    def respond(self, outputs: list[tuple[str, np.ndarray]]) -> Any: ...
+    def respond(self, outputs: list[tuple[str, np.ndarray]]) -> Any:
+        """the answer, as the door sends it, from the (name, float32 array) outputs"""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ layer's; a reranker's logits. Each row is zero past its length, so no computed p
 Everything that can be checked from the declared shapes is checked before any of the data is read."""
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from attnserve.server.runtime.backend import SequenceResult
 VALUES_SLICE = 1 << 16
 
 
-async def run(model: ServedModel, request: TensorRequest, holds: Holds, deadline: float | None):
+async def run(model: ServedModel, request: TensorRequest, holds: Holds, deadline: float | None) -> Any:
     """The door's answer (`request.answer.respond`) with the outputs asked for, (name, float32 array) in the
     order asked for."""
     model.check_serving()

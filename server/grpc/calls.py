@@ -229,7 +229,7 @@ class DecodeRequests(grpc.aio.ServerInterceptor):
             """The call begun, then refused (its key) or its class set and its place under its
             key's cap taken (ApiKeys.admit); at its end that place given back and, if it
             returned (a refusal has sent its trailers already), its id and timings sent."""
-            # A key sent twice: the first, as HTTP's headers.get takes it.
+            # A metadata name sent twice: the first, as HTTP's headers.get takes it.
             given = dict(reversed([pair for pair in context.invocation_metadata() or ()
                                    if isinstance(pair[1], str)]))
             call = begin_call(method.lstrip("/"), given.get(REQUEST_ID), given.get(TRACEPARENT), tracing)

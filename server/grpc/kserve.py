@@ -1,5 +1,5 @@
 """inference.GRPCInferenceService: the Open Inference Protocol (KServe v2) over gRPC, so
-tritonclient and KServe tooling work unchanged; the tensors go to the data plane's `infer`
+tritonclient and KServe tooling work unchanged; the tensors go to the engine's `tensors.run`
 (inputs and outputs: docs/api.md, "gRPC: the Open Inference Protocol")."""
 
 import msgspec
